@@ -1,0 +1,144 @@
+"""Argument validation shared by the public entry points.
+
+Every public function checks its input here first, so that bad input fails with a ``ValueError`` or
+``TypeError`` naming the argument instead of a shape error from deep inside torch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from .slopes import alibi_slopes
+
+SlopesLike = torch.Tensor | Sequence[float] | float | None
+GeneratorLike = torch.Generator | int | None
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def check_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int, int]:
+    """Validate ``q (B, Hq, Lq, d)``, ``k, v (B, Hkv, Lk, d)``.
+
+    Returns ``(B, Hq, Hkv, Lq, Lk, d)``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have rank 4 (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}"
+            )
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    b, hq, lq, d = q.shape
+    bk, hkv, lk, dk = k.shape
+    if bk != b:
+        raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
+    if dk != d:
+        raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
+    if hq % hkv != 0:
+        raise ValueError(
+            f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hkv})"
+        )
+    if lq < 1 or lk < 1 or d < 1 or b < 1:
+        raise ValueError(f"q and k must have non-empty dimensions, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if lq > lk:
+        raise ValueError(
+            f"q has more positions ({lq}) than k ({lk}); queries are aligned to the last keys, "
+            "so q's seq_len must be <= k's"
+        )
+    return b, hq, hkv, lq, lk, d
+
+
+def as_slopes(slopes: SlopesLike, num_heads: int, name: str = "slopes") -> torch.Tensor:
+    """Validate slopes and return them as a ``(H,)`` float64 CPU tensor.
+
+    ``None`` gives the standard ALiBi schedule; a single number is used for every head.
+    """
+    if slopes is None:
+        return alibi_slopes(num_heads).double()
+    if isinstance(slopes, bool):
+        raise TypeError(f"{name} must be a tensor, a sequence of floats or a float, got bool")
+    if isinstance(slopes, numbers.Real):
+        out = torch.full((num_heads,), float(slopes), dtype=torch.float64)
+    elif isinstance(slopes, torch.Tensor):
+        if slopes.is_complex() or slopes.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real tensor, got dtype {slopes.dtype}")
+        if slopes.dim() == 0:
+            out = slopes.detach().to("cpu", torch.float64).expand(num_heads).clone()
+        elif slopes.dim() == 1:
+            out = slopes.detach().to("cpu", torch.float64).clone()
+        else:
+            raise ValueError(f"{name} must be a 1-D tensor of shape ({num_heads},), got {tuple(slopes.shape)}")
+    elif isinstance(slopes, Sequence):
+        try:
+            out = torch.tensor([float(s) for s in slopes], dtype=torch.float64)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{name} must contain numbers: {exc}") from None
+    else:
+        raise TypeError(f"{name} must be a tensor, a sequence of floats or a float, got {type(slopes).__name__}")
+    if out.numel() != num_heads:
+        raise ValueError(f"{name} must have one entry per head ({num_heads}), got {out.numel()}")
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"{name} must be finite, got {out.tolist()}")
+    if bool((out < 0).any()):
+        raise ValueError(f"{name} must be >= 0 (the bias is -slope*|i-j|), got {out.tolist()}")
+    return out
+
+
+def as_generator(generator: GeneratorLike, name: str = "generator") -> torch.Generator | None:
+    """``int`` seeds a new CPU generator; ``None`` means torch's global CPU generator."""
+    if generator is None:
+        return None
+    if isinstance(generator, bool):
+        raise TypeError(f"{name} must be a torch.Generator, an int seed or None, got bool")
+    if isinstance(generator, numbers.Integral):
+        if generator < 0:
+            raise ValueError(f"{name} seed must be >= 0, got {generator}")
+        return torch.Generator(device="cpu").manual_seed(int(generator))
+    if isinstance(generator, torch.Generator):
+        if generator.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a CPU torch.Generator (partitions are always drawn on the CPU so "
+                f"that a seed gives the same partitions on every device), got one on {generator.device}"
+            )
+        return generator
+    raise TypeError(f"{name} must be a torch.Generator, an int seed or None, got {type(generator).__name__}")
+
+
+def as_scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    return float(scale)
+
+
+def as_window(window: object, num_heads: int) -> torch.Tensor | None:
+    """``None`` (no window), one number for all heads, or one per head; returns float64 (H,)."""
+    if window is None:
+        return None
+    try:
+        out = as_slopes(window, num_heads, name="window")  # same rules: finite, >= 0, one per head
+    except TypeError as exc:
+        raise TypeError(str(exc)) from None
+    return out

@@ -1,0 +1,145 @@
+"""Regular (positionally unbiased) attention kernels that also return the log-sum-exp.
+
+Two backends share one contract:
+
+* ``"flash"`` — torch's fused CPU flash-attention op
+  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward). It returns the
+  log-sum-exp and takes an externally supplied ``out``/``lse`` in the backward, which is exactly what
+  the positional-LSH merge needs. CPU only.
+* ``"math"`` — plain batched matmuls with softmax, processed in chunks to bound memory. Runs on any
+  device and dtype (CUDA included); used where the fused CPU op is unavailable.
+
+Contract: ``q (N, M, Lq, d)``, ``k, v (N, M, Lk, d)`` (any strides on the first three dims),
+``Lq <= Lk``; queries are aligned to the *last* ``Lq`` keys, so with ``causal=True`` query ``i`` sees keys
+``j <= i + Lk - Lq``. ``bias`` is an optional additive float mask broadcastable to ``(N, M, Lq, Lk)``.
+``attend`` returns ``out`` in the input dtype and ``lse`` in float32 (float64 for float64 input).
+``attend_backward`` takes the upstream gradient with an arbitrary ``out``/``lse`` — when these are the
+*merged* output and log-sum-exp of several attention calls whose key sets are united in one softmax,
+it returns this call's share of the gradient of the merged output (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+BACKENDS = ("auto", "flash", "math")
+
+# The math backend materializes at most this many score entries at once.
+_MATH_CHUNK_ELEMENTS = 2**24
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "flash" if device.type == "cpu" else "math"
+    if backend == "flash" and device.type != "cpu":
+        raise ValueError(f"backend='flash' uses torch's CPU flash-attention op; tensors are on {device}. Use 'math'")
+    return backend
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _causal_bias(lq: int, lk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``0`` where key ``j <= i + lk - lq``, ``-inf`` elsewhere: ``(lq, lk)``."""
+    i = torch.arange(lq, device=device)[:, None] + (lk - lq)
+    j = torch.arange(lk, device=device)[None, :]
+    return torch.zeros((), dtype=dtype, device=device).masked_fill(j > i, float("-inf")).expand(lq, lk)
+
+
+def _full_bias(
+    q: torch.Tensor, lk: int, causal: bool, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    lq = q.shape[-2]
+    out = bias.to(dtype) if bias is not None else None
+    if causal and (lq != lk or out is not None):
+        cb = _causal_bias(lq, lk, dtype, q.device)
+        out = cb if out is None else out + cb
+    return out
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    backend: str,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning ``(out, lse)``; see the module docstring."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    if backend == "flash":
+        mask = _full_bias(q, lk, causal, bias, q.dtype)
+        plain_causal = causal and mask is None
+        out, lse = _flash(q, k, v, 0.0, plain_causal, attn_mask=mask, scale=scale)
+        return out, lse
+    acc = _acc_dtype(q.dtype)
+    mask = _full_bias(q, lk, causal, bias, acc)
+    if causal and mask is None:
+        mask = _causal_bias(lq, lk, acc, q.device)
+    n, m = q.shape[0], q.shape[1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(n, m, lq, dtype=acc, device=q.device)
+    step = max(1, _MATH_CHUNK_ELEMENTS // max(1, n * lq * lk))
+    for a in range(0, m, step):
+        sl = slice(a, a + step)
+        s = torch.matmul(q[:, sl].to(acc), k[:, sl].to(acc).transpose(-1, -2)) * scale
+        if mask is not None:
+            s = s + (mask[:, sl] if mask.dim() == 4 and mask.shape[1] == m else mask)
+        l = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - l[..., None])
+        out[:, sl] = torch.matmul(p, v[:, sl].to(acc)).to(q.dtype)
+        lse[:, sl] = l
+    return out, lse
+
+
+def attend_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    backend: str,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` of one call, given the (possibly merged) ``out`` and ``lse``."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    if backend == "flash":
+        mask = _full_bias(q, lk, causal, bias, q.dtype)
+        plain_causal = causal and mask is None
+        return _flash_backward(dout, q, k, v, out, lse, 0.0, plain_causal, attn_mask=mask, scale=scale)
+    acc = _acc_dtype(q.dtype)
+    mask = _full_bias(q, lk, causal, bias, acc)
+    if causal and mask is None:
+        mask = _causal_bias(lq, lk, acc, q.device)
+    n, m = q.shape[0], q.shape[1]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    step = max(1, _MATH_CHUNK_ELEMENTS // max(1, n * lq * lk))
+    for a in range(0, m, step):
+        sl = slice(a, a + step)
+        qa, ka, va = q[:, sl].to(acc), k[:, sl].to(acc), v[:, sl].to(acc)
+        doa = dout[:, sl].to(acc)
+        s = torch.matmul(qa, ka.transpose(-1, -2)) * scale
+        if mask is not None:
+            s = s + (mask[:, sl] if mask.dim() == 4 and mask.shape[1] == m else mask)
+        p = torch.exp(s - lse[:, sl].to(acc)[..., None])
+        dv[:, sl] = torch.matmul(p.transpose(-1, -2), doa).to(v.dtype)
+        dp = torch.matmul(doa, va.transpose(-1, -2))
+        delta = (doa * out[:, sl].to(acc)).sum(-1, keepdim=True)
+        ds = p * (dp - delta) * scale
+        dq[:, sl] = torch.matmul(ds, ka).to(q.dtype)
+        dk[:, sl] = torch.matmul(ds.transpose(-1, -2), qa).to(k.dtype)
+    return dq, dk, dv

@@ -1,0 +1,292 @@
+"""Fast positional-LSH attention: ALiBi approximated by ``T`` runs of regular block-local attention.
+
+The estimator (DESIGN.md §2). For head ``h`` with sampled block masks ``M_1..M_T`` and their mean
+``Mbar``::
+
+    out_i = sum_j Mbar[i,j] e^{s[i,j]} v_j / sum_j Mbar[i,j] e^{s[i,j]} = softmax_j(s[i,j] + log Mbar[i,j]) v
+
+with ``s[i,j] = scale * q_i . k_j`` (plus the causal mask). This is a ratio of averaged numerators and
+denominators, *not* the mean of the ``T`` per-sample attention outputs. Each sample is computed as
+regular attention restricted to its contiguous blocks, returning ``(O_t, lse_t)``; samples are merged
+by log-sum-exp, ``lse = logsumexp_t lse_t``, ``out = sum_t exp(lse_t - lse) O_t`` (the ``1/T`` cancels),
+accumulated one sample at a time with a single fused ``lerp`` per sample.
+
+Backward: the merged output is one softmax over the union of the (sample, block) key sets, so each
+block's gradient is the standard flash-attention backward run with the *merged* ``out`` and ``lse``.
+(Autograd through the merge would silently drop the gradient through the fused kernels'
+non-differentiable ``lse``; this module never relies on it.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._checks import GeneratorLike, SlopesLike, as_generator, as_scale, as_slopes, check_qkv, positive_int
+from ._kernels import attend, attend_backward, resolve_backend
+from .sampling import Partitions, Segment, sample_partitions
+
+__all__ = ["PositionalLSHAttention", "plsh_attention"]
+
+
+@dataclass(frozen=True)
+class _HeadWork:
+    """Distinct partitions of one query head: ``(segments, multiplicity)`` pairs."""
+
+    head: int
+    kv_head: int
+    samples: list[tuple[list[Segment], int]]
+
+
+def _plan(partitions: Partitions, num_kv_heads: int, q_len: int) -> list[_HeadWork]:
+    """Kernel work per head. Identical samples of a head (slope 0, or large slopes whose blocks are all
+    single positions) are computed once and counted with their multiplicity."""
+    group = partitions.num_heads // num_kv_heads
+    plan = []
+    for h in range(partitions.num_heads):
+        counts: dict[tuple[float, float], int] = {}
+        first: dict[tuple[float, float], int] = {}
+        for t in range(partitions.num_samples):
+            pitch = float(partitions.pitch[t, h])
+            key = (pitch, float(partitions.shift[t, h])) if pitch > 1.0 else (1.0, 0.0)
+            counts[key] = counts.get(key, 0) + 1
+            first.setdefault(key, t)
+        samples = [(partitions.segments(first[key], h, q_len), c) for key, c in counts.items()]
+        plan.append(_HeadWork(h, h // group, samples))
+    return plan
+
+
+def _rows(x: torch.Tensor, seg: Segment, start: int, length: int) -> torch.Tensor:
+    """The rows of one head ``x (B, L, ...)`` that a segment covers, as ``(B, count, length, ...)``."""
+    if seg.index is not None:
+        return x[:, seg.index + start]
+    return x[:, start : start + seg.count * length].unflatten(1, (seg.count, length))
+
+
+def _merge_into(
+    out_h: torch.Tensor, lse_h: torch.Tensor, seg: Segment, o: torch.Tensor, l: torch.Tensor, log_count: float
+) -> None:
+    """Merge one segment's ``(o, l)`` into the running ``(out_h, lse_h)`` of a head, in place."""
+    l = l.to(lse_h.dtype)
+    if log_count:
+        l = l + log_count
+    if seg.index is None:
+        tgt_o = _rows(out_h, seg, seg.q_start, seg.q_len)
+        tgt_l = _rows(lse_h, seg, seg.q_start, seg.q_len)
+        new = torch.logaddexp(tgt_l, l)
+        tgt_o.lerp_(o.to(out_h.dtype), torch.exp(l - new).unsqueeze(-1))
+        tgt_l.copy_(new)
+    else:
+        idx = seg.index.reshape(-1) + seg.q_start
+        b = out_h.shape[0]
+        cur_o, cur_l = out_h[:, idx], lse_h[:, idx]
+        l = l.reshape(b, -1)
+        new = torch.logaddexp(cur_l, l)
+        out_h[:, idx] = cur_o.lerp(o.reshape(b, -1, o.shape[-1]).to(out_h.dtype), torch.exp(l - new).unsqueeze(-1))
+        lse_h[:, idx] = new
+
+
+def _add_rows(acc_h: torch.Tensor, seg: Segment, start: int, length: int, g: torch.Tensor) -> None:
+    if seg.index is None:
+        _rows(acc_h, seg, start, length).add_(g.to(acc_h.dtype))
+    else:
+        acc_h.index_add_(1, seg.index.reshape(-1) + start, g.reshape(g.shape[0], -1, g.shape[-1]).to(acc_h.dtype))
+
+
+def _segment_inputs(
+    seg: Segment, q_h: torch.Tensor, k_h: torch.Tensor, v_h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        _rows(q_h, seg, seg.q_start, seg.q_len),
+        _rows(k_h, seg, seg.k_start, seg.k_len),
+        _rows(v_h, seg, seg.k_start, seg.k_len),
+    )
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _PositionalLSHFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: list[_HeadWork],
+        causal: bool,
+        scale: float,
+        backend: str,
+    ) -> torch.Tensor:
+        acc = _acc_dtype(q.dtype)
+        out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        for work in plan:
+            q_h, k_h, v_h = q[:, work.head], k[:, work.kv_head], v[:, work.kv_head]
+            out_h, lse_h = out_acc[:, work.head], lse[:, work.head]
+            for segments, count in work.samples:
+                for seg in segments:
+                    o, l = attend(*_segment_inputs(seg, q_h, k_h, v_h), causal=causal, scale=scale, backend=backend)
+                    _merge_into(out_h, lse_h, seg, o, l, math.log(count))
+        out = out_acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.causal, ctx.scale, ctx.backend = plan, causal, scale, backend
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: list[_HeadWork] = ctx.plan
+        acc = _acc_dtype(q.dtype)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        for work in plan:
+            h, hk = work.head, work.kv_head
+            q_h, k_h, v_h = q[:, h], k[:, hk], v[:, hk]
+            for segments, count in work.samples:
+                for seg in segments:
+                    qs, ks, vs = _segment_inputs(seg, q_h, k_h, v_h)
+                    os_ = _rows(out[:, h], seg, seg.q_start, seg.q_len)
+                    ls = _rows(lse[:, h], seg, seg.q_start, seg.q_len)
+                    ds = _rows(dout[:, h], seg, seg.q_start, seg.q_len)
+                    # A sample counted `count` times contributes `count` times its probabilities.
+                    if count > 1:
+                        ds = ds * count
+                    gq, gk, gv = attend_backward(
+                        ds, qs, ks, vs, os_, ls, causal=ctx.causal, scale=ctx.scale, backend=ctx.backend
+                    )
+                    _add_rows(dq[:, h], seg, seg.q_start, seg.q_len, gq)
+                    _add_rows(dk[:, hk], seg, seg.k_start, seg.k_len, gk)
+                    _add_rows(dv[:, hk], seg, seg.k_start, seg.k_len, gv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def plsh_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: SlopesLike = None,
+    *,
+    num_samples: int = 8,
+    causal: bool = True,
+    partitions: Partitions | None = None,
+    scheme: str = "discrete",
+    generator: GeneratorLike = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Positional-LSH attention: the ALiBi estimator ``softmax(s + log Mbar) v`` in near-linear time.
+
+    Args:
+        q: ``(B, Hq, Lq, d)`` queries; float32, bfloat16, float16 or float64.
+        k: ``(B, Hkv, Lk, d)`` keys with ``Hq % Hkv == 0`` (grouped-query attention) and ``Lq <= Lk``;
+            queries are aligned to the last ``Lq`` keys (``Lq < Lk`` for decoding with a KV cache).
+        v: ``(B, Hkv, Lk, d)`` values.
+        slopes: ALiBi slopes, ``(Hq,)`` or one float for every head; default ``alibi_slopes(Hq)``.
+            The bias being approximated is ``-slopes[h] * |i - j|`` added after scaling.
+        num_samples: number ``T`` of sampled partitions per head (ignored when ``partitions`` is given).
+        causal: restrict query ``i`` to keys ``j <= i``.
+        partitions: pre-sampled :class:`~positional_lsh.Partitions` (``seq_len == Lk``, ``num_heads == Hq``);
+            if given, ``slopes``, ``num_samples``, ``scheme`` and ``generator`` are not used for sampling
+            (``slopes``, if given, must equal ``partitions.slopes``).
+        scheme: partition scheme when sampling: ``"discrete"`` (default, exactly unbiased and fastest),
+            ``"gamma"`` (the paper's), ``"fixed"`` (biased ablation).
+        generator: CPU ``torch.Generator``, ``int`` seed, or ``None`` (torch's global RNG).
+        scale: score scale, default ``1/sqrt(d)``.
+        backend: ``"auto"`` (CPU: torch's fused flash op; other devices: ``"math"``), ``"flash"``, ``"math"``.
+
+    Returns:
+        ``(B, Hq, Lq, d)`` tensor in ``q``'s dtype. Differentiable w.r.t. ``q``, ``k``, ``v`` (exact gradients
+        of the estimator for the sampled partitions). NaN in the inputs propagates to NaN in the rows it
+        reaches; it never raises.
+    """
+    b, hq, hkv, lq, lk, d = check_qkv(q, k, v)
+    scale_f = as_scale(scale, d)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    backend = resolve_backend(backend, q.device)
+    if partitions is None:
+        partitions = sample_partitions(
+            lk, as_slopes(slopes, hq), positive_int("num_samples", num_samples), scheme=scheme, generator=generator
+        )
+    else:
+        if not isinstance(partitions, Partitions):
+            raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
+        if partitions.num_heads != hq:
+            raise ValueError(f"partitions were drawn for {partitions.num_heads} heads, but q has {hq} heads")
+        if partitions.seq_len != lk:
+            raise ValueError(
+                f"partitions were drawn for seq_len={partitions.seq_len}, but k has {lk} positions "
+                "(use partitions.with_seq_len(n) to reuse them at another length)"
+            )
+        if slopes is not None and not torch.allclose(as_slopes(slopes, hq), partitions.slopes):
+            raise ValueError("slopes differ from partitions.slopes; pass one or the other")
+    plan = _plan(partitions, hkv, lq)
+    return _PositionalLSHFunction.apply(q, k, v, plan, causal, scale_f, backend)
+
+
+class PositionalLSHAttention(nn.Module):
+    """Positional-LSH attention as a module holding slopes, sample count, scheme and a sampling policy.
+
+    In training mode every call draws fresh partitions from the module's own CPU generator (seeded by
+    ``seed``; ``None`` uses torch's global RNG). In eval mode every call draws partitions from a
+    generator seeded with ``eval_seed``, so evaluation is deterministic. Call with ``q (B, Hq, Lq, d)``,
+    ``k, v (B, Hkv, Lk, d)``; see :func:`plsh_attention`.
+    """
+
+    slopes: torch.Tensor
+
+    def __init__(
+        self,
+        num_heads: int,
+        slopes: SlopesLike = None,
+        *,
+        num_samples: int = 8,
+        scheme: str = "discrete",
+        causal: bool = True,
+        seed: int | None = None,
+        eval_seed: int = 0,
+        scale: float | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.num_heads = positive_int("num_heads", num_heads)
+        self.register_buffer("slopes", as_slopes(slopes, self.num_heads).float(), persistent=True)
+        self.num_samples = positive_int("num_samples", num_samples)
+        # Validate the scheme now rather than at the first call.
+        sample_partitions(1, self.slopes, 1, scheme=scheme, generator=0)
+        self.scheme = scheme
+        self.causal = causal
+        self.scale = scale
+        self.backend = backend
+        self.eval_seed = eval_seed
+        self.generator = as_generator(seed)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, num_samples={self.num_samples}, scheme={self.scheme!r}"
+
+    def sample(self, seq_len: int) -> Partitions:
+        """The partitions the next call at this length would use (advances the training generator)."""
+        gen = self.generator if self.training else as_generator(self.eval_seed)
+        return sample_partitions(seq_len, self.slopes, self.num_samples, scheme=self.scheme, generator=gen)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        check_qkv(q, k, v)
+        return plsh_attention(
+            q,
+            k,
+            v,
+            partitions=self.sample(k.shape[-2]),
+            causal=self.causal,
+            scale=self.scale,
+            backend=self.backend,
+        )

@@ -1,0 +1,249 @@
+"""Exact references: the ALiBi matrix, exact and windowed ALiBi attention, and the dense oracle.
+
+* :func:`alibi_attention` — exact ALiBi (bias ``-m|i-j|`` added after scaling), optionally windowed.
+  Chunked over queries with a recomputing backward: memory ``O(n)`` in the sequence length, never an
+  ``n x n`` tensor. The exact/windowed peer that every benchmark and report compares against.
+* :func:`dense_plsh_attention` — the positional-LSH oracle ``softmax(s + log Mbar) v``, materialized;
+  for tests and small-``n`` validation.
+* :func:`alibi_matrix` — the multiplicative ALiBi matrix ``A[h, i, j] = exp(-m_h |i - j|)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import SlopesLike, as_scale, as_slopes, as_window, check_qkv, positive_int
+from ._kernels import attend, attend_backward, resolve_backend
+from .sampling import MAX_DENSE_ELEMENTS, Partitions
+
+__all__ = ["alibi_attention", "alibi_bias", "alibi_matrix", "dense_plsh_attention"]
+
+# alibi_attention materializes at most about this many bias/score entries per kernel call.
+_CHUNK_ELEMENTS = 2**22
+
+
+def _check_dense_size(what: str, elements: int) -> None:
+    if elements > MAX_DENSE_ELEMENTS:
+        raise ValueError(
+            f"{what} would materialize {elements:,} entries (more than {MAX_DENSE_ELEMENTS:,}); it is a dense "
+            "reference for small sizes. Use alibi_attention or plsh_attention for long sequences"
+        )
+
+
+def alibi_matrix(
+    seq_len: int,
+    slopes: SlopesLike = None,
+    *,
+    num_heads: int | None = None,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``A[h, i, j] = exp(-slopes[h] * |i - j|)``: ``(H, n, n)`` (float64 by default; small n only)."""
+    n = positive_int("seq_len", seq_len)
+    if slopes is None or isinstance(slopes, (int, float)):
+        if num_heads is None:
+            raise ValueError("num_heads is required when slopes is None or a single number")
+        h = positive_int("num_heads", num_heads)
+    else:
+        h = len(slopes)
+    m = as_slopes(slopes, h)
+    _check_dense_size("alibi_matrix", h * n * n)
+    pos = torch.arange(n, dtype=torch.float64)
+    dist = (pos[:, None] - pos[None, :]).abs()
+    return torch.exp(-m[:, None, None] * dist).to(dtype=dtype, device=device)
+
+
+def alibi_bias(
+    q_len: int,
+    k_len: int,
+    slopes: torch.Tensor,
+    *,
+    causal: bool,
+    window: torch.Tensor | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Additive ALiBi bias ``-m_h |i - j|`` with ``-inf`` outside the causal/window mask: ``(H, q_len, k_len)``.
+
+    Query ``r`` sits at position ``q_offset + r`` and key ``c`` at ``k_offset + c``. ``window`` (``(H,)``)
+    drops keys with ``|i - j| > window[h]``.
+    """
+    qi = torch.arange(q_len, device=device, dtype=torch.float64) + q_offset
+    kj = torch.arange(k_len, device=device, dtype=torch.float64) + k_offset
+    dist = qi[:, None] - kj[None, :]
+    m = slopes.to(device=device, dtype=torch.float64)
+    bias = -m[:, None, None] * dist.abs()
+    drop = torch.zeros_like(dist, dtype=torch.bool)
+    if causal:
+        drop = drop | (dist < 0)
+    if window is not None:
+        w = window.to(device=device, dtype=torch.float64)
+        drop = drop | (dist.abs()[None] > w[:, None, None])
+    return bias.masked_fill(drop, float("-inf")).to(dtype)
+
+
+def dense_plsh_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    partitions: Partitions,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The oracle ``softmax(s + log Mbar) v`` with ``Mbar`` the mean of the sampled masks, materialized.
+
+    Shapes as :func:`~positional_lsh.plsh_attention` (``q (B, Hq, Lq, d)``, ``k, v (B, Hkv, Lk, d)``, queries
+    aligned to the last keys). Computed in ``q``'s dtype (float32 for half types) by plain autograd-able
+    torch ops. Refuses sizes whose ``n x n`` matrices would not fit.
+    """
+    b, hq, hkv, lq, lk, d = check_qkv(q, k, v)
+    if not isinstance(partitions, Partitions):
+        raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
+    if partitions.num_heads != hq or partitions.seq_len != lk:
+        raise ValueError(
+            f"partitions are for {partitions.num_heads} heads and seq_len={partitions.seq_len}; "
+            f"q has {hq} heads and k has {lk} positions"
+        )
+    _check_dense_size("dense_plsh_attention", b * hq * lq * lk)
+    sc = as_scale(scale, d)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    mbar = partitions.mean_mask(device=q.device, dtype=acc)[:, lk - lq :, :]
+    log_mbar = torch.log(mbar)  # log 0 = -inf: keys never in the query's block
+    if causal:
+        log_mbar = log_mbar + alibi_bias(lq, lk, torch.zeros(hq), causal=True, q_offset=lk - lq, dtype=acc, device=q.device)
+    group = hq // hkv
+    kk = k.to(acc).repeat_interleave(group, dim=1)
+    vv = v.to(acc).repeat_interleave(group, dim=1)
+    s = torch.matmul(q.to(acc), kk.transpose(-1, -2)) * sc + log_mbar
+    return torch.matmul(torch.softmax(s, dim=-1), vv).to(q.dtype)
+
+
+def _chunks(q_len: int, k_len: int, causal: bool, win: float | None, q_offset: int) -> list[tuple[int, int, int, int]]:
+    """Query chunks ``[a, b)`` with the key range ``[lo, hi)`` they can see."""
+    span = k_len if win is None else min(k_len, int(win) * 2 + 1)
+    rows = max(1, min(q_len, _CHUNK_ELEMENTS // max(1, span)))
+    out = []
+    for a in range(0, q_len, rows):
+        b = min(q_len, a + rows)
+        first, last = q_offset + a, q_offset + b - 1  # positions of the chunk's first and last query
+        lo = 0 if win is None else max(0, first - int(win))
+        hi = last + 1 if causal else (k_len if win is None else min(k_len, last + int(win) + 1))
+        out.append((a, b, lo, hi))
+    return out
+
+
+class _AlibiFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slopes: torch.Tensor,
+        window: torch.Tensor | None,
+        causal: bool,
+        scale: float,
+        backend: str,
+    ) -> torch.Tensor:
+        lq, lk = q.shape[2], k.shape[2]
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+        bias_dtype = q.dtype if backend == "flash" else acc
+        for h in range(q.shape[1]):
+            hk = h // group
+            win = None if window is None else float(window[h])
+            for a, b, lo, hi in _chunks(lq, lk, causal, win, lk - lq):
+                bias = alibi_bias(
+                    b - a, hi - lo, slopes[h : h + 1], causal=causal,
+                    window=None if window is None else window[h : h + 1],
+                    q_offset=lk - lq + a, k_offset=lo, dtype=bias_dtype, device=q.device,
+                )
+                o, l = attend(
+                    q[:, h : h + 1, a:b], k[:, hk : hk + 1, lo:hi], v[:, hk : hk + 1, lo:hi],
+                    causal=False, scale=scale, backend=backend, bias=bias[None],
+                )
+                out[:, h, a:b] = o[:, 0]
+                lse[:, h, a:b] = l[:, 0]
+        ctx.save_for_backward(q, k, v, out, lse, slopes, window if window is not None else torch.empty(0))
+        ctx.has_window, ctx.causal, ctx.scale, ctx.backend = window is not None, causal, scale, backend
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, slopes, window = ctx.saved_tensors
+        window = window if ctx.has_window else None
+        lq, lk = q.shape[2], k.shape[2]
+        group = q.shape[1] // k.shape[1]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        bias_dtype = q.dtype if ctx.backend == "flash" else acc
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        for h in range(q.shape[1]):
+            hk = h // group
+            win = None if window is None else float(window[h])
+            for a, b, lo, hi in _chunks(lq, lk, ctx.causal, win, lk - lq):
+                bias = alibi_bias(
+                    b - a, hi - lo, slopes[h : h + 1], causal=ctx.causal,
+                    window=None if window is None else window[h : h + 1],
+                    q_offset=lk - lq + a, k_offset=lo, dtype=bias_dtype, device=q.device,
+                )
+                gq, gk, gv = attend_backward(
+                    dout[:, h : h + 1, a:b], q[:, h : h + 1, a:b], k[:, hk : hk + 1, lo:hi],
+                    v[:, hk : hk + 1, lo:hi], out[:, h : h + 1, a:b], lse[:, h : h + 1, a:b],
+                    causal=False, scale=ctx.scale, backend=ctx.backend, bias=bias[None],
+                )
+                dq[:, h, a:b] += gq[:, 0]
+                dk[:, hk, lo:hi] += gk[:, 0]
+                dv[:, hk, lo:hi] += gv[:, 0]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def alibi_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: SlopesLike = None,
+    *,
+    causal: bool = True,
+    window: torch.Tensor | float | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact (optionally windowed) ALiBi attention with ``O(n)`` memory and a recomputing backward.
+
+    Computes ``softmax_j(scale * q_i . k_j - slopes[h] * |i - j|) v`` over keys ``j <= i`` when ``causal``,
+    dropping keys with ``|i - j| > window[h]`` when ``window`` is given (one number or one per head).
+
+    Args:
+        q: ``(B, Hq, Lq, d)``; float32, float64, bfloat16 or float16.
+        k, v: ``(B, Hkv, Lk, d)``, ``Hq % Hkv == 0``, ``Lq <= Lk`` (queries aligned to the last keys).
+        slopes: ``(Hq,)`` slopes ``>= 0`` or one float; default ``alibi_slopes(Hq)``.
+        causal: causal masking.
+        window: ``None`` (exact), or the largest kept distance ``|i - j|``, one float or ``(Hq,)``.
+        scale: score scale, default ``1/sqrt(d)``.
+        backend: ``"auto"``, ``"flash"`` (CPU fused op, float32/float64) or ``"math"``. Half types always
+            use ``"math"`` (float32 scores), so that the bias is not rounded to 8 bits.
+
+    Returns:
+        ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd.
+    """
+    b, hq, hkv, lq, lk, d = check_qkv(q, k, v)
+    sc = as_scale(scale, d)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    m = as_slopes(slopes, hq)
+    win = as_window(window, hq)
+    backend = resolve_backend(backend, q.device)
+    if q.dtype in (torch.float16, torch.bfloat16):
+        backend = "math"
+    return _AlibiFunction.apply(q, k, v, m, win, causal, sc, backend)
