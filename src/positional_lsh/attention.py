@@ -209,7 +209,7 @@ def plsh_attention(
         of the estimator for the sampled partitions). NaN in the inputs propagates to NaN in the rows it
         reaches; it never raises.
     """
-    b, hq, hkv, lq, lk, d = check_qkv(q, k, v)
+    _, hq, hkv, lq, lk, d = check_qkv(q, k, v)
     scale_f = as_scale(scale, d)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")

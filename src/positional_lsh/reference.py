@@ -113,7 +113,8 @@ def dense_plsh_attention(
     mbar = partitions.mean_mask(device=q.device, dtype=acc)[:, lk - lq :, :]
     log_mbar = torch.log(mbar)  # log 0 = -inf: keys never in the query's block
     if causal:
-        log_mbar = log_mbar + alibi_bias(lq, lk, torch.zeros(hq), causal=True, q_offset=lk - lq, dtype=acc, device=q.device)
+        causal_mask = alibi_bias(lq, lk, torch.zeros(hq), causal=True, q_offset=lk - lq, dtype=acc, device=q.device)
+        log_mbar = log_mbar + causal_mask
     group = hq // hkv
     kk = k.to(acc).repeat_interleave(group, dim=1)
     vv = v.to(acc).repeat_interleave(group, dim=1)
@@ -237,7 +238,7 @@ def alibi_attention(
     Returns:
         ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd.
     """
-    b, hq, hkv, lq, lk, d = check_qkv(q, k, v)
+    _, hq, _, _, _, d = check_qkv(q, k, v)
     sc = as_scale(scale, d)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")

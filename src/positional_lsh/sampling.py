@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
 
-__all__ = ["Partitions", "sample_partitions", "SCHEMES", "UNBIASED_SCHEMES", "Segment"]
+__all__ = ["SCHEMES", "UNBIASED_SCHEMES", "Partitions", "Segment", "sample_partitions"]
 
 # Dense validation helpers refuse to build more than this many mask entries.
 MAX_DENSE_ELEMENTS = 2**28
@@ -160,7 +160,7 @@ class Partitions:
     pitch: torch.Tensor
     shift: torch.Tensor
     scheme: str
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def num_samples(self) -> int:

@@ -37,7 +37,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}")
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    closest = 2 ** math.floor(math.log2(num_heads))
     slopes = _power_of_two_slopes(closest)
     if closest != num_heads:
         extra = _power_of_two_slopes(2 * closest)[0::2]

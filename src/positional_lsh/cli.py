@@ -1,0 +1,41 @@
+"""The ``plsh`` command line.
+
+Each subcommand lives in the module of its idea; that module exposes ``register_cli(subparsers)``,
+which adds its parser and sets ``func`` to a callable taking the parsed namespace and returning an
+exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Modules that contribute subcommands, in the order they appear in --help.
+_COMMAND_MODULES = ("demo", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plsh",
+        description="Positional LSH: ALiBi attention as an average of random contiguous block masks.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        module = importlib.import_module(f"positional_lsh.{name}")
+        module.register_cli(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Shared test helpers: independent, deliberately naive references written from the definitions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+def naive_mean_mask(pitch: torch.Tensor, shift: torch.Tensor, n: int) -> torch.Tensor:
+    """Mbar[h, i, j] from the definition: positions i, j share block floor((i - shift) / pitch)."""
+    t_count, h_count = pitch.shape
+    out = torch.zeros(h_count, n, n, dtype=torch.float64)
+    for t in range(t_count):
+        for h in range(h_count):
+            b, s = float(pitch[t, h]), float(shift[t, h])
+            lab = [0 if math.isinf(b) else math.floor((i - s) / b) for i in range(n)]
+            for i in range(n):
+                for j in range(n):
+                    out[h, i, j] += lab[i] == lab[j]
+    return out / t_count
+
+
+def naive_estimator(q, k, v, mbar, *, causal: bool, scale: float | None = None) -> torch.Tensor:
+    """out_i = sum_j Mbar e^{s} v_j / sum_j Mbar e^{s}, queries aligned to the last keys, float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    sc = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(b, hq, lq, d, dtype=torch.float64)
+    for h in range(hq):
+        hk = h // (hq // hkv)
+        for r in range(lq):
+            i = lk - lq + r
+            s = (k[:, hk] @ q[:, h, r].unsqueeze(-1)).squeeze(-1) * sc  # (b, lk)
+            w = mbar[h, i].expand(b, lk).clone()
+            if causal:
+                w[:, i + 1 :] = 0
+            m = s.max(dim=-1, keepdim=True).values
+            e = w * torch.exp(s - m)
+            out[:, h, r] = (e.unsqueeze(-1) * v[:, hk]).sum(1) / e.sum(-1, keepdim=True)
+    return out
+
+
+def naive_alibi(q, k, v, slopes, *, causal: bool, window=None, scale: float | None = None) -> torch.Tensor:
+    """Exact ALiBi by an explicit n x n bias built with Python loops (float64)."""
+    q, k, v = q.double(), k.double(), v.double()
+    _, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    sc = 1.0 / math.sqrt(d) if scale is None else scale
+    bias = torch.zeros(hq, lq, lk, dtype=torch.float64)
+    for h in range(hq):
+        for r in range(lq):
+            i = lk - lq + r
+            for j in range(lk):
+                dist = abs(i - j)
+                keep = (not causal or j <= i) and (window is None or dist <= float(window[h]))
+                bias[h, r, j] = -float(slopes[h]) * dist if keep else -math.inf
+    group = hq // hkv
+    kk = k.repeat_interleave(group, dim=1)
+    vv = v.repeat_interleave(group, dim=1)
+    s = q @ kk.transpose(-1, -2) * sc + bias
+    return torch.softmax(s, dim=-1) @ vv
+
+
+@pytest.fixture
+def rng() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
