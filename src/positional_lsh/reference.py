@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._checks import SlopesLike, as_scale, as_slopes, as_window, check_qkv, positive_int
@@ -122,18 +124,60 @@ def dense_plsh_attention(
     return torch.matmul(torch.softmax(s, dim=-1), vv).to(q.dtype)
 
 
-def _chunks(q_len: int, k_len: int, causal: bool, win: float | None, q_offset: int) -> list[tuple[int, int, int, int]]:
-    """Query chunks ``[a, b)`` with the key range ``[lo, hi)`` they can see."""
-    span = k_len if win is None else min(k_len, int(win) * 2 + 1)
-    rows = max(1, min(q_len, _CHUNK_ELEMENTS // max(1, span)))
-    out = []
-    for a in range(0, q_len, rows):
-        b = min(q_len, a + rows)
-        first, last = q_offset + a, q_offset + b - 1  # positions of the chunk's first and last query
-        lo = 0 if win is None else max(0, first - int(win))
-        hi = last + 1 if causal else (k_len if win is None else min(k_len, last + int(win) + 1))
-        out.append((a, b, lo, hi))
-    return out
+@dataclass(frozen=True)
+class _Chunk:
+    a: int  # query rows [a, b)
+    b: int
+    lo: int  # key rows [lo, hi)
+    hi: int
+
+
+class _HeadPlan:
+    """Query chunks of one head and a bias bank from which every chunk's bias is a view.
+
+    The ALiBi bias is Toeplitz: chunk queries at positions ``p + r`` and keys ``lo + c`` see
+    ``f(p - lo + r - c)``. One ``(rows, width)`` bank ``bank[r, x] = f(r - x + off)`` holds every chunk's
+    bias as the column slice starting at ``off - (p - lo)``, so it is computed once per head.
+    """
+
+    def __init__(
+        self,
+        q_len: int,
+        k_len: int,
+        slope: float,
+        win: float | None,
+        causal: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        q0 = k_len - q_len  # position of the first query
+        reach = None if win is None else int(win)
+        span = k_len if reach is None else min(k_len, 2 * reach + 1)
+        rows = max(1, min(q_len, _CHUNK_ELEMENTS // max(1, span)))
+        chunks = []
+        for a in range(0, q_len, rows):
+            b = min(q_len, a + rows)
+            first, last = q0 + a, q0 + b - 1
+            lo = 0 if reach is None else max(0, first - reach)
+            hi = last + 1 if causal else (k_len if reach is None else min(k_len, last + reach + 1))
+            chunks.append(_Chunk(a, b, lo, hi))
+        self.chunks = chunks
+        deltas = [q0 + c.a - c.lo for c in chunks]
+        self.off = max(deltas)
+        width = max(self.off - d + (c.hi - c.lo) for d, c in zip(deltas, chunks, strict=True))
+        arith = torch.float64 if dtype == torch.float64 else torch.float32
+        dist = torch.arange(rows, device=device, dtype=arith)[:, None] + float(self.off)
+        dist = dist - torch.arange(width, device=device, dtype=arith)[None, :]
+        drop = dist < 0 if causal else torch.zeros_like(dist, dtype=torch.bool)
+        dist = dist.abs_()
+        if win is not None:
+            drop |= dist > win
+        self.bank = dist.mul_(-slope).masked_fill_(drop, float("-inf")).to(dtype)
+        self.q0 = q0
+
+    def bias(self, c: _Chunk) -> torch.Tensor:
+        start = self.off - (self.q0 + c.a - c.lo)
+        return self.bank[: c.b - c.a, start : start + c.hi - c.lo]
 
 
 class _AlibiFunction(torch.autograd.Function):
@@ -158,18 +202,19 @@ class _AlibiFunction(torch.autograd.Function):
         for h in range(q.shape[1]):
             hk = h // group
             win = None if window is None else float(window[h])
-            for a, b, lo, hi in _chunks(lq, lk, causal, win, lk - lq):
-                bias = alibi_bias(
-                    b - a, hi - lo, slopes[h : h + 1], causal=causal,
-                    window=None if window is None else window[h : h + 1],
-                    q_offset=lk - lq + a, k_offset=lo, dtype=bias_dtype, device=q.device,
-                )
+            plan = _HeadPlan(lq, lk, float(slopes[h]), win, causal, bias_dtype, q.device)
+            for c in plan.chunks:
                 o, l = attend(
-                    q[:, h : h + 1, a:b], k[:, hk : hk + 1, lo:hi], v[:, hk : hk + 1, lo:hi],
-                    causal=False, scale=scale, backend=backend, bias=bias[None],
+                    q[:, h : h + 1, c.a : c.b],
+                    k[:, hk : hk + 1, c.lo : c.hi],
+                    v[:, hk : hk + 1, c.lo : c.hi],
+                    causal=False,
+                    scale=scale,
+                    backend=backend,
+                    bias=plan.bias(c)[None, None],
                 )
-                out[:, h, a:b] = o[:, 0]
-                lse[:, h, a:b] = l[:, 0]
+                out[:, h, c.a : c.b] = o[:, 0]
+                lse[:, h, c.a : c.b] = l[:, 0]
         ctx.save_for_backward(q, k, v, out, lse, slopes, window if window is not None else torch.empty(0))
         ctx.has_window, ctx.causal, ctx.scale, ctx.backend = window is not None, causal, scale, backend
         return out
@@ -192,20 +237,24 @@ class _AlibiFunction(torch.autograd.Function):
         for h in range(q.shape[1]):
             hk = h // group
             win = None if window is None else float(window[h])
-            for a, b, lo, hi in _chunks(lq, lk, ctx.causal, win, lk - lq):
-                bias = alibi_bias(
-                    b - a, hi - lo, slopes[h : h + 1], causal=ctx.causal,
-                    window=None if window is None else window[h : h + 1],
-                    q_offset=lk - lq + a, k_offset=lo, dtype=bias_dtype, device=q.device,
-                )
+            plan = _HeadPlan(lq, lk, float(slopes[h]), win, ctx.causal, bias_dtype, q.device)
+            for c in plan.chunks:
+                qs, ks = slice(c.a, c.b), slice(c.lo, c.hi)
                 gq, gk, gv = attend_backward(
-                    dout[:, h : h + 1, a:b], q[:, h : h + 1, a:b], k[:, hk : hk + 1, lo:hi],
-                    v[:, hk : hk + 1, lo:hi], out[:, h : h + 1, a:b], lse[:, h : h + 1, a:b],
-                    causal=False, scale=ctx.scale, backend=ctx.backend, bias=bias[None],
+                    dout[:, h : h + 1, qs],
+                    q[:, h : h + 1, qs],
+                    k[:, hk : hk + 1, ks],
+                    v[:, hk : hk + 1, ks],
+                    out[:, h : h + 1, qs],
+                    lse[:, h : h + 1, qs],
+                    causal=False,
+                    scale=ctx.scale,
+                    backend=ctx.backend,
+                    bias=plan.bias(c)[None, None],
                 )
-                dq[:, h, a:b] += gq[:, 0]
-                dk[:, hk, lo:hi] += gk[:, 0]
-                dv[:, hk, lo:hi] += gv[:, 0]
+                dq[:, h, qs] += gq[:, 0]
+                dk[:, hk, ks] += gk[:, 0]
+                dv[:, hk, ks] += gv[:, 0]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
