@@ -51,9 +51,9 @@ def mask_convergence_table(
     return rows
 
 
-def _timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+def _timed(fn: Callable[..., torch.Tensor], *args: object, **kwargs: object) -> tuple[torch.Tensor, float]:
     t0 = time.perf_counter()
-    out = fn()
+    out = fn(*args, **kwargs)
     return out, time.perf_counter() - t0
 
 
@@ -79,15 +79,15 @@ def attention_table(
         for n in lengths:
             g = torch.Generator().manual_seed(seed + n)
             q, k, v = (torch.randn(1, num_heads, n, head_dim, generator=g) for _ in range(3))
-            exact, t_exact = _timed(lambda: alibi_attention(q, k, v, slopes))
+            exact, t_exact = _timed(alibi_attention, q, k, v, slopes)
             rows.append({"n": n, "method": "exact ALiBi", "seconds": t_exact, "rel_error": 0.0})
             bar.update(1)
-            win, t_win = _timed(lambda: alibi_attention(q, k, v, slopes, window=window))
+            win, t_win = _timed(alibi_attention, q, k, v, slopes, window=window)
             rel = float((win - exact).norm() / exact.norm())
             rows.append({"n": n, "method": f"windowed ALiBi ({window_factor:g}σ)", "seconds": t_win, "rel_error": rel})
             bar.update(1)
             for t in samples:
-                out, secs = _timed(lambda t=t: plsh_attention(q, k, v, slopes, num_samples=t, generator=seed))
+                out, secs = _timed(plsh_attention, q, k, v, slopes, num_samples=t, generator=seed)
                 rel = float((out - exact).norm() / exact.norm())
                 rows.append({"n": n, "method": f"positional LSH T={t}", "seconds": secs, "rel_error": rel})
                 bar.update(1)
