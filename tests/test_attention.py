@@ -239,3 +239,21 @@ def test_module_bad_input():
         PositionalLSHAttention(4, num_samples=0)
     with pytest.raises(ValueError, match="slopes"):
         PositionalLSHAttention(4, slopes=[0.1])
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+def test_long_causal_blocks_are_split_and_exact(backend):
+    # Slopes this small give blocks of hundreds of positions, which the fast path splits into sub-blocks.
+    from positional_lsh.attention import _plan
+
+    n = 900
+    q, k, v = _qkv(1, 3, 3, n, n, 8, seed=4, grad=True)
+    parts = sample_partitions(n, torch.tensor([0.004, 0.002, 0.0]), 3, generator=1)
+    pieces = [seg for work in _plan(parts, 3, n, True) for segs, _ in work.samples for seg in segs]
+    assert any(not seg.masked for seg in pieces) and any(seg.stride for seg in pieces)
+    out = plsh_attention(q, k, v, partitions=parts, backend=backend)
+    ref = dense_plsh_attention(q, k, v, parts)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)

@@ -41,7 +41,32 @@ class _HeadWork:
     samples: list[tuple[list[Segment], int]]
 
 
-def _plan(partitions: Partitions, num_kv_heads: int, q_len: int) -> list[_HeadWork]:
+# Causal blocks at least this long are split into sub-blocks (see _split_causal).
+_SPLIT_MIN = 192
+
+
+def _split_causal(seg: Segment) -> list[Segment]:
+    """Split long causal blocks so that the kernel skips most of the masked upper triangle.
+
+    torch's CPU flash kernel computes whole 512-key tiles, so a causal block of ``B <= 512`` keys costs
+    ``B^2`` rather than ``B^2/2``. Splitting each block into sub-blocks of ``c`` rows gives, per sub-block
+    ``r``, a causal ``c x c`` diagonal piece and an unmasked piece over the ``r*c`` keys before it: the same
+    key set, merged by log-sum-exp like any other piece, for about ``(1/2 + c/2B) B^2`` work.
+    """
+    b = seg.k_len
+    if seg.index is not None or not seg.masked or seg.q_len != b or b < _SPLIT_MIN:
+        return [seg]
+    c = 256 if b >= 768 else (128 if b >= 384 else 64)
+    out = []
+    for r0 in range(0, b, c):
+        rows = min(c, b - r0)
+        out.append(Segment(seg.q_start + r0, seg.k_start + r0, rows, rows, seg.count, stride=seg.step))
+        if r0:
+            out.append(Segment(seg.q_start + r0, seg.k_start, rows, r0, seg.count, stride=seg.step, masked=False))
+    return out
+
+
+def _plan(partitions: Partitions, num_kv_heads: int, q_len: int, causal: bool) -> list[_HeadWork]:
     """Kernel work per head. Identical samples of a head (slope 0, or large slopes whose blocks are all
     single positions) are computed once and counted with their multiplicity."""
     group = partitions.num_heads // num_kv_heads
@@ -54,7 +79,12 @@ def _plan(partitions: Partitions, num_kv_heads: int, q_len: int) -> list[_HeadWo
             key = (pitch, float(partitions.shift[t, h])) if pitch > 1.0 else (1.0, 0.0)
             counts[key] = counts.get(key, 0) + 1
             first.setdefault(key, t)
-        samples = [(partitions.segments(first[key], h, q_len), c) for key, c in counts.items()]
+        samples = []
+        for key, c in counts.items():
+            segments = partitions.segments(first[key], h, q_len)
+            if causal:
+                segments = [piece for seg in segments for piece in _split_causal(seg)]
+            samples.append((segments, c))
         plan.append(_HeadWork(h, h // group, samples))
     return plan
 
@@ -63,7 +93,11 @@ def _rows(x: torch.Tensor, seg: Segment, start: int, length: int) -> torch.Tenso
     """The rows of one head ``x (B, L, ...)`` that a segment covers, as ``(B, count, length, ...)``."""
     if seg.index is not None:
         return x[:, seg.index + start]
-    return x[:, start : start + seg.count * length].unflatten(1, (seg.count, length))
+    if seg.step == length or seg.count == 1:
+        return x[:, start : start + seg.count * length].unflatten(1, (seg.count, length))
+    size = (x.shape[0], seg.count, length, *x.shape[2:])
+    stride = (x.stride(0), seg.step * x.stride(1), x.stride(1), *x.stride()[2:])
+    return x.as_strided(size, stride, x.storage_offset() + start * x.stride(1))
 
 
 def _merge_into(
@@ -130,7 +164,9 @@ class _PositionalLSHFunction(torch.autograd.Function):
             out_h, lse_h = out_acc[:, work.head], lse[:, work.head]
             for segments, count in work.samples:
                 for seg in segments:
-                    o, l = attend(*_segment_inputs(seg, q_h, k_h, v_h), causal=causal, scale=scale, backend=backend)
+                    o, l = attend(
+                        *_segment_inputs(seg, q_h, k_h, v_h), causal=causal and seg.masked, scale=scale, backend=backend
+                    )
                     _merge_into(out_h, lse_h, seg, o, l, math.log(count))
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -162,7 +198,7 @@ class _PositionalLSHFunction(torch.autograd.Function):
                     if count > 1:
                         ds = ds * count
                     gq, gk, gv = attend_backward(
-                        ds, qs, ks, vs, os_, ls, causal=ctx.causal, scale=ctx.scale, backend=ctx.backend
+                        ds, qs, ks, vs, os_, ls, causal=ctx.causal and seg.masked, scale=ctx.scale, backend=ctx.backend
                     )
                     _add_rows(dq[:, h], seg, seg.q_start, seg.q_len, gq)
                     _add_rows(dk[:, hk], seg, seg.k_start, seg.k_len, gk)
@@ -230,7 +266,7 @@ def plsh_attention(
             )
         if slopes is not None and not torch.allclose(as_slopes(slopes, hq), partitions.slopes):
             raise ValueError("slopes differ from partitions.slopes; pass one or the other")
-    plan = _plan(partitions, hkv, lq)
+    plan = _plan(partitions, hkv, lq, causal)
     return _PositionalLSHFunction.apply(q, k, v, plan, causal, scale_f, backend)
 
 

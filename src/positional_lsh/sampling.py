@@ -106,14 +106,16 @@ UNBIASED_SCHEMES = tuple(sorted(_UNBIASED))
 
 @dataclass(frozen=True)
 class Segment:
-    """A group of equal-size blocks of one (sample, head), processed by one kernel call.
+    """``count`` equal-shape blocks of one (sample, head), processed by one kernel call.
 
-    Query rows ``q_start .. q_start + count*q_len`` and key rows ``k_start .. k_start + count*k_len``
-    (in key positions; queries are aligned to the end of the keys) form ``count`` consecutive blocks,
-    unless ``index`` is given: then ``index`` is a ``(count, k_len)`` tensor of the key positions of
-    non-consecutive blocks (``q_len == k_len``), and the rows are ``index + q_start`` for the queries and
-    ``index + k_start`` for the keys. ``q_len < k_len`` only for the one block that the first
-    query cuts (decoding, chunked prefill); its queries are the *last* ``q_len`` positions of the block.
+    Block ``c`` (``0 <= c < count``) pairs the query rows ``q_start + c*step + [0, q_len)`` with the key rows
+    ``k_start + c*step + [0, k_len)``, where ``step = stride or k_len`` (adjacent blocks by default). Query row
+    ``r`` sits at key position ``r + Lk - Lq``: queries are aligned to the last keys. ``q_len < k_len`` only
+    for the one block that the first query cuts (decoding, chunked prefill); its queries are the block's
+    *last* ``q_len`` positions. If ``index`` is given, it is a ``(count, k_len)`` tensor of the key positions
+    of non-adjacent blocks, and the rows are ``index + q_start`` for queries and ``index + k_start`` for keys.
+    ``masked`` says whether the causal mask applies inside the segment (``False`` for pieces whose keys all
+    precede their queries).
     """
 
     q_start: int
@@ -122,6 +124,12 @@ class Segment:
     k_len: int
     count: int
     index: torch.Tensor | None = None
+    stride: int = 0
+    masked: bool = True
+
+    @property
+    def step(self) -> int:
+        return self.stride or self.k_len
 
 
 def _label_runs(pitch: float, shift: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,9 +200,7 @@ class Partitions:
 
     def select(self, samples: slice | list[int] | torch.Tensor) -> Partitions:
         """A sub-collection of the samples (e.g. ``partitions.select(slice(0, 4))``)."""
-        return Partitions(
-            self.seq_len, self.slopes, self.pitch[samples], self.shift[samples], self.scheme, self.device
-        )
+        return Partitions(self.seq_len, self.slopes, self.pitch[samples], self.shift[samples], self.scheme, self.device)
 
     def labels(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Block label of every position: ``(T, H, n)`` int64, non-decreasing along positions."""
