@@ -116,8 +116,8 @@ def as_generator(generator: GeneratorLike, name: str = "generator") -> torch.Gen
     if isinstance(generator, torch.Generator):
         if generator.device.type != "cpu":
             raise ValueError(
-                f"{name} must be a CPU torch.Generator (partitions are always drawn on the CPU so "
-                f"that a seed gives the same partitions on every device), got one on {generator.device}"
+                f"{name} must be a CPU torch.Generator (random draws are made on the CPU so that a seed "
+                f"gives the same result on every device), got one on {generator.device}"
             )
         return generator
     raise TypeError(f"{name} must be a torch.Generator, an int seed or None, got {type(generator).__name__}")

@@ -63,6 +63,28 @@ def _full_bias(
     return out
 
 
+def _math_setup(
+    q: torch.Tensor, lk: int, causal: bool, bias: torch.Tensor | None
+) -> tuple[torch.dtype, torch.Tensor | None, list[slice]]:
+    """Accumulation dtype, the full additive mask (causal included) and chunks of the ``M`` dimension."""
+    acc = _acc_dtype(q.dtype)
+    lq = q.shape[-2]
+    mask = bias.to(acc) if bias is not None else None
+    if causal:
+        cb = _causal_bias(lq, lk, acc, q.device)
+        mask = cb if mask is None else mask + cb
+    n, m = q.shape[0], q.shape[1]
+    step = max(1, _MATH_CHUNK_ELEMENTS // max(1, n * lq * lk))
+    return acc, mask, [slice(a, a + step) for a in range(0, m, step)]
+
+
+def _add_mask(s: torch.Tensor, mask: torch.Tensor | None, sl: slice) -> torch.Tensor:
+    if mask is None:
+        return s
+    per_m = mask.dim() == 4 and mask.shape[1] > 1  # a mask with its own M dimension is chunked with s
+    return s + (mask[:, sl] if per_m else mask)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -74,25 +96,18 @@ def attend(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning ``(out, lse)``; see the module docstring."""
-    lq, lk = q.shape[-2], k.shape[-2]
+    lk = k.shape[-2]
     if backend == "flash":
         mask = _full_bias(q, lk, causal, bias, q.dtype)
         plain_causal = causal and mask is None
         out, lse = _flash(q, k, v, 0.0, plain_causal, attn_mask=mask, scale=scale)
         return out, lse
-    acc = _acc_dtype(q.dtype)
-    mask = _full_bias(q, lk, causal, bias, acc)
-    if causal and mask is None:
-        mask = _causal_bias(lq, lk, acc, q.device)
-    n, m = q.shape[0], q.shape[1]
+    acc, mask, chunks = _math_setup(q, lk, causal, bias)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(n, m, lq, dtype=acc, device=q.device)
-    step = max(1, _MATH_CHUNK_ELEMENTS // max(1, n * lq * lk))
-    for a in range(0, m, step):
-        sl = slice(a, a + step)
+    lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+    for sl in chunks:
         s = torch.matmul(q[:, sl].to(acc), k[:, sl].to(acc).transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s + (mask[:, sl] if mask.dim() == 4 and mask.shape[1] == m else mask)
+        s = _add_mask(s, mask, sl)
         l = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - l[..., None])
         out[:, sl] = torch.matmul(p, v[:, sl].to(acc)).to(q.dtype)
@@ -114,27 +129,19 @@ def attend_backward(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one call, given the (possibly merged) ``out`` and ``lse``."""
-    lq, lk = q.shape[-2], k.shape[-2]
+    lk = k.shape[-2]
     if backend == "flash":
         mask = _full_bias(q, lk, causal, bias, q.dtype)
         plain_causal = causal and mask is None
         return _flash_backward(dout, q, k, v, out, lse, 0.0, plain_causal, attn_mask=mask, scale=scale)
-    acc = _acc_dtype(q.dtype)
-    mask = _full_bias(q, lk, causal, bias, acc)
-    if causal and mask is None:
-        mask = _causal_bias(lq, lk, acc, q.device)
-    n, m = q.shape[0], q.shape[1]
+    acc, mask, chunks = _math_setup(q, lk, causal, bias)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    step = max(1, _MATH_CHUNK_ELEMENTS // max(1, n * lq * lk))
-    for a in range(0, m, step):
-        sl = slice(a, a + step)
+    for sl in chunks:
         qa, ka, va = q[:, sl].to(acc), k[:, sl].to(acc), v[:, sl].to(acc)
         doa = dout[:, sl].to(acc)
-        s = torch.matmul(qa, ka.transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s + (mask[:, sl] if mask.dim() == 4 and mask.shape[1] == m else mask)
+        s = _add_mask(torch.matmul(qa, ka.transpose(-1, -2)) * scale, mask, sl)
         p = torch.exp(s - lse[:, sl].to(acc)[..., None])
         dv[:, sl] = torch.matmul(p.transpose(-1, -2), doa).to(v.dtype)
         dp = torch.matmul(doa, va.transpose(-1, -2))

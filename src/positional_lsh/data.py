@@ -39,6 +39,8 @@ from typing import IO, Any
 
 import torch
 
+from ._checks import as_generator, positive_int
+
 __all__ = [
     "DEFAULT_VOCAB_SIZE",
     "EOD_TOKEN",
@@ -84,14 +86,6 @@ DocumentsLike = Sequence["Document | str"]
 # --------------------------------------------------------------------------------------------
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
-
-
 def _as_path(name: str, value: object, *, must_exist: bool = True) -> Path:
     if not isinstance(value, str | os.PathLike):
         raise TypeError(f"{name} must be a str or os.PathLike path, got {type(value).__name__}")
@@ -99,20 +93,6 @@ def _as_path(name: str, value: object, *, must_exist: bool = True) -> Path:
     if must_exist and not path.exists():
         raise ValueError(f"{name} does not exist: {path}")
     return path
-
-
-def _as_generator(name: str, value: object) -> torch.Generator | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Generator):
-        if value.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU torch.Generator, got one on {value.device}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a torch.Generator, an int seed or None, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} seed must be >= 0, got {value}")
-    return torch.Generator(device="cpu").manual_seed(int(value))
 
 
 def _as_tokens(name: str, value: object, min_len: int) -> torch.Tensor:
@@ -545,12 +525,12 @@ class BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         docs = _as_documents("texts", texts)
-        vocab_size = _positive_int("vocab_size", vocab_size)
+        vocab_size = positive_int("vocab_size", vocab_size)
         if vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {EOD_TOKEN}), got {vocab_size}")
-        min_frequency = _positive_int("min_frequency", min_frequency)
+        min_frequency = positive_int("min_frequency", min_frequency)
         if max_chars is not None:
-            max_chars = _positive_int("max_chars", max_chars)
+            max_chars = positive_int("max_chars", max_chars)
         sample: list[str] = []
         budget = max_chars if max_chars is not None else math.inf
         for d in docs:
@@ -805,10 +785,10 @@ def random_batch(
     Returns two ``(batch_size, seq_len)`` ``torch.long`` tensors. ``generator`` is a CPU
     ``torch.Generator``, an int seed, or ``None`` for torch's global generator.
     """
-    seq_len = _positive_int("seq_len", seq_len)
-    batch_size = _positive_int("batch_size", batch_size)
+    seq_len = positive_int("seq_len", seq_len)
+    batch_size = positive_int("batch_size", batch_size)
     tokens = _as_tokens("tokens", tokens, seq_len + 1)
-    g = _as_generator("generator", generator)
+    g = as_generator(generator, "generator")
     starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=g)
     idx = starts[:, None] + torch.arange(seq_len + 1)
     chunk = tokens[idx.to(tokens.device)].long()
@@ -828,12 +808,12 @@ def random_windows(
     An int ``generator`` seeds one generator for the whole sequence, so the same seed gives the same
     batches.
     """
-    seq_len = _positive_int("seq_len", seq_len)
-    batch_size = _positive_int("batch_size", batch_size)
+    seq_len = positive_int("seq_len", seq_len)
+    batch_size = positive_int("batch_size", batch_size)
     tokens = _as_tokens("tokens", tokens, seq_len + 1)
-    g = _as_generator("generator", generator)
+    g = as_generator(generator, "generator")
     if num_batches is not None:
-        num_batches = _positive_int("num_batches", num_batches)
+        num_batches = positive_int("num_batches", num_batches)
 
     def gen() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         i = 0
@@ -854,9 +834,9 @@ def _window_starts(num_tokens: int, seq_len: int, stride: int) -> list[int]:
 
 def num_sliding_windows(num_tokens: int, seq_len: int, stride: int | None = None) -> int:
     """How many windows ``sliding_windows`` yields for a stream of ``num_tokens`` tokens."""
-    num_tokens = _positive_int("num_tokens", num_tokens)
-    seq_len = _positive_int("seq_len", seq_len)
-    stride = seq_len if stride is None else _positive_int("stride", stride)
+    num_tokens = positive_int("num_tokens", num_tokens)
+    seq_len = positive_int("seq_len", seq_len)
+    stride = seq_len if stride is None else positive_int("stride", stride)
     if stride > seq_len:
         raise ValueError(f"stride must be <= seq_len ({seq_len}) so that every token is scored, got {stride}")
     if num_tokens < seq_len + 1:
@@ -884,9 +864,9 @@ def sliding_windows(
     Yields ``(inputs, targets)`` of shape ``(b, seq_len)``, ``torch.long``, ``b <= batch_size`` (the
     last batch may be smaller).
     """
-    seq_len = _positive_int("seq_len", seq_len)
-    stride = seq_len if stride is None else _positive_int("stride", stride)
-    batch_size = _positive_int("batch_size", batch_size)
+    seq_len = positive_int("seq_len", seq_len)
+    stride = seq_len if stride is None else positive_int("stride", stride)
+    batch_size = positive_int("batch_size", batch_size)
     if stride > seq_len:
         raise ValueError(f"stride must be <= seq_len ({seq_len}) so that every token is scored, got {stride}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
