@@ -184,7 +184,12 @@ def test_module_training_resamples_and_eval_is_deterministic():
     torch.testing.assert_close(c, plsh_attention(q, k, v, partitions=parts))
     again = PositionalLSHAttention(4, num_samples=2, seed=0)
     torch.testing.assert_close(again(q, k, v), a)
-    assert "slopes" in attn.state_dict()
+    # Slopes survive dtype casts and state-dict round trips.
+    attn.half()
+    assert attn.slopes.dtype == torch.float64
+    other = PositionalLSHAttention(4, slopes=[0.1, 0.2, 0.3, 0.4])
+    other.load_state_dict(attn.state_dict())
+    torch.testing.assert_close(other.slopes, alibi_slopes(4).double())
 
 
 def _bad(**over):

@@ -279,8 +279,6 @@ class PositionalLSHAttention(nn.Module):
     ``k, v (B, Hkv, Lk, d)``; see :func:`plsh_attention`.
     """
 
-    slopes: torch.Tensor
-
     def __init__(
         self,
         num_heads: int,
@@ -296,7 +294,9 @@ class PositionalLSHAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = positive_int("num_heads", num_heads)
-        self.register_buffer("slopes", as_slopes(slopes, self.num_heads).float(), persistent=True)
+        # Slopes only drive the CPU sampler: a float64 attribute, kept in the state dict as extra state, so
+        # that casting the model (``.half()``, ``.to(bfloat16)``) never rounds them.
+        self.slopes = as_slopes(slopes, self.num_heads)
         self.num_samples = positive_int("num_samples", num_samples)
         # Validate the scheme now rather than at the first call.
         sample_partitions(1, self.slopes, 1, scheme=scheme, generator=0)
@@ -306,6 +306,12 @@ class PositionalLSHAttention(nn.Module):
         self.backend = backend
         self.eval_seed = eval_seed
         self.generator = as_generator(seed)
+
+    def get_extra_state(self) -> dict[str, list[float]]:
+        return {"slopes": self.slopes.tolist()}
+
+    def set_extra_state(self, state: dict[str, list[float]]) -> None:
+        self.slopes = as_slopes(state["slopes"], self.num_heads)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, num_samples={self.num_samples}, scheme={self.scheme!r}"
