@@ -72,18 +72,25 @@ def alibi_bias(
     Query ``r`` sits at position ``q_offset + r`` and key ``c`` at ``k_offset + c``. ``window`` (``(H,)``)
     drops keys with ``|i - j| > window[h]``.
     """
-    qi = torch.arange(q_len, device=device, dtype=torch.float64) + q_offset
-    kj = torch.arange(k_len, device=device, dtype=torch.float64) + k_offset
+    # Distances are exact integers in float32 up to 2^24; float64 output is computed in float64.
+    arith = torch.float64 if dtype == torch.float64 else torch.float32
+    qi = torch.arange(q_len, device=device, dtype=arith) + q_offset
+    kj = torch.arange(k_len, device=device, dtype=arith) + k_offset
     dist = qi[:, None] - kj[None, :]
-    m = slopes.to(device=device, dtype=torch.float64)
-    bias = -m[:, None, None] * dist.abs()
-    drop = torch.zeros_like(dist, dtype=torch.bool)
-    if causal:
-        drop = drop | (dist < 0)
-    if window is not None:
-        w = window.to(device=device, dtype=torch.float64)
-        drop = drop | (dist.abs()[None] > w[:, None, None])
-    return bias.masked_fill(drop, float("-inf")).to(dtype)
+    after = dist < 0 if causal else None
+    dist = dist.abs_()
+    m = slopes.detach().to("cpu", torch.float64).reshape(-1)
+    out = torch.empty((m.numel(), q_len, k_len), dtype=dtype, device=device)
+    for h in range(m.numel()):  # one head at a time: memory is the output plus one head
+        bias = dist * -float(m[h])
+        drop = after
+        if window is not None:
+            outside = dist > float(window[h])
+            drop = outside if drop is None else drop | outside
+        if drop is not None:
+            bias.masked_fill_(drop, float("-inf"))
+        out[h] = bias
+    return out
 
 
 def dense_plsh_attention(
@@ -165,14 +172,17 @@ class _HeadPlan:
         deltas = [q0 + c.a - c.lo for c in chunks]
         self.off = max(deltas)
         width = max(self.off - d + (c.hi - c.lo) for d, c in zip(deltas, chunks, strict=True))
-        arith = torch.float64 if dtype == torch.float64 else torch.float32
-        dist = torch.arange(rows, device=device, dtype=arith)[:, None] + float(self.off)
-        dist = dist - torch.arange(width, device=device, dtype=arith)[None, :]
-        drop = dist < 0 if causal else torch.zeros_like(dist, dtype=torch.bool)
-        dist = dist.abs_()
-        if win is not None:
-            drop |= dist > win
-        self.bank = dist.mul_(-slope).masked_fill_(drop, float("-inf")).to(dtype)
+        window = None if win is None else torch.tensor([win])
+        self.bank = alibi_bias(
+            rows,
+            width,
+            torch.tensor([slope]),
+            causal=causal,
+            window=window,
+            q_offset=self.off,
+            dtype=dtype,
+            device=device,
+        )[0]
         self.q0 = q0
 
     def bias(self, c: _Chunk) -> torch.Tensor:
