@@ -422,22 +422,6 @@ def _main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     methods = tuple(args.methods.split(","))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
-    rows = run_benchmark(
-        args.lengths,
-        samples=tuple(args.samples),
-        methods=methods,
-        num_heads=args.heads,
-        head_dim=args.head_dim,
-        causal=not args.bidirectional,
-        dtype=dtype,
-        scheme=args.scheme,
-        backward=not args.no_backward,
-        repeats=args.repeats,
-        long_seconds=args.long_seconds,
-        sdpa_max_gib=args.sdpa_max_gib,
-        seed=args.seed,
-        backward_max_len=args.backward_max_len,
-    )
     meta = {
         "command": " ".join(["plsh", *sys.argv[1:]]) if sys.argv[0].endswith("plsh") else "plsh bench (API)",
         "torch": torch.__version__,
@@ -450,10 +434,29 @@ def _main(args: argparse.Namespace) -> int:
         "scheme": args.scheme,
         "seed": args.seed,
     }
+    rows: list[BenchRow] = []
+    for n in args.lengths:  # one length at a time, writing the outputs after each: long runs keep partial results
+        rows += run_benchmark(
+            [n],
+            samples=tuple(args.samples),
+            methods=methods,
+            num_heads=args.heads,
+            head_dim=args.head_dim,
+            causal=not args.bidirectional,
+            dtype=dtype,
+            scheme=args.scheme,
+            backward=not args.no_backward,
+            repeats=args.repeats,
+            long_seconds=args.long_seconds,
+            sdpa_max_gib=args.sdpa_max_gib,
+            seed=args.seed,
+            backward_max_len=args.backward_max_len,
+        )
+        paths = write_outputs(rows, Path(args.out), meta)
     print(format_table(rows))
     for a, b, e in growth_exponents(rows):
         print(f"plsh T=8 fwd time growth {a}->{b}: n^{e:.2f}")
-    for path in write_outputs(rows, Path(args.out), meta):
+    for path in paths:
         print(f"wrote {path}")
     return 0
 
@@ -472,7 +475,12 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backward-max-len", type=int, default=1 << 17)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--long-seconds", type=float, default=20.0, help="run once when a call takes longer")
-    p.add_argument("--sdpa-max-gib", type=float, default=20.0, help="skip sdpa-mask when its mask would exceed this")
+    p.add_argument(
+        "--sdpa-max-gib",
+        type=float,
+        default=20.0,
+        help="skip sdpa-mask where its estimated peak memory (1.5x the n*n mask, 2.5x with the backward) exceeds this",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench")
