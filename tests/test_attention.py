@@ -262,3 +262,38 @@ def test_long_causal_blocks_are_split_and_exact(backend):
     g = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(("b", "hq", "hkv"), [(1, 8, 8), (2, 4, 2), (4, 1, 1), (3, 2, 1)])
+def test_worker_pool_matches_sequential(b, hq, hkv):
+    # With several torch threads the heads (and, if needed, batch slices) run on single-threaded workers;
+    # the pieces are independent, so the result must be identical to the sequential computation.
+    q, k, v = _qkv(b, hq, hkv, 300, 300, 16, dtype=torch.float32, seed=2, grad=True)
+    parts = sample_partitions(300, alibi_slopes(hq), 3, generator=0)
+    g = torch.randn(b, hq, 300, 16)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            out = plsh_attention(q, k, v, partitions=parts)
+            results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, c in zip(*results, strict=True):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+    assert not results[1][0].requires_grad or results[1][0].grad_fn is not None
+
+
+def test_work_items_cover_every_head_and_batch_row_once():
+    from positional_lsh.attention import _plan, _work_items
+
+    parts = sample_partitions(64, alibi_slopes(6), 2, generator=0)
+    plan = _plan(parts, 3, 64, True)
+    for batch, workers in ((1, 2), (5, 4), (2, 16), (3, 1)):
+        seen = torch.zeros(batch, 6, dtype=torch.long)
+        for works, sl in _work_items(plan, batch, workers):
+            assert len({w.kv_head for w in works}) == 1  # key/value gradients never shared across items
+            for w in works:
+                seen[sl, w.head] += 1
+        assert bool((seen == 1).all())

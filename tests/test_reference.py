@@ -125,3 +125,19 @@ def test_alibi_attention_bad_input(kwargs, exc, match):
     q = torch.randn(1, 4, 8, 4)
     with pytest.raises(exc, match=match):
         alibi_attention(q, q, q, **kwargs)
+
+
+def test_alibi_attention_worker_pool_matches_sequential():
+    q, k, v = (t.detach().float().requires_grad_() for t in _qkv(3, 4, 2, 200, 200, 8, seed=3))
+    g = torch.randn(3, 4, 200, 8)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            out = alibi_attention(q, k, v, window=torch.tensor([5.0, 50.0, 500.0, 0.0]))
+            results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

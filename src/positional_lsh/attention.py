@@ -27,6 +27,7 @@ from torch import nn
 
 from ._checks import GeneratorLike, SlopesLike, as_generator, as_scale, as_slopes, check_qkv, positive_int
 from ._kernels import attend, attend_backward, resolve_backend
+from ._parallel import pool_size, run_all, work_items, workers_for
 from .sampling import Partitions, Segment, sample_partitions
 
 __all__ = ["PositionalLSHAttention", "plsh_attention"]
@@ -39,6 +40,11 @@ class _HeadWork:
     head: int
     kv_head: int
     samples: list[tuple[list[Segment], int]]
+
+    @property
+    def cost(self) -> int:
+        """Score entries computed for this head (per batch element): a proxy for its time."""
+        return sum(s.count * s.q_len * s.k_len for segments, _ in self.samples for s in segments)
 
 
 # Causal blocks at least this long are split into sub-blocks (see _split_causal).
@@ -144,6 +150,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+WorkItem = tuple[list[_HeadWork], slice]
+
+
+def _work_items(plan: list[_HeadWork], batch: int, workers: int) -> list[WorkItem]:
+    return work_items([(w, w.kv_head, w.cost) for w in plan], batch, workers)
+
+
 class _PositionalLSHFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -159,15 +172,24 @@ class _PositionalLSHFunction(torch.autograd.Function):
         acc = _acc_dtype(q.dtype)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        for work in plan:
-            q_h, k_h, v_h = q[:, work.head], k[:, work.kv_head], v[:, work.kv_head]
-            out_h, lse_h = out_acc[:, work.head], lse[:, work.head]
-            for segments, count in work.samples:
-                for seg in segments:
-                    o, l = attend(
-                        *_segment_inputs(seg, q_h, k_h, v_h), causal=causal and seg.masked, scale=scale, backend=backend
-                    )
-                    _merge_into(out_h, lse_h, seg, o, l, math.log(count))
+        items = _work_items(plan, q.shape[0], workers_for(q.device))
+
+        def run(item: WorkItem) -> None:
+            works, b = item
+            for work in works:
+                q_h, k_h, v_h = q[b, work.head], k[b, work.kv_head], v[b, work.kv_head]
+                out_h, lse_h = out_acc[b, work.head], lse[b, work.head]
+                for segments, count in work.samples:
+                    for seg in segments:
+                        o, l = attend(
+                            *_segment_inputs(seg, q_h, k_h, v_h),
+                            causal=causal and seg.masked,
+                            scale=scale,
+                            backend=backend,
+                        )
+                        _merge_into(out_h, lse_h, seg, o, l, math.log(count))
+
+        run_all(run, items, pool_size(len(items), q.device))
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.causal, ctx.scale, ctx.backend = plan, causal, scale, backend
@@ -185,24 +207,38 @@ class _PositionalLSHFunction(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        for work in plan:
-            h, hk = work.head, work.kv_head
-            q_h, k_h, v_h = q[:, h], k[:, hk], v[:, hk]
-            for segments, count in work.samples:
-                for seg in segments:
-                    qs, ks, vs = _segment_inputs(seg, q_h, k_h, v_h)
-                    os_ = _rows(out[:, h], seg, seg.q_start, seg.q_len)
-                    ls = _rows(lse[:, h], seg, seg.q_start, seg.q_len)
-                    ds = _rows(dout[:, h], seg, seg.q_start, seg.q_len)
-                    # A sample counted `count` times contributes `count` times its probabilities.
-                    if count > 1:
-                        ds = ds * count
-                    gq, gk, gv = attend_backward(
-                        ds, qs, ks, vs, os_, ls, causal=ctx.causal and seg.masked, scale=ctx.scale, backend=ctx.backend
-                    )
-                    _add_rows(dq[:, h], seg, seg.q_start, seg.q_len, gq)
-                    _add_rows(dk[:, hk], seg, seg.k_start, seg.k_len, gk)
-                    _add_rows(dv[:, hk], seg, seg.k_start, seg.k_len, gv)
+        items = _work_items(plan, q.shape[0], workers_for(q.device))
+
+        def run(item: WorkItem) -> None:
+            works, b = item
+            for work in works:
+                h, hk = work.head, work.kv_head
+                q_h, k_h, v_h = q[b, h], k[b, hk], v[b, hk]
+                for segments, count in work.samples:
+                    for seg in segments:
+                        qs, ks, vs = _segment_inputs(seg, q_h, k_h, v_h)
+                        os_ = _rows(out[b, h], seg, seg.q_start, seg.q_len)
+                        ls = _rows(lse[b, h], seg, seg.q_start, seg.q_len)
+                        ds = _rows(dout[b, h], seg, seg.q_start, seg.q_len)
+                        # A sample counted `count` times contributes `count` times its probabilities.
+                        if count > 1:
+                            ds = ds * count
+                        gq, gk, gv = attend_backward(
+                            ds,
+                            qs,
+                            ks,
+                            vs,
+                            os_,
+                            ls,
+                            causal=ctx.causal and seg.masked,
+                            scale=ctx.scale,
+                            backend=ctx.backend,
+                        )
+                        _add_rows(dq[b, h], seg, seg.q_start, seg.q_len, gq)
+                        _add_rows(dk[b, hk], seg, seg.k_start, seg.k_len, gk)
+                        _add_rows(dv[b, hk], seg, seg.k_start, seg.k_len, gv)
+
+        run_all(run, items, pool_size(len(items), q.device))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

@@ -16,6 +16,7 @@ import torch
 
 from ._checks import SlopesLike, as_scale, as_slopes, as_window, check_qkv, positive_int
 from ._kernels import attend, attend_backward, resolve_backend
+from ._parallel import pool_size, run_all, work_items, workers_for
 from .sampling import MAX_DENSE_ELEMENTS, Partitions
 
 __all__ = ["alibi_attention", "alibi_bias", "alibi_matrix", "dense_plsh_attention"]
@@ -190,6 +191,14 @@ class _HeadPlan:
         return self.bank[: c.b - c.a, start : start + c.hi - c.lo]
 
 
+def _head_items(q: torch.Tensor, k: torch.Tensor, window: torch.Tensor | None) -> list[tuple[list[int], slice]]:
+    """Independent (heads, batch slice) pieces; a head's cost is its key span."""
+    group = q.shape[1] // k.shape[1]
+    lk = k.shape[2]
+    spans = [lk if window is None else min(lk, 2 * float(window[h]) + 1) for h in range(q.shape[1])]
+    return work_items([(h, h // group, spans[h]) for h in range(q.shape[1])], q.shape[0], workers_for(q.device))
+
+
 class _AlibiFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -209,22 +218,28 @@ class _AlibiFunction(torch.autograd.Function):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
         bias_dtype = q.dtype if backend == "flash" else acc
-        for h in range(q.shape[1]):
-            hk = h // group
-            win = None if window is None else float(window[h])
-            plan = _HeadPlan(lq, lk, float(slopes[h]), win, causal, bias_dtype, q.device)
-            for c in plan.chunks:
-                o, l = attend(
-                    q[:, h : h + 1, c.a : c.b],
-                    k[:, hk : hk + 1, c.lo : c.hi],
-                    v[:, hk : hk + 1, c.lo : c.hi],
-                    causal=False,
-                    scale=scale,
-                    backend=backend,
-                    bias=plan.bias(c)[None, None],
-                )
-                out[:, h, c.a : c.b] = o[:, 0]
-                lse[:, h, c.a : c.b] = l[:, 0]
+        items = _head_items(q, k, window)
+
+        def run(item: tuple[list[int], slice]) -> None:
+            heads, b = item
+            for h in heads:
+                hk = h // group
+                win = None if window is None else float(window[h])
+                plan = _HeadPlan(lq, lk, float(slopes[h]), win, causal, bias_dtype, q.device)
+                for c in plan.chunks:
+                    o, l = attend(
+                        q[b, h : h + 1, c.a : c.b],
+                        k[b, hk : hk + 1, c.lo : c.hi],
+                        v[b, hk : hk + 1, c.lo : c.hi],
+                        causal=False,
+                        scale=scale,
+                        backend=backend,
+                        bias=plan.bias(c)[None, None],
+                    )
+                    out[b, h, c.a : c.b] = o[:, 0]
+                    lse[b, h, c.a : c.b] = l[:, 0]
+
+        run_all(run, items, pool_size(len(items), q.device))
         ctx.save_for_backward(q, k, v, out, lse, slopes, window if window is not None else torch.empty(0))
         ctx.has_window, ctx.causal, ctx.scale, ctx.backend = window is not None, causal, scale, backend
         return out
@@ -244,27 +259,33 @@ class _AlibiFunction(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        for h in range(q.shape[1]):
-            hk = h // group
-            win = None if window is None else float(window[h])
-            plan = _HeadPlan(lq, lk, float(slopes[h]), win, ctx.causal, bias_dtype, q.device)
-            for c in plan.chunks:
-                qs, ks = slice(c.a, c.b), slice(c.lo, c.hi)
-                gq, gk, gv = attend_backward(
-                    dout[:, h : h + 1, qs],
-                    q[:, h : h + 1, qs],
-                    k[:, hk : hk + 1, ks],
-                    v[:, hk : hk + 1, ks],
-                    out[:, h : h + 1, qs],
-                    lse[:, h : h + 1, qs],
-                    causal=False,
-                    scale=ctx.scale,
-                    backend=ctx.backend,
-                    bias=plan.bias(c)[None, None],
-                )
-                dq[:, h, qs] += gq[:, 0]
-                dk[:, hk, ks] += gk[:, 0]
-                dv[:, hk, ks] += gv[:, 0]
+        items = _head_items(q, k, window)
+
+        def run(item: tuple[list[int], slice]) -> None:
+            heads, b = item
+            for h in heads:
+                hk = h // group
+                win = None if window is None else float(window[h])
+                plan = _HeadPlan(lq, lk, float(slopes[h]), win, ctx.causal, bias_dtype, q.device)
+                for c in plan.chunks:
+                    qs, ks = slice(c.a, c.b), slice(c.lo, c.hi)
+                    gq, gk, gv = attend_backward(
+                        dout[b, h : h + 1, qs],
+                        q[b, h : h + 1, qs],
+                        k[b, hk : hk + 1, ks],
+                        v[b, hk : hk + 1, ks],
+                        out[b, h : h + 1, qs],
+                        lse[b, h : h + 1, qs],
+                        causal=False,
+                        scale=ctx.scale,
+                        backend=ctx.backend,
+                        bias=plan.bias(c)[None, None],
+                    )
+                    dq[b, h, qs] += gq[:, 0]
+                    dk[b, hk, ks] += gk[:, 0]
+                    dv[b, hk, ks] += gv[:, 0]
+
+        run_all(run, items, pool_size(len(items), q.device))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
