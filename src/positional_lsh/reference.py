@@ -173,11 +173,11 @@ class _HeadPlan:
         deltas = [q0 + c.a - c.lo for c in chunks]
         self.off = max(deltas)
         width = max(self.off - d + (c.hi - c.lo) for d, c in zip(deltas, chunks, strict=True))
-        window = None if win is None else torch.tensor([win])
+        window = None if win is None else torch.tensor([win], dtype=torch.float64)
         self.bank = alibi_bias(
             rows,
             width,
-            torch.tensor([slope]),
+            torch.tensor([slope], dtype=torch.float64),
             causal=causal,
             window=window,
             q_offset=self.off,
