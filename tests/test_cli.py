@@ -14,7 +14,7 @@ def test_help_lists_commands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("demo", "bench"):
+    for command in ("demo", "bench", "train", "eval", "validate"):
         assert command in out
 
 
@@ -43,6 +43,21 @@ def test_demo_command_runs(capsys):
     assert main(["demo", "--mask-len", "64", "--lengths", "64", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "positional LSH T=16" in out and "exact ALiBi" in out
+    # part 3: the shipped model, with exact ALiBi first and a continuation
+    part3 = out.split("3. Shipped model", 1)[1]
+    assert "exact ALiBi" in part3 and "positional LSH, T=16" in part3 and "continuation:" in part3
+
+
+def test_demo_can_skip_the_model(capsys):
+    assert main(["demo", "--mask-len", "64", "--lengths", "64", "--quiet", "--skip-model"]) == 0
+    assert "Shipped model" not in capsys.readouterr().out
+
+
+def test_validate_defaults_to_the_shipped_model():
+    from positional_lsh.cli import build_parser
+
+    args = build_parser().parse_args(["validate", "--out", "x"])
+    assert args.source == "shipped"
 
 
 def test_bench_rows_and_outputs(tmp_path):

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute subcommands, in the order they appear in --help.
-_COMMAND_MODULES = ("demo", "bench", "validate")
+_COMMAND_MODULES = ("demo", "bench", "train", "evaluate", "validate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,8 +16,8 @@ long lengths), and a statistical unbiasedness test of every scheme. The output d
 ``measurements.csv``, ``schemes.csv``, ``lengths.csv``, ``unbiasedness.csv``, ``config.json`` (every
 setting and seed), ``report.md`` (findings and the paper-shaped tables) and PNG plots.
 
-Inputs: synthetic Gaussian Q/K/V (the default for now), a local transformers checkpoint with a text file,
-or the project's shipped model and corpus (:func:`load_shipped`).
+Inputs: the project's shipped model and corpus (:func:`load_shipped`, the default), synthetic Gaussian Q/K/V,
+or a local transformers checkpoint with a text file.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class ValidateConfig:
     """
 
     out_dir: str
-    source: str = "synthetic"
+    source: str = "shipped"
     checkpoint: str | None = None
     tokenizer: str | None = None
     text: str | None = None
@@ -214,8 +214,7 @@ def load_shipped() -> tuple[torch.nn.Module, Callable[[str], Sequence[int]], str
     The model is ``positional_lsh.model.load_shipped_model()`` (a small ALiBi decoder, captured through its
     fused ``qkv`` projections, see :mod:`positional_lsh.capture`); the text is the longest document of the
     shipped corpus' test split (``positional_lsh.data.corpus_splits()["test"]``), cut into consecutive
-    contexts. This is the hook for ``--source shipped``; making it the default is a one-word change of
-    ``ValidateConfig.source`` and of the CLI default.
+    contexts. It is the default source of ``plsh validate``.
     """
     try:
         from .data import corpus_splits
@@ -1379,9 +1378,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument(
         "--source",
-        choices=("synthetic", "checkpoint", "shipped"),
-        default="synthetic",
-        help="Q/K/V source: Gaussian, a local transformers checkpoint, or the project's shipped model",
+        choices=("shipped", "synthetic", "checkpoint"),
+        default="shipped",
+        help="Q/K/V source: the project's shipped model (default), Gaussian, or a local transformers checkpoint",
     )
     p.add_argument("--checkpoint", help="local transformers checkpoint directory (--source checkpoint)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's)")

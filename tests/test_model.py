@@ -1,0 +1,318 @@
+"""Tests for positional_lsh.model: every position mode, exact references, generation, checkpoints, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from positional_lsh import data as D
+from positional_lsh.model import (
+    POSITIONS,
+    ModelConfig,
+    TransformerLM,
+    apply_rope,
+    is_checkpoint,
+    load_checkpoint,
+    rope_cos_sin,
+    save_checkpoint,
+)
+
+from conftest import naive_alibi
+
+TINY = {"vocab_size": 97, "seq_len": 16, "n_layer": 2, "n_head": 4, "d_model": 32}
+
+
+def tiny(position: str = "alibi", **kw: object) -> TransformerLM:
+    torch.manual_seed(0)
+    return TransformerLM(ModelConfig(**{**TINY, "position": position, **kw}))
+
+
+def ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def dense_reference_logits(model: TransformerLM, x: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's forward with attention replaced by an explicit float64 n x n ALiBi bias (conftest.naive_alibi)."""
+    cfg = model.cfg
+    h = model.embed(x).double()
+    for block in model.blocks:
+        a = block.attn
+        z = block.norm1(h)
+        b, n, c = z.shape
+        q, k, v = a.qkv(z).view(b, n, 3, cfg.n_head, cfg.head_dim).permute(2, 0, 3, 1, 4)
+        y = naive_alibi(q, k, v, cfg.slopes(), causal=True, window=window)
+        h = h + a.proj(y.transpose(1, 2).reshape(b, n, c))
+        h = h + block.mlp(block.norm2(h))
+    return model.head(model.norm(h))
+
+
+# --------------------------------------------------------------------------------------------------
+# Every mode runs forward and backward
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_every_mode_forward_backward(position: str) -> None:
+    model = tiny(position, num_samples=2, window=6.0 if position == "window-alibi" else None).train()
+    x = ids()
+    logits, loss = model(x, torch.roll(x, -1, dims=1))
+    assert logits.shape == (2, 24, TINY["vocab_size"]) and logits.dtype == torch.float32
+    value = loss.item()
+    assert math.isfinite(value) and abs(value - math.log(TINY["vocab_size"])) < 0.5
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_every_mode_under_bf16_autocast(position: str) -> None:
+    model = tiny(position, num_samples=2).train()
+    x = ids()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(x, x)
+    loss.backward()
+    assert logits.dtype == torch.float32 and math.isfinite(loss.item())
+
+
+def test_state_dict_does_not_depend_on_position() -> None:
+    keys = {tuple(tiny(p).state_dict()) for p in POSITIONS}
+    assert len(keys) == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Exact references
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "chunked"])
+def test_alibi_equals_dense_reference(impl: str) -> None:
+    model = tiny("alibi", alibi_impl=impl).double().eval()
+    x = ids(length=40)
+    ref = dense_reference_logits(model, x)
+    torch.testing.assert_close(model(x).double(), ref.float().double(), rtol=1e-5, atol=1e-5)
+
+
+def test_alibi_constant_sigma_and_window_equal_dense_reference() -> None:
+    model = tiny("window-alibi", sigma=4.0, window=5.0).double().eval()
+    x = ids(length=30)
+    ref = dense_reference_logits(model, x, window=torch.full((4,), 5.0))
+    torch.testing.assert_close(model(x).double(), ref.float().double(), rtol=1e-5, atol=1e-5)
+    model.set_position("alibi")
+    assert not torch.allclose(model(x).double(), ref.float().double(), atol=1e-3)  # the window matters
+
+
+def test_alibi_gradients_match_dense_reference() -> None:
+    model = tiny("alibi").double()
+    x = ids(length=20)
+    loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    loss_ref = F.cross_entropy(dense_reference_logits(model, x).flatten(0, 1), x.flatten())
+    grads_ref = torch.autograd.grad(loss_ref, list(model.parameters()))
+    for g, r in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-8)
+
+
+def test_slope_zero_is_nope() -> None:
+    """sigma = inf (slope 0): ALiBi and positional LSH (one block, any T) are plain causal attention."""
+    x = ids(length=33)
+    nope = tiny("nope").eval()
+    ref = nope(x)
+    for position in ("alibi", "plsh"):
+        nope.set_position(position, sigma=math.inf, num_samples=3)
+        torch.testing.assert_close(nope(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_plsh_approaches_alibi_with_many_samples() -> None:
+    model = tiny("alibi").double().eval()
+    x = ids(length=48)
+    exact = torch.log_softmax(model(x).double(), -1)
+    errors = []
+    for t in (2, 32, 512):
+        model.set_position("plsh", num_samples=t, eval_seed=1)
+        with torch.no_grad():
+            errors.append(float((torch.log_softmax(model(x).double(), -1) - exact).abs().max()))
+    assert errors[0] > errors[1] > errors[2]
+    assert errors[2] < 0.1 * errors[0]  # the error falls about like 1 / sqrt(T)
+    assert errors[2] < 0.01
+
+
+def test_plsh_partitions_fresh_in_training_fixed_in_eval() -> None:
+    model = tiny("plsh", num_samples=1)
+    x = ids()
+    model.eval()
+    torch.testing.assert_close(model(x), model(x), rtol=0, atol=0)
+    model.train()
+    a, b = model(x), model(x)
+    assert not torch.allclose(a, b)
+    # the training partitions are reproducible from the seed
+    other = tiny("plsh", num_samples=1).train()
+    torch.testing.assert_close(other(x), a, rtol=0, atol=0)
+
+
+def test_rng_state_round_trip() -> None:
+    model = tiny("plsh", num_samples=2).train()
+    x = ids()
+    state = model.rng_state()
+    a = model(x)
+    model.set_rng_state(state)
+    torch.testing.assert_close(model(x), a, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one entry per layer"):
+        model.set_rng_state(state[:1])
+
+
+def test_rope_depends_on_relative_position_only() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8, generator=g, dtype=torch.float64), torch.randn(1, 1, 1, 8, generator=g).double()
+
+    def score(m: int, n: int) -> float:
+        cq, sq = rope_cos_sin(torch.tensor([m]), 8, 10000.0, torch.float64)
+        ck, sk = rope_cos_sin(torch.tensor([n]), 8, 10000.0, torch.float64)
+        return float((apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum())
+
+    assert score(7, 3) == pytest.approx(score(107, 103), rel=1e-9)
+    assert score(7, 3) != pytest.approx(score(7, 5), rel=1e-3)
+    cq, sq = rope_cos_sin(torch.tensor([0]), 8, 10000.0, torch.float64)
+    torch.testing.assert_close(apply_rope(q, cq, sq), q)  # position 0 is the identity
+
+
+# --------------------------------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_generate_with_cache_equals_recomputation(position: str) -> None:
+    model = tiny(position, num_samples=3, window=5.0 if position == "window-alibi" else None)
+    prompt = ids(batch=2, length=7)
+    a = model.generate(prompt, 12, temperature=0.0, use_cache=True)
+    b = model.generate(prompt, 12, temperature=0.0, use_cache=False)
+    assert a.shape == (2, 19) and torch.equal(a[:, :7], prompt)
+    assert torch.equal(a, b)
+    # the cached logits equal the full forward, position by position
+    full = model(a)
+    _, cache = model.forward_with_cache(a[:, :10])
+    step, _ = model.forward_with_cache(a[:, 10:11], cache)
+    torch.testing.assert_close(step[:, 0], full[:, 10], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_sampling_is_seeded_and_stops() -> None:
+    model = tiny("alibi")
+    prompt = ids(batch=1, length=5)
+    a = model.generate(prompt, 10, top_k=5, generator=3)
+    b = model.generate(prompt, 10, top_k=5, generator=3)
+    assert torch.equal(a, b)
+    first = int(model.generate(prompt, 1, temperature=0.0)[0, -1])
+    stopped = model.generate(prompt, 10, temperature=0.0, stop_token=first)
+    assert stopped.shape == (1, 6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> D.BPETokenizer:
+    return D.train_tokenizer(["the quick brown fox jumps over the lazy dog " * 20, "pack my box " * 30], 300)
+
+
+def test_checkpoint_round_trip(tmp_path, tokenizer: D.BPETokenizer) -> None:
+    model = tiny("plsh", num_samples=2, vocab_size=tokenizer.vocab_size, sigma=8.0).eval()
+    x = torch.randint(0, tokenizer.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    save_checkpoint(tmp_path / "ck", model, tokenizer, metadata={"note": "hi"})
+    assert is_checkpoint(tmp_path / "ck") and not is_checkpoint(tmp_path)
+    ck = load_checkpoint(tmp_path / "ck")
+    assert ck.model.cfg == model.cfg and not ck.model.training
+    assert ck.tokenizer == tokenizer and ck.metadata["note"] == "hi"
+    torch.testing.assert_close(ck.model(x), model(x), rtol=0, atol=0)
+    assert ck.model.head.weight is ck.model.embed.weight  # still tied
+    # a different position mode at load time, same weights
+    alibi = load_checkpoint(tmp_path / "ck", position="alibi").model
+    assert alibi.cfg.position == "alibi" and torch.equal(alibi.embed.weight, model.embed.weight)
+
+
+def test_checkpoint_half_storage_loads_float32(tmp_path) -> None:
+    model = tiny("alibi").eval()
+    x = ids()
+    save_checkpoint(tmp_path / "h", model, dtype="float16")
+    full = save_checkpoint(tmp_path / "f", model)
+    size_h = (tmp_path / "h" / "model.safetensors").stat().st_size
+    size_f = (full / "model.safetensors").stat().st_size
+    assert size_h < 0.6 * size_f
+    ck = load_checkpoint(tmp_path / "h")
+    assert ck.tokenizer is None and ck.model.embed.weight.dtype == torch.float32
+    torch.testing.assert_close(ck.model(x), model(x), rtol=0, atol=2e-3)
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["weights_dtype"] == "float16"
+
+
+def test_checkpoint_bad_input(tmp_path, tokenizer: D.BPETokenizer) -> None:
+    model = tiny("alibi")
+    with pytest.raises(ValueError, match="dtype"):
+        save_checkpoint(tmp_path / "x", model, dtype="int8")
+    with pytest.raises(TypeError, match="model"):
+        save_checkpoint(tmp_path / "x", "model")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tokenizer has"):
+        save_checkpoint(tmp_path / "x", model, tokenizer)  # 300 ids > 97
+    with pytest.raises(ValueError, match="not a directory"):
+        load_checkpoint(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        load_checkpoint(tmp_path / "empty")
+    save_checkpoint(tmp_path / "ok", model)
+    with pytest.raises(ValueError, match="unknown model config keys"):
+        load_checkpoint(tmp_path / "ok", not_a_field=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "match"),
+    [
+        ({"position": "learned"}, ValueError, "position"),
+        ({"d_model": 30}, ValueError, "multiple of n_head"),
+        ({"n_layer": 0}, ValueError, "n_layer"),
+        ({"n_head": 2.0}, TypeError, "n_head"),
+        ({"scheme": "uniform"}, ValueError, "scheme"),
+        ({"sigma": -1.0}, ValueError, "sigma"),
+        ({"window": [1.0, 2.0]}, ValueError, "one entry per head"),
+        ({"dropout": 1.0}, ValueError, "dropout"),
+        ({"position": "rope", "n_head": 32}, ValueError, "even head dimension"),
+        ({"alibi_impl": "flex"}, ValueError, "alibi_impl"),
+        ({"attn_fp32": "yes"}, TypeError, "attn_fp32"),
+    ],
+)
+def test_config_bad_input(kw: dict, exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        ModelConfig(**{**TINY, **kw})
+
+
+def test_forward_and_generate_bad_input() -> None:
+    model = tiny("alibi")
+    with pytest.raises(TypeError, match="idx"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="idx"):
+        model(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="outside"):
+        model(torch.full((1, 4), 97))
+    with pytest.raises(ValueError, match="targets"):
+        model(ids(), ids()[:, :3])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(ids(), -1)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(ids(), 2, temperature=-1.0)
+    with pytest.raises(TypeError, match="generator"):
+        model.generate(ids(), 2, generator="seed")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not position settings"):
+        model.set_position("plsh", d_model=64)
+    with pytest.raises(ValueError, match="position"):
+        model.set_position("relative")
+    with pytest.raises(TypeError, match="ModelConfig"):
+        TransformerLM({"position": "alibi"})  # type: ignore[arg-type]
