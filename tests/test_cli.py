@@ -4,6 +4,7 @@ import csv
 import math
 
 import pytest
+import torch
 
 from positional_lsh.bench import growth_exponents, run_benchmark, write_outputs
 from positional_lsh.cli import main
@@ -94,3 +95,32 @@ def test_cli_rejects_bad_lengths(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--lengths", "ten"])
     assert "comma-separated" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", [700, 1024])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("windowed", [True, False])
+def test_band_block_mask_equals_torch_create_block_mask(n, causal, windowed):
+    # The benchmark builds FlexAttention block masks from the band's geometry (torch's create_block_mask
+    # materializes n x n); both must select the same partial and full blocks.
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    from positional_lsh.bench import band_block_mask
+
+    if not windowed and not causal:
+        pytest.skip("no mask")
+    win = torch.tensor([40.0, 130.0, 300.0, 1e9]) if windowed else None
+    wi = None if win is None else win.long()
+
+    def mask_mod(b, h, qi, ki):
+        ok = (qi - ki).abs() <= wi[h] if wi is not None else qi >= ki
+        return ok & (qi >= ki) if causal else ok
+
+    ours = band_block_mask(n, win, causal=causal, mask_mod=mask_mod)
+    ref = create_block_mask(mask_mod, None, 4 if windowed else None, n, n, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+
+    def full(bm):
+        return BlockMask.from_kv_blocks(bm.full_kv_num_blocks, bm.full_kv_indices, seq_lengths=(n, n)).to_dense()
+
+    assert torch.equal(full(ours), full(ref))
