@@ -22,6 +22,7 @@ from .sampling import MAX_DENSE_ELEMENTS, Partitions
 __all__ = ["alibi_attention", "alibi_bias", "alibi_matrix", "dense_plsh_attention"]
 
 # alibi_attention materializes at most about this many bias/score entries per kernel call.
+_MIN_WINDOW_ROWS = 64  # query rows per chunk for windowed ALiBi (at least)
 _CHUNK_ELEMENTS = 2**22
 
 
@@ -162,6 +163,8 @@ class _HeadPlan:
         reach = None if win is None else int(win)
         span = k_len if reach is None else min(k_len, 2 * reach + 1)
         rows = max(1, min(q_len, _CHUNK_ELEMENTS // max(1, span)))
+        if reach is not None:  # a chunk of r rows spans r + reach keys: keep r near reach, not the whole input
+            rows = min(rows, max(_MIN_WINDOW_ROWS, reach))
         chunks = []
         for a in range(0, q_len, rows):
             b = min(q_len, a + rows)
