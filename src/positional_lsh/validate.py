@@ -750,6 +750,25 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _loglog(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.25)
+
+
+def _save(fig: Any, legend_ax: Any, path: Path, fontsize: float = 6.5) -> Path:
+    import matplotlib.pyplot as plt
+
+    legend_ax.legend(fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _plots(
     out: Path,
     rows: list[dict[str, Any]],
@@ -801,17 +820,8 @@ def _plots(
                 [r["relative_spectral"] for r in sub if r["samples"] == ss[0] and r["scheme"] == cfg.schemes[0]]
             )
             ax.plot(ss, [y0 * (s / ss[0]) ** -0.5 for s in ss], color="gray", lw=0.8, label="slope -1/2")
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_xlabel("samples s")
-            ax.set_ylabel("relative error (geo-mean over heads)")
-            ax.set_title(f"n={n}, slopes={mode}", fontsize=9)
-            ax.grid(True, which="both", alpha=0.25)
-        axes[0][0].legend(fontsize=6.5)
-        fig.tight_layout()
-        files["error_vs_samples"] = out / "error_vs_samples.png"
-        fig.savefig(files["error_vs_samples"])
-        plt.close(fig)
+            _loglog(ax, "samples s", "relative error (geo-mean over heads)", f"n={n}, slopes={mode}")
+        files["error_vs_samples"] = _save(fig, axes[0][0], out / "error_vs_samples.png", 6.5)
     # error vs n
     lrows = [r for r in len_rows if r["slope"] > 0]
     if lrows:
@@ -831,17 +841,8 @@ def _plots(
                 ax.plot(ns, ms, "^:", color=c, label=f"{scheme}: max|Mbar-A|")
             be = [_geomean([r["bound_expected_relative"] for r in sub if r["seq_len"] == n]) for n in ns]
             ax.plot(ns, be, "k--", label="expectation bound / ||A||")
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_xlabel("sequence length n")
-            ax.set_ylabel("error (geo-mean over heads)")
-            ax.set_title(f"s={cfg.length_samples}, slopes={mode}", fontsize=9)
-            ax.grid(True, which="both", alpha=0.25)
-        axes[0][0].legend(fontsize=6.5)
-        fig.tight_layout()
-        files["error_vs_length"] = out / "error_vs_length.png"
-        fig.savefig(files["error_vs_length"])
-        plt.close(fig)
+            _loglog(ax, "sequence length n", "error (geo-mean over heads)", f"s={cfg.length_samples}, slopes={mode}")
+        files["error_vs_length"] = _save(fig, axes[0][0], out / "error_vs_length.png", 6.5)
     # schemes
     crows = [r for r in cmp_rows if r["slope"] > 0]
     if crows:
@@ -864,11 +865,7 @@ def _plots(
             ax.set_yscale("log")
             ax.set_title(f"{title}, T={crows[0]['samples']}, n={crows[0]['seq_len']}", fontsize=9)
             ax.grid(True, axis="y", which="both", alpha=0.25)
-        axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        files["schemes"] = out / "schemes.png"
-        fig.savefig(files["schemes"])
-        plt.close(fig)
+        files["schemes"] = _save(fig, axes[0], out / "schemes.png", 7)
     return files
 
 
