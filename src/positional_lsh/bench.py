@@ -31,6 +31,7 @@ import re
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -301,6 +302,10 @@ def run_benchmark(
     per_length = len([m for m in methods if m != "plsh"]) + len(samples) * ("plsh" in methods)
     bar = tqdm(total=len(lengths) * per_length, desc="plsh bench", disable=not progress)
     for n in lengths:
+        if flex is not None:
+            # Each length compiles FlexAttention anew (static shapes); forget earlier lengths so that torch's
+            # recompile limit is never hit (past it, flex_attention silently runs unfused and materializes n x n).
+            torch._dynamo.reset()
         g = torch.Generator().manual_seed(seed + n)
         q, k, v, grad = (torch.randn(1, num_heads, n, head_dim, generator=g).to(dtype) for _ in range(4))
         mask_gib = num_heads * n * n * q.element_size() / 2**30
@@ -324,7 +329,8 @@ def run_benchmark(
         bar.update(per_length - len(todo))  # methods that do not run at this length
         for m in todo:
             bar.set_postfix_str(f"n={n} {m.name}{'' if m.samples is None else f' T={m.samples}'}")
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*flex_attention called without torch.compile")
                 if m.name.startswith("flex"):
                     m.fn(q, k, v)  # compile for this shape, outside the timing
                 times, peak, out = _measure(lambda m=m, q=q, k=k, v=v: m.fn(q, k, v), repeats, long_seconds)
