@@ -513,17 +513,22 @@ def _main(args: argparse.Namespace) -> int:
 
 def register_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="time/memory/error of positional LSH vs exact and windowed ALiBi")
-    p.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072])
+    p.add_argument(
+        "--lengths",
+        type=_int_list,
+        default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072],
+        help="sequence lengths n, comma-separated (default 1k ... 128k)",
+    )
     p.add_argument("--samples", type=_int_list, default=[1, 4, 8, 16], help="T values for plsh")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated, from {ALL_METHODS}")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=8, help="attention heads H (standard ALiBi slopes)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension d")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    p.add_argument("--scheme", default="discrete")
-    p.add_argument("--bidirectional", action="store_true")
+    p.add_argument("--scheme", default="discrete", help="positional-LSH sampling scheme")
+    p.add_argument("--bidirectional", action="store_true", help="non-causal attention")
     p.add_argument("--no-backward", action="store_true", help="forward only")
-    p.add_argument("--backward-max-len", type=int, default=1 << 17)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backward-max-len", type=int, default=1 << 17, help="longest n timed with a backward")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median reported)")
     p.add_argument("--long-seconds", type=float, default=20.0, help="run once when a call takes longer")
     p.add_argument(
         "--sdpa-max-gib",
@@ -532,6 +537,6 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
         help="skip sdpa-mask where its (H, n, n) float mask (plus 25%%) would exceed this many GiB",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the partitions")
+    p.add_argument("--out", default="runs/bench", help="output directory (bench.csv, bench.md, bench.png)")
     p.set_defaults(func=_main)
