@@ -579,6 +579,7 @@ def plot_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str]) -> li
     except ImportError:
         print("plsh eval: matplotlib is not installed; no plots written (pip install matplotlib)", file=sys.stderr)
         return []
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     out = Path(out_dir)
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
