@@ -579,8 +579,8 @@ def plot_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str]) -> li
     except ImportError:
         print("plsh eval: matplotlib is not installed; no plots written (pip install matplotlib)", file=sys.stderr)
         return []
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     curves: dict[tuple[str, str], list[EvalRow]] = {}
@@ -668,7 +668,7 @@ class ShippedDemo:
         lines += [
             "",
             f"prompt: {self.prompt!r}",
-            f"continuation (sampled: temperature 0.8, top-k 40, seed 0): {self.continuation!r}",
+            f"continuation: {self.continuation!r} (exact ALiBi; sampled: temperature 0.8, top-k 40, seed 0)",
         ]
         return "\n".join(lines)
 
