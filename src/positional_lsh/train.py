@@ -665,6 +665,7 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     result = train(cfg, model_cfg, resume=args.resume, command=getattr(args, "command_line", None))
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank tears gloo down while another is still talking to it
         dist.destroy_process_group()
     return 0 if result.step > 0 or result.finished else 1
 
