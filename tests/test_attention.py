@@ -249,7 +249,7 @@ def test_module_bad_input():
 @pytest.mark.parametrize("backend", ["flash", "math"])
 def test_long_causal_blocks_are_split_and_exact(backend):
     # Slopes this small give blocks of hundreds of positions, which the fast path splits into sub-blocks.
-    from positional_lsh.attention import _plan
+    from positional_lsh.ops.attention import _plan
 
     n = 900
     q, k, v = _qkv(1, 3, 3, n, n, 8, seed=4, grad=True)
@@ -286,7 +286,7 @@ def test_worker_pool_matches_sequential(b, hq, hkv):
 
 
 def test_work_items_cover_every_head_and_batch_row_once():
-    from positional_lsh.attention import _plan, _work_items
+    from positional_lsh.ops.attention import _plan, _work_items
 
     parts = sample_partitions(64, alibi_slopes(6), 2, generator=0)
     plan = _plan(parts, 3, 64, True)

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from positional_lsh.bench import growth_exponents, run_benchmark, write_outputs
 from positional_lsh.cli import main
-from positional_lsh.demo import attention_table, mask_convergence_table
+from positional_lsh.cli.bench import growth_exponents, run_benchmark, write_outputs
+from positional_lsh.cli.demo import attention_table, mask_convergence_table
 
 
 def test_help_lists_commands(capsys):
@@ -104,7 +104,7 @@ def test_band_block_mask_equals_torch_create_block_mask(n, causal, windowed):
     # materializes n x n); both must select the same partial and full blocks.
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-    from positional_lsh.bench import band_block_mask
+    from positional_lsh.cli.bench import band_block_mask
 
     win = torch.tensor([40.0, 130.0, 300.0, 1e9]) if windowed else None
     wi = None if win is None else win.long()

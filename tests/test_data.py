@@ -1,4 +1,4 @@
-"""Tests for positional_lsh.data: shipped corpus, splits, loaders, tokenizer, token streams and windows."""
+"""Tests for positional_lsh.lm.data: shipped corpus, splits, loaders, tokenizer, token streams and windows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from positional_lsh import data as D
+from positional_lsh.lm import data as D
 
 # --------------------------------------------------------------------------------------------
 # Fixtures
@@ -45,7 +45,7 @@ def tok(small_texts: list[str]) -> D.BPETokenizer:
 def test_corpus_file_ships_inside_the_package() -> None:
     p = D.corpus_path()
     assert p.is_file()
-    assert p.parent.name == "corpus" and p.parent.parent.name == "positional_lsh"
+    assert p.parent.name == "corpus" and p.parent.parent.name == "lm" and p.parent.parent.parent.name == "positional_lsh"
     assert p.stat().st_size < 5_000_000  # small enough for the repository
 
 

@@ -1,4 +1,4 @@
-"""Tests for positional_lsh.evaluate: sliding-window metrics vs direct computation, cost accounting, the
+"""Tests for positional_lsh.lm.evaluate: sliding-window metrics vs direct computation, cost accounting, the
 checkpoint and transformers paths of ``plsh eval``, outputs, the shipped model demo, bad input."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from positional_lsh import data as D
-from positional_lsh import evaluate as E
-from positional_lsh.model import ModelConfig, TransformerLM, save_checkpoint
-from positional_lsh.sampling import sample_partitions
-from positional_lsh.slopes import alibi_slopes
+from positional_lsh.lm import data as D
+from positional_lsh.lm import evaluate as E
+from positional_lsh.lm.model import ModelConfig, TransformerLM, save_checkpoint
+from positional_lsh.ops.sampling import sample_partitions
+from positional_lsh.ops.slopes import alibi_slopes
 
 
 def toy_model(vocab: int = 50, position: str = "alibi") -> TransformerLM:
@@ -189,7 +189,7 @@ def test_cli_writes_table_csv_and_plots(eval_setup: tuple[Path, Path, Path], tmp
 
 def test_plsh_trained_checkpoint_gets_exact_alibi_rows(eval_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
     data, _, ckpt = eval_setup
-    from positional_lsh.model import load_checkpoint
+    from positional_lsh.lm.model import load_checkpoint
 
     ck = load_checkpoint(ckpt)
     ck.model.set_position("plsh", num_samples=2)
@@ -217,7 +217,7 @@ def test_eval_bad_input(eval_setup: tuple[Path, Path, Path], tmp_path: Path, cap
 def test_transformers_checkpoint_path(eval_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
     """A local BLOOM folder: its own attention, and the library's exact ALiBi through the hf swap, agree."""
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("positional_lsh.hf")
+    pytest.importorskip("positional_lsh.integrations.hf")
     data, tok_file, _ = eval_setup
     vocab = D.BPETokenizer.load(tok_file).vocab_size
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""transformers integration (positional_lsh.hf): tiny random-initialized models, nothing downloaded."""
+"""transformers integration (positional_lsh.integrations.hf): tiny random-initialized models, nothing downloaded."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from transformers import (  # noqa: E402
 )
 
 from positional_lsh import hf  # noqa: E402
-from positional_lsh.reference import alibi_bias  # noqa: E402
+from positional_lsh.ops.reference import alibi_bias  # noqa: E402
 
 V = 97
 

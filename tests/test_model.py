@@ -1,4 +1,4 @@
-"""Tests for positional_lsh.model: every position mode, exact references, generation, checkpoints, bad input."""
+"""Tests for positional_lsh.lm.model: every position mode, exact references, generation, checkpoints, bad input."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from positional_lsh import data as D
-from positional_lsh.model import (
+from positional_lsh.lm import data as D
+from positional_lsh.lm.model import (
     POSITIONS,
     ModelConfig,
     TransformerLM,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import positional_lsh.reference as reference
+import positional_lsh.ops.reference as reference
 from positional_lsh import (
     alibi_attention,
     alibi_bias,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from positional_lsh import alibi_matrix, alibi_slopes, dense_plsh_attention, sample_partitions
-from positional_lsh.sampling import SCHEMES
+from positional_lsh.ops.sampling import SCHEMES
 from positional_lsh.theory import (
     MeanMaskOperator,
     _block_starts,
@@ -198,7 +198,7 @@ def test_max_error_edge_cases():
     # slope 0: one block, exact
     assert max_error(sample_partitions(50, [0.0], 3, generator=0)) == 0.0
     # a single block covering everything (huge pitch, shift 0): error = 1 - A at the farthest pair
-    from positional_lsh.sampling import Partitions
+    from positional_lsh.ops.sampling import Partitions
 
     big = Partitions(
         30, torch.tensor([0.1], dtype=torch.float64), torch.tensor([[1e9]]), torch.tensor([[0.0]]), "gamma"

@@ -1,4 +1,4 @@
-"""Tests for positional_lsh.train: schedule, determinism, exact resume, 2-process DDP, the CLI, bad input."""
+"""Tests for positional_lsh.lm.train: schedule, determinism, exact resume, 2-process DDP, the CLI, bad input."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from positional_lsh import data as D
-from positional_lsh import train as T
-from positional_lsh.model import ModelConfig, load_checkpoint
+from positional_lsh.lm import data as D
+from positional_lsh.lm import train as T
+from positional_lsh.lm.model import ModelConfig, load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_two_process_ddp_equals_one_process_with_double_batch(
             "--autocast", "float32", "--no-progress"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += ["-m", "positional_lsh.train", "--out", str(tmp_path / "ddp"), "--batch-size", "2", *args]
+    cmd += ["-m", "positional_lsh.lm.train", "--out", str(tmp_path / "ddp"), "--batch-size", "2", *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cpu x 2" in proc.stdout

@@ -12,21 +12,21 @@ import torch
 from torch import nn
 
 from positional_lsh import alibi_attention, alibi_slopes
-from positional_lsh.capture import (
-    CapturePoint,
-    capture_qkv,
-    model_alibi_slopes,
-    split_fused_blocks,
-    synthetic_qkv,
-    tokenize_contexts,
-)
-from positional_lsh.validate import (
+from positional_lsh.cli.validate import (
     MEASUREMENT_FIELDS,
     ValidateConfig,
     command_line,
     config_from_args,
     register_cli,
     run_validation,
+)
+from positional_lsh.theory.capture import (
+    CapturePoint,
+    capture_qkv,
+    model_alibi_slopes,
+    split_fused_blocks,
+    synthetic_qkv,
+    tokenize_contexts,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -422,7 +422,7 @@ def test_validate_on_a_local_checkpoint(tmp_path):
 
 def _shipped():
     try:
-        from positional_lsh.model import load_shipped_model
+        from positional_lsh.lm.model import load_shipped_model
 
         return load_shipped_model()
     except (ImportError, FileNotFoundError):

@@ -10,7 +10,8 @@ import pytest
 import torch
 from scipy.special import ndtri
 
-from positional_lsh import dense_plsh_attention, plsh_attention, sample_partitions, sampling
+from positional_lsh import dense_plsh_attention, plsh_attention, sample_partitions
+from positional_lsh.ops import sampling
 from positional_lsh.theory import (
     MeanMaskOperator,
     alibi_spectral_norm,

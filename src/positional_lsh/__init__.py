@@ -1,15 +1,40 @@
 """positional-lsh: ALiBi attention approximated by averaging random contiguous block-diagonal masks.
 
-Core ops (:func:`plsh_attention`, :func:`alibi_attention`, :func:`sample_partitions`) and the language model
-(:class:`TransformerLM`, :func:`load_shipped_model`) are re-exported here; the theory lives in
-:mod:`positional_lsh.theory`, the transformers integration in :mod:`positional_lsh.hf`.
+The op layer (:mod:`positional_lsh.ops`) is re-exported here: :func:`plsh_attention`, :func:`alibi_attention`,
+:func:`sample_partitions` and friends. Tensors are ``(batch, heads, length, head_dim)``; head ``h`` adds
+``-slopes[h] * |i - j|`` to the scaled score ``q_i . k_j * scale`` (ALiBi's sign convention).
+
+The language model (:class:`TransformerLM`, :class:`ModelConfig`, :func:`load_checkpoint`,
+:func:`load_shipped_model`) is re-exported lazily, so ``import positional_lsh`` loads only the op layer.
+The rooms (see ``docs/architecture.md``): :mod:`positional_lsh.theory`, :mod:`positional_lsh.lm`,
+:mod:`positional_lsh.integrations.hf` (alias :mod:`positional_lsh.hf`), :mod:`positional_lsh.cli`.
 """
 
-from .attention import PositionalLSHAttention, plsh_attention
-from .model import ModelConfig, TransformerLM, load_checkpoint, load_shipped_model
-from .reference import alibi_attention, alibi_bias, alibi_matrix, dense_plsh_attention
-from .sampling import Partitions, sample_partitions
-from .slopes import alibi_slopes
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from positional_lsh.ops import (
+    Partitions,
+    PositionalLSHAttention,
+    alibi_attention,
+    alibi_bias,
+    alibi_matrix,
+    alibi_slopes,
+    dense_plsh_attention,
+    plsh_attention,
+    register_scheme,
+    sample_partitions,
+)
+
+# Names served from the language-model room on first access (module-level __getattr__, PEP 562).
+_LAZY = {
+    "ModelConfig": "positional_lsh.lm",
+    "TransformerLM": "positional_lsh.lm",
+    "load_checkpoint": "positional_lsh.lm",
+    "load_shipped_model": "positional_lsh.lm",
+}
 
 __all__ = [
     "ModelConfig",
@@ -24,6 +49,15 @@ __all__ = [
     "load_checkpoint",
     "load_shipped_model",
     "plsh_attention",
+    "register_scheme",
     "sample_partitions",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'positional_lsh' has no attribute {name!r}")

@@ -39,7 +39,7 @@ from typing import IO, Any
 
 import torch
 
-from ._checks import as_generator, positive_int
+from positional_lsh.ops._checks import as_generator, positive_int
 
 __all__ = [
     "DEFAULT_VOCAB_SIZE",

@@ -40,10 +40,18 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import sampling, theory
-from .capture import LayerQKV, capture_qkv, load_checkpoint, model_alibi_slopes, synthetic_qkv, tokenize_contexts
-from .sampling import sample_partitions
-from .slopes import alibi_slopes
+from positional_lsh import theory
+from positional_lsh.ops import sampling
+from positional_lsh.ops.sampling import sample_partitions
+from positional_lsh.ops.slopes import alibi_slopes
+from positional_lsh.theory.capture import (
+    LayerQKV,
+    capture_qkv,
+    load_checkpoint,
+    model_alibi_slopes,
+    synthetic_qkv,
+    tokenize_contexts,
+)
 
 __all__ = [
     "ValidateConfig",
@@ -211,14 +219,14 @@ class _Context:
 def load_shipped() -> tuple[torch.nn.Module, Callable[[str], Sequence[int]], str, dict[str, Any]]:
     """The project's shipped model and corpus: ``(model, encode, text, description)``.
 
-    The model is ``positional_lsh.model.load_shipped_model()`` (a small ALiBi decoder, captured through its
-    fused ``qkv`` projections, see :mod:`positional_lsh.capture`); the text is the longest document of the
-    shipped corpus' test split (``positional_lsh.data.corpus_splits()["test"]``), cut into consecutive
+    The model is ``positional_lsh.lm.model.load_shipped_model()`` (a small ALiBi decoder, captured through its
+    fused ``qkv`` projections, see :mod:`positional_lsh.theory.capture`); the text is the longest document of the
+    shipped corpus' test split (``positional_lsh.lm.data.corpus_splits()["test"]``), cut into consecutive
     contexts. It is the default source of ``plsh validate``.
     """
     try:
-        from .data import corpus_splits
-        from .model import load_shipped_model
+        from positional_lsh.lm.data import corpus_splits
+        from positional_lsh.lm.model import load_shipped_model
     except ImportError as exc:
         raise NotImplementedError(
             f"the project's shipped model and corpus are not available ({exc}); use --source synthetic, or "
@@ -229,7 +237,7 @@ def load_shipped() -> tuple[torch.nn.Module, Callable[[str], Sequence[int]], str
         raise FileNotFoundError("the shipped model has no tokenizer")
     doc = max(corpus_splits()["test"], key=lambda d: len(d.text))
     desc = {
-        "source": "shipped model (positional_lsh.model.load_shipped_model)",
+        "source": "shipped model (positional_lsh.lm.model.load_shipped_model)",
         "position": getattr(ckpt.model.cfg, "position", "?"),
         "text": f"shipped corpus, test split: {doc.title}",
     }
@@ -1220,7 +1228,7 @@ def _run(cfg: ValidateConfig) -> ValidationResult:
 
 def _version() -> str:
     try:
-        from . import __version__
+        from positional_lsh import __version__
 
         return __version__
     except ImportError:  # pragma: no cover

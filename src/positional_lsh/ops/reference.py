@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import SlopesLike, as_scale, as_slopes, as_window, check_qkv, positive_int
-from ._kernels import attend, attend_backward, resolve_backend
-from ._parallel import pool_size, run_all, work_items, workers_for
-from .sampling import MAX_DENSE_ELEMENTS, Partitions
+from positional_lsh.ops._checks import SlopesLike, as_scale, as_slopes, as_window, check_qkv, positive_int
+from positional_lsh.ops._kernels import attend, attend_backward, resolve_backend
+from positional_lsh.ops._parallel import pool_size, run_all, work_items, workers_for
+from positional_lsh.ops.sampling import MAX_DENSE_ELEMENTS, Partitions
 
 __all__ = ["alibi_attention", "alibi_bias", "alibi_matrix", "dense_plsh_attention"]
 

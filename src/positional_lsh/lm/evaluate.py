@@ -4,7 +4,7 @@ Protocol (the ALiBi paper's sliding-window evaluation, as the positional-LSH pap
 is one token stream (documents joined by the end-of-document token); windows of ``L`` tokens start every
 ``stride`` tokens (default: the training length), and each window scores only the tokens no earlier window
 scored, so every token after the first is scored exactly once, with at least ``L - stride`` tokens of context
-(:func:`positional_lsh.data.sliding_windows`). ``L`` runs over multiples of the training length (1x, 2x, 4x,
+(:func:`positional_lsh.lm.data.sliding_windows`). ``L`` runs over multiples of the training length (1x, 2x, 4x,
 8x, 16x). Metrics over the scored tokens: mean cross-entropy (nats), perplexity, bits per token, top-1 and
 top-10 accuracy.
 
@@ -17,10 +17,10 @@ Attention variants evaluated for each model:
   at **equal cost** for each ``T``: per head, the window whose causal score-entry count equals the expected
   count of ``T`` positional-LSH samples of the ``discrete`` scheme at that length (:func:`equal_cost_window`).
 
-Models: this library's checkpoints (:func:`positional_lsh.model.load_checkpoint`) and local transformers
-checkpoints (a ``save_pretrained`` folder, via :func:`positional_lsh.hf.load_local_model`): their own
+Models: this library's checkpoints (:func:`positional_lsh.lm.model.load_checkpoint`) and local transformers
+checkpoints (a ``save_pretrained`` folder, via :func:`positional_lsh.integrations.hf.load_local_model`): their own
 attention, and for native ALiBi models (BLOOM, MPT, Falcon with ``alibi=True``) the library's exact ALiBi,
-the positional-LSH sweep and windowed ALiBi through the ``positional_lsh.hf`` swaps.
+the positional-LSH sweep and windowed ALiBi through the ``positional_lsh.integrations.hf`` swaps.
 
 Results: a table on stdout, ``results.csv``, ``results.md`` and PNG plots (perplexity vs evaluation length;
 perplexity vs ``T``) in ``--out``.
@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from . import data as D
-from .model import TransformerLM, is_checkpoint, load_checkpoint, shipped_checkpoint_path
-from .sampling import SCHEMES, sample_partitions
+from positional_lsh.lm import data as D
+from positional_lsh.lm.model import TransformerLM, is_checkpoint, load_checkpoint, shipped_checkpoint_path
+from positional_lsh.ops.sampling import SCHEMES, sample_partitions
 
 __all__ = [
     "EvalRow",
@@ -288,7 +288,7 @@ class _OurAdapter(_Adapter):
 
 class _HFAdapter(_Adapter):
     def __init__(self, model: Any, label: str, train_len: int, seed: int) -> None:
-        from . import hf
+        from positional_lsh.integrations import hf
 
         self.hf = hf
         self.seed = seed
@@ -369,7 +369,7 @@ def _load(
             adapter.train_len = train_len
         return adapter, stream
     if p.is_dir() and (p / "config.json").is_file():
-        from . import hf
+        from positional_lsh.integrations import hf
 
         loaded = hf.load_local_model(p, device=device)
         tl = train_len or _hf_train_len(loaded.model.config)
@@ -826,7 +826,7 @@ def run_eval(args: argparse.Namespace) -> list[EvalRow]:
 
 
 def _default_cache() -> Path:
-    from .train import default_cache_dir
+    from positional_lsh.lm.train import default_cache_dir
 
     return default_cache_dir()
 

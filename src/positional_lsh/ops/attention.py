@@ -25,10 +25,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._checks import GeneratorLike, SlopesLike, as_generator, as_scale, as_slopes, check_qkv, positive_int
-from ._kernels import attend, attend_backward, resolve_backend
-from ._parallel import pool_size, run_all, work_items, workers_for
-from .sampling import Partitions, Segment, sample_partitions
+from positional_lsh.ops._checks import (
+    GeneratorLike,
+    SlopesLike,
+    as_generator,
+    as_scale,
+    as_slopes,
+    check_qkv,
+    positive_int,
+)
+from positional_lsh.ops._kernels import attend, attend_backward, resolve_backend
+from positional_lsh.ops._parallel import pool_size, run_all, work_items, workers_for
+from positional_lsh.ops.sampling import Partitions, Segment, sample_partitions
 
 __all__ = ["PositionalLSHAttention", "plsh_attention"]
 

@@ -13,7 +13,13 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute subcommands, in the order they appear in --help.
-_COMMAND_MODULES = ("demo", "bench", "train", "evaluate", "validate")
+_COMMAND_MODULES = (
+    "positional_lsh.cli.demo",
+    "positional_lsh.cli.bench",
+    "positional_lsh.lm.train",
+    "positional_lsh.lm.evaluate",
+    "positional_lsh.cli.validate",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
-        module = importlib.import_module(f"positional_lsh.{name}")
+        module = importlib.import_module(name)
         module.register_cli(sub)
     return parser
 

@@ -7,13 +7,13 @@ project's own ``TransformerLM`` and other nanoGPT-style modules with ``n_head`` 
 this is *before* the rotary embedding (ALiBi slopes are then applied synthetically). For Qwen3-style
 models with a per-head ``q_norm``/``k_norm`` it is also before that norm, exactly like the paper's hooks.
 
-The project's own decoder (``positional_lsh.model.TransformerLM``) is recognized as it is: its attention
+The project's own decoder (``positional_lsh.lm.model.TransformerLM``) is recognized as it is: its attention
 modules hold a fused ``qkv`` projection with ``n_head`` and ``head_dim`` attributes, and its ``cfg.slopes()``
 gives the ALiBi slopes of the ``alibi``/``plsh``/``window-alibi`` position modes.
 
 **How any other model opts in.** Implement one method on the model::
 
-    def qkv_capture_points(self) -> list[positional_lsh.capture.CapturePoint]:
+    def qkv_capture_points(self) -> list[positional_lsh.theory.capture.CapturePoint]:
         return [
             CapturePoint(layer=i, module=block.attn.c_attn, role="qkv",
                          split=split_fused_blocks(num_heads, num_kv_heads, head_dim))
@@ -43,8 +43,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ._checks import GeneratorLike, as_generator, positive_int
-from .slopes import alibi_slopes
+from positional_lsh.ops._checks import GeneratorLike, as_generator, positive_int
+from positional_lsh.ops.slopes import alibi_slopes
 
 __all__ = [
     "CapturePoint",
@@ -302,7 +302,7 @@ def capture_points(model: nn.Module) -> list[CapturePoint]:
     if not points:
         raise ValueError(
             f"cannot find attention projections in {type(model).__name__}: implement "
-            "qkv_capture_points() on the model (see positional_lsh.capture)"
+            "qkv_capture_points() on the model (see positional_lsh.theory.capture)"
         )
     return points
 

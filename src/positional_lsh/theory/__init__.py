@@ -55,10 +55,10 @@ from scipy.linalg import eigh_tridiagonal, eigvalsh_tridiagonal
 from scipy.signal import lfilter
 from scipy.special import ndtri
 
-from . import sampling
-from ._checks import as_scale
-from .reference import alibi_matrix
-from .sampling import Partitions, sample_partitions
+from positional_lsh.ops import sampling
+from positional_lsh.ops._checks import as_scale
+from positional_lsh.ops.reference import alibi_matrix
+from positional_lsh.ops.sampling import Partitions, sample_partitions
 
 __all__ = [
     "MaskErrors",

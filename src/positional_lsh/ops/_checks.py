@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .slopes import alibi_slopes
+from positional_lsh.ops.slopes import alibi_slopes
 
 SlopesLike = torch.Tensor | Sequence[float] | float | None
 GeneratorLike = torch.Generator | int | None

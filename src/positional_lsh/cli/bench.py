@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .attention import plsh_attention
-from .reference import alibi_attention, alibi_bias
-from .sampling import sample_partitions
-from .slopes import alibi_slopes
+from positional_lsh.ops.attention import plsh_attention
+from positional_lsh.ops.reference import alibi_attention, alibi_bias
+from positional_lsh.ops.sampling import sample_partitions
+from positional_lsh.ops.slopes import alibi_slopes
 
 __all__ = ["BenchRow", "register_cli", "run_benchmark"]
 

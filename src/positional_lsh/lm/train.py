@@ -1,4 +1,4 @@
-"""``plsh train``: train a :class:`~positional_lsh.model.TransformerLM` language model.
+"""``plsh train``: train a :class:`~positional_lsh.lm.model.TransformerLM` language model.
 
 AdamW (decoupled weight decay on matrices only) with linear warm-up and cosine decay to ``min_lr``, gradient
 clipping, optional bf16/fp16 autocast, gradient accumulation, a progress bar with loss and tokens/s,
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from . import data as D
-from .model import POSITIONS, ModelConfig, TransformerLM, save_checkpoint
+from positional_lsh.lm import data as D
+from positional_lsh.lm.model import POSITIONS, ModelConfig, TransformerLM, save_checkpoint
 
 __all__ = [
     "QUICK_PRESET",
@@ -66,11 +66,11 @@ def default_cache_dir() -> Path:
 
 @dataclass
 class TrainConfig:
-    """Training hyperparameters (the model's are in :class:`~positional_lsh.model.ModelConfig`).
+    """Training hyperparameters (the model's are in :class:`~positional_lsh.lm.model.ModelConfig`).
 
     Attributes:
         out_dir: the run directory: checkpoint files, ``trainer_state.pt``, ``log.jsonl``, ``train_config.json``.
-        data: a ``positional_lsh.data.load_splits`` source (``None``: the shipped corpus).
+        data: a ``positional_lsh.lm.data.load_splits`` source (``None``: the shipped corpus).
         tokenizer: a ``tokenizer.json`` (or directory holding one) to reuse; ``None`` trains a byte-level BPE
             with ``vocab_size`` on the training split.
         cache_dir: where encoded token streams are cached (``None``: :func:`default_cache_dir`; ``""`` disables).
@@ -675,14 +675,14 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a language model with alibi / plsh / window-alibi / rope / nope attention",
         description="Train a decoder-only LM on the shipped corpus (or --data). Works under torchrun for "
-        "data-parallel training: torchrun --nproc_per_node N -m positional_lsh.train --out DIR ...",
+        "data-parallel training: torchrun --nproc_per_node N -m positional_lsh.lm.train --out DIR ...",
     )
     add_train_arguments(p)
     p.set_defaults(func=_main)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m positional_lsh.train ARGS`` (what ``torchrun -m`` runs): the same as ``plsh train ARGS``."""
+    """``python -m positional_lsh.lm.train ARGS`` (what ``torchrun -m`` runs): the same as ``plsh train ARGS``."""
     parser = argparse.ArgumentParser(prog="plsh train")
     add_train_arguments(parser)
     args = parser.parse_args(argv)

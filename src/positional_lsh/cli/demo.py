@@ -15,10 +15,10 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from .attention import plsh_attention
-from .reference import alibi_attention, alibi_matrix
-from .sampling import sample_partitions
-from .slopes import alibi_slopes
+from positional_lsh.ops.attention import plsh_attention
+from positional_lsh.ops.reference import alibi_attention, alibi_matrix
+from positional_lsh.ops.sampling import sample_partitions
+from positional_lsh.ops.slopes import alibi_slopes
 
 __all__ = ["attention_table", "mask_convergence_table", "register_cli"]
 
@@ -124,7 +124,7 @@ def _main(args: argparse.Namespace) -> int:
         [[str(r["n"]), str(r["method"]), f"{r['seconds']:.3f}", f"{r['rel_error']:.2e}"] for r in att],
     )
     if not args.skip_model:
-        from .evaluate import shipped_model_demo  # imports the model code only when needed
+        from positional_lsh.lm.evaluate import shipped_model_demo  # imports the model code only when needed
 
         print(f"\n3. {shipped_model_demo(progress=not args.quiet)}")  # ShippedDemo formats its own table
     print(

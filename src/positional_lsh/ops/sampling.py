@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
+from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
 
 __all__ = ["SCHEMES", "UNBIASED_SCHEMES", "Partitions", "Segment", "sample_partitions"]
 
