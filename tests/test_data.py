@@ -45,7 +45,7 @@ def tok(small_texts: list[str]) -> D.BPETokenizer:
 def test_corpus_file_ships_inside_the_package() -> None:
     p = D.corpus_path()
     assert p.is_file()
-    assert p.parent.name == "corpus" and p.parent.parent.name == "lm" and p.parent.parent.parent.name == "positional_lsh"
+    assert [p.parent.name, p.parent.parent.name, p.parent.parent.parent.name] == ["corpus", "lm", "positional_lsh"]
     assert p.stat().st_size < 5_000_000  # small enough for the repository
 
 
