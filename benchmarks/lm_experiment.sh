@@ -7,7 +7,7 @@
 #   benchmarks/lm_experiment.sh eval       # extrapolation table + sweep, CSV and PNG plots
 #   benchmarks/lm_experiment.sh all
 #
-# `python -m positional_lsh.lm.train` / `python -m positional_lsh.lm.evaluate` are `plsh train` / `plsh eval`.
+# `python -m positional_lsh.cli train` / `python -m positional_lsh.cli eval` are `plsh train` / `plsh eval`.
 # Logs go to runs/lm/*.log. Set NICE="" to run at normal priority, OUT=... for another run directory.
 # GPU / paper scale: see docs/experiments.md ("The same commands at the paper's scale").
 set -euo pipefail
@@ -32,7 +32,7 @@ train_one() {  # name, then model flags
     local resume=()
     [[ -f "$OUT/$name/trainer_state.pt" ]] && resume=(--resume)
     echo "== training $name ($(date +%T))"
-    $NICE "$PYTHON" -m positional_lsh.lm.train --out "$OUT/$name" "${COMMON[@]}" "$@" "${resume[@]}" >> "$OUT/$name.log" 2>&1
+    $NICE "$PYTHON" -m positional_lsh.cli train --out "$OUT/$name" "${COMMON[@]}" "$@" "${resume[@]}" >> "$OUT/$name.log" 2>&1
     tail -n 2 "$OUT/$name.log"
 }
 
@@ -50,16 +50,16 @@ eval_all() {
     # 1. Length extrapolation: every model with its own attention (and, for the positional-LSH-trained models,
     #    exact ALiBi) at 1x-16x the training length; sliding windows with stride = the training length (256);
     #    the first 16,384 test tokens.
-    $NICE "$PYTHON" -m positional_lsh.lm.evaluate "${models[@]/#/$OUT/}" \
+    $NICE "$PYTHON" -m positional_lsh.cli eval "${models[@]/#/$OUT/}" \
         --factors 1,2,4,8,16 --max-tokens 16384 --samples none --out "$OUT/eval-extrapolation" --no-progress \
         > "$OUT/eval-extrapolation.log" 2>&1
     # 2. The ALiBi-trained model with positional-LSH attention: T = 1, 4, 16, 64 x 3 schemes, and windowed ALiBi
     #    at equal cost, at 1x, 4x and 16x; disjoint windows over the first 8,192 test tokens.
-    $NICE "$PYTHON" -m positional_lsh.lm.evaluate "$OUT/alibi" --factors 1,4,16 --stride window --max-tokens 8192 \
+    $NICE "$PYTHON" -m positional_lsh.cli eval "$OUT/alibi" --factors 1,4,16 --stride window --max-tokens 8192 \
         --samples 1,4,16,64 --schemes discrete,gamma,fixed --out "$OUT/eval-sweep-alibi" --no-progress \
         > "$OUT/eval-sweep-alibi.log" 2>&1
     # 3. The positional-LSH-trained models at other inference T (discrete scheme), 1x and 4x.
-    $NICE "$PYTHON" -m positional_lsh.lm.evaluate "$OUT/plsh-t1" "$OUT/plsh-t4" --factors 1,4 --stride window \
+    $NICE "$PYTHON" -m positional_lsh.cli eval "$OUT/plsh-t1" "$OUT/plsh-t4" --factors 1,4 --stride window \
         --max-tokens 8192 --samples 1,4,16,64 --schemes discrete --out "$OUT/eval-sweep-plsh" --no-progress \
         > "$OUT/eval-sweep-plsh.log" 2>&1
 }

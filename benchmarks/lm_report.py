@@ -14,7 +14,7 @@ import json
 import math
 from pathlib import Path
 
-from positional_lsh.lm.evaluate import EvalRow, plot_results, read_results
+from positional_lsh.lm.eval_results import EvalRow, plot_results, read_results
 
 MODELS = ("alibi", "plsh-t1", "plsh-t4", "plsh-fixed", "rope", "nope")
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from positional_lsh import (
     PositionalLSHAttention,
+    alibi_attention,
     alibi_slopes,
     dense_plsh_attention,
     plsh_attention,
@@ -297,3 +298,162 @@ def test_work_items_cover_every_head_and_batch_row_once():
             for w in works:
                 seen[sl, w.head] += 1
         assert bool((seen == 1).all())
+
+
+# ------------------------------------------------------------------ issue #11: layouts, modes, bad input
+
+
+def _op(name):
+    """The two ops with a fixed configuration: ``f(q, k, v, **kw)``."""
+    if name == "plsh":
+        return lambda q, k, v, **kw: plsh_attention(q, k, v, SLOPES4, num_samples=4, generator=0, **kw)
+    return lambda q, k, v, **kw: alibi_attention(q, k, v, SLOPES4, **kw)
+
+
+B, H, L, D = 2, 4, 24, 8
+# Each layout builds a (B, H, L, D) float32 view from fresh storage of another shape.
+LAYOUTS = {
+    "contiguous": lambda g: torch.randn(B, H, L, D, generator=g),
+    "transposed (B, L, H, d)": lambda g: torch.randn(B, L, H, D, generator=g).transpose(1, 2),
+    "last two dims transposed": lambda g: torch.randn(B, H, D, L, generator=g).transpose(-1, -2),
+    "sliced last dim": lambda g: torch.randn(B, H, L, 2 * D, generator=g)[..., ::2],
+    "sliced length": lambda g: torch.randn(B, H, 2 * L, D, generator=g)[:, :, ::2],
+    "sliced heads": lambda g: torch.randn(B, 2 * H, L, D, generator=g)[:, 1::2],
+    "sliced batch": lambda g: torch.randn(2 * B, H, L, D, generator=g)[::2],
+    "expanded batch": lambda g: torch.randn(1, H, L, D, generator=g).expand(B, H, L, D),
+    "expanded heads": lambda g: torch.randn(B, 1, L, D, generator=g).expand(B, H, L, D),
+    "expanded length": lambda g: torch.randn(B, H, 1, D, generator=g).expand(B, H, L, D),
+    "expanded last dim": lambda g: torch.randn(B, H, L, 1, generator=g).expand(B, H, L, D),
+    "fused projection (Falcon)": lambda g: torch.randn(B, L, H + 2, D, generator=g)[:, :, 1 : H + 1].transpose(1, 2),
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "math"])
+@pytest.mark.parametrize("op", ["plsh", "alibi"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_equals_contiguous_values_and_gradients(layout, op, backend):
+    g = torch.Generator().manual_seed(7)
+    views = [LAYOUTS[layout](g).requires_grad_(False) for _ in range(3)]
+    dense = [x.contiguous().requires_grad_() for x in views]
+    leaves = [x.detach().requires_grad_() for x in views]  # the strided data, same strides, as leaves
+    strided = [x.as_strided(v.shape, v.stride(), v.storage_offset()) for x, v in zip(leaves, views, strict=True)]
+    f = _op(op)
+    up = torch.randn(B, H, L, D, generator=g)
+    ref = f(*dense, backend=backend)
+    out = f(*strided, backend=backend)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out, strided, up)
+    ref_grads = torch.autograd.grad(ref, dense, up)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_inputs_are_row_major_views_of_one_copy(monkeypatch):
+    import positional_lsh.ops.attention as attention
+
+    seen = []
+    real = attention.attend
+
+    def spy(q, k, v, **kw):
+        seen.append((q.stride()[-2:], k.stride()[-2:], q.untyped_storage().data_ptr()))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "attend", spy)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (LAYOUTS["fused projection (Falcon)"](g) for _ in range(3))
+    plsh_attention(q, k[:, :1], v[:, :1], num_samples=4, generator=0)
+    assert len(seen) > 4
+    assert {s[0] for s in seen} == {(D, 1)} and {s[1] for s in seen} == {(D, 1)}
+    assert len({s[2] for s in seen}) == 1  # one copy of q per call, not one per block
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("op", ["plsh", "alibi"])
+def test_inference_mode_with_worker_threads(op, threads):
+    f = _op(op)
+    q, k, v = (t.float() for t in _qkv(2, 4, 2, 40, 40, 8, seed=5))
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ref = f(q, k, v)
+        with torch.inference_mode():
+            out = f(q, k, v)
+        assert out.is_inference()
+        with torch.no_grad():
+            torch.testing.assert_close(f(q, k, v), ref, rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(prev)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", ["plsh", "alibi"])
+@pytest.mark.parametrize("hq, hkv", [(0, 0), (2, 0), (0, 2)])
+def test_zero_heads_is_a_value_error(op, hq, hkv):
+    q, k = torch.randn(1, hq, 8, 4), torch.randn(1, hkv, 8, 4)
+    fn = plsh_attention if op == "plsh" else alibi_attention
+    with pytest.raises(ValueError, match="non-empty"):
+        fn(q, k, k)
+
+
+def _reaching(op, lk, lq, j, causal, window, partitions=None):
+    """(H, Lq) bool: rows that keep key j (the rows a non-finite key j may turn NaN)."""
+    i = torch.arange(lq)[:, None] + (lk - lq)
+    keep = torch.ones(SLOPES4.numel(), lq, dtype=torch.bool)
+    if causal:
+        keep &= (i >= j).T
+    if op == "plsh":
+        keep &= partitions.mean_mask()[:, lk - lq :, j] > 0
+    elif window is not None:
+        keep &= (i - j).abs().T <= window
+    return keep
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize(
+    "op, causal, window, lq",
+    [("plsh", True, None, 48), ("plsh", False, None, 48), ("plsh", True, None, 20), ("alibi", True, None, 48),
+     ("alibi", True, 6.0, 48), ("alibi", False, 6.0, 48), ("alibi", True, None, 20)],
+)
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_non_finite_key_reaches_only_the_rows_that_keep_it(op, causal, window, lq, where, bad, backend):
+    lk, j = 48, 30
+    q, k, v = (t.float().detach() for t in _qkv(2, 4, 2, lq, lk, 8, seed=9))
+    parts = sample_partitions(lk, SLOPES4, 4, generator=0) if op == "plsh" else None
+    if op == "plsh":
+        def f(q, k, v):
+            return plsh_attention(q, k, v, partitions=parts, causal=causal, backend=backend)
+    else:
+        def f(q, k, v):
+            return alibi_attention(q, k, v, SLOPES4, causal=causal, window=window, backend=backend)
+    clean = f(q, k, v)
+    poisoned = [k.clone(), v.clone()]
+    poisoned[0 if where == "k" else 1][1, 0, j, 3] = bad  # batch row 1, kv head 0 (query heads 0 and 1)
+    out = f(q, *poisoned)
+    reach = torch.zeros(2, 4, lq, dtype=torch.bool)
+    reach[1, :2] = _reaching(op, lk, lq, j, causal, window, parts)[:2]
+    assert reach.any() and not reach.all()
+    assert torch.isnan(out[reach]).all()
+    torch.testing.assert_close(out[~reach], clean[~reach], rtol=0, atol=0)
+    if causal:  # rows before j in particular
+        assert torch.isfinite(out[..., : lq - (lk - j), :]).all()
+    # the gradient w.r.t. the queries of the rows that do not keep key j is the clean one
+    qg = q.clone().requires_grad_()
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    (g_bad,) = torch.autograd.grad(f(qg, *poisoned), qg, up)
+    (g_clean,) = torch.autograd.grad(f(qg, k, v), qg, up)
+    torch.testing.assert_close(g_bad[~reach], g_clean[~reach], rtol=0, atol=0)
+
+
+def test_module_checks_qkv_once(monkeypatch):
+    import positional_lsh.ops.attention as attention
+
+    calls = []
+    real = attention.check_qkv
+    monkeypatch.setattr(attention, "check_qkv", lambda *a: calls.append(1) or real(*a))
+    mod = PositionalLSHAttention(4, SLOPES4, num_samples=2, seed=0)
+    q, k, v = (t.float() for t in _qkv(1, 4, 2, 16, 16, 8))
+    mod(q, k, v)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="heads"):
+        mod(*(t.float() for t in _qkv(1, 2, 2, 16, 16, 8)))

@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from positional_lsh.cli import eval as cli_eval
+from positional_lsh.lm import ModelConfig, TransformerLM, save_checkpoint
 from positional_lsh.lm import data as D
 from positional_lsh.lm import evaluate as E
-from positional_lsh.lm.model import ModelConfig, TransformerLM, save_checkpoint
-from positional_lsh.ops.sampling import sample_partitions
+from positional_lsh.ops.partitions import sample_partitions
 from positional_lsh.ops.slopes import alibi_slopes
 
 
@@ -149,7 +150,7 @@ def test_evaluate_checkpoint_rows_and_determinism(eval_setup: tuple[Path, Path, 
     kw = dict(
         data=None, split="test", train_len=None, tokenizer=None, cache_dir=None, seed=0, device=torch.device("cpu")
     )
-    adapter, stream = E._load(ckpt, label="toy", **kw)
+    adapter, stream = E.load_for_eval(ckpt, label="toy", **kw)
     assert adapter.train_len == 16 and stream.numel() > 400
     run = dict(factors=(1, 2), max_tokens=200, samples=(1, 4), schemes=("discrete", "fixed"), progress=False)
     rows = E.evaluate_model(adapter, stream, **run)
@@ -175,7 +176,7 @@ def test_cli_writes_table_csv_and_plots(eval_setup: tuple[Path, Path, Path], tmp
     argv = [str(ckpt), str(ckpt), "--labels", "a,b", "--factors", "1,2", "--max-tokens", "120", "--samples", "2",
             "--schemes", "gamma", "--sweep-factors", "1", "--out", str(out), "--no-progress",
             "--cache-dir", ""]  # fmt: skip
-    assert E.main(argv) == 0
+    assert cli_eval.main(argv) == 0
     for name in ("results.csv", "results.md", "extrapolation.png", "sweep.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0
     with open(out / "results.csv") as f:
@@ -189,7 +190,7 @@ def test_cli_writes_table_csv_and_plots(eval_setup: tuple[Path, Path, Path], tmp
 
 def test_plsh_trained_checkpoint_gets_exact_alibi_rows(eval_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
     data, _, ckpt = eval_setup
-    from positional_lsh.lm.model import load_checkpoint
+    from positional_lsh.lm import load_checkpoint
 
     ck = load_checkpoint(ckpt)
     ck.model.set_position("plsh", num_samples=2)
@@ -197,21 +198,21 @@ def test_plsh_trained_checkpoint_gets_exact_alibi_rows(eval_setup: tuple[Path, P
     kw = dict(
         data=None, split="test", train_len=None, tokenizer=None, cache_dir=None, seed=0, device=torch.device("cpu")
     )
-    adapter, stream = E._load(tmp_path / "p", label="p", **kw)
+    adapter, stream = E.load_for_eval(tmp_path / "p", label="p", **kw)
     rows = E.evaluate_model(adapter, stream, factors=(1,), max_tokens=100, samples=(), progress=False)
     assert [(r.kind, r.attention) for r in rows] == [("own", "own: plsh T=2 discrete"), ("alibi", "exact ALiBi")]
 
 
 def test_eval_bad_input(eval_setup: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert E.main([str(tmp_path), "--no-progress"]) == 2
+    assert cli_eval.main([str(tmp_path), "--no-progress"]) == 2
     assert "neither" in capsys.readouterr().err
     _, _, ckpt = eval_setup
-    assert E.main([str(ckpt), "--split", "nope", "--no-progress", "--cache-dir", ""]) == 2
-    assert E.main([str(ckpt), "--labels", "a,b", "--no-progress"]) == 2
+    assert cli_eval.main([str(ckpt), "--split", "nope", "--no-progress", "--cache-dir", ""]) == 2
+    assert cli_eval.main([str(ckpt), "--labels", "a,b", "--no-progress"]) == 2
     with pytest.raises(SystemExit):
-        E.main([str(ckpt), "--schemes", "uniform"])
+        cli_eval.main([str(ckpt), "--schemes", "uniform"])
     with pytest.raises(SystemExit):
-        E.main([str(ckpt), "--factors", "0"])
+        cli_eval.main([str(ckpt), "--factors", "0"])
 
 
 def test_transformers_checkpoint_path(eval_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
@@ -225,9 +226,9 @@ def test_transformers_checkpoint_path(eval_setup: tuple[Path, Path, Path], tmp_p
     transformers.BloomForCausalLM(cfg).save_pretrained(tmp_path / "bloom")
     kw = dict(data=str(data), split="test", train_len=None, tokenizer=str(tok_file), cache_dir=None, seed=0)
     with pytest.raises(ValueError, match="train-len"):
-        E._load(tmp_path / "bloom", label="bloom", device=torch.device("cpu"), **kw)
+        E.load_for_eval(tmp_path / "bloom", label="bloom", device=torch.device("cpu"), **kw)
     kw["train_len"] = 16
-    adapter, stream = E._load(tmp_path / "bloom", label="bloom", device=torch.device("cpu"), **kw)
+    adapter, stream = E.load_for_eval(tmp_path / "bloom", label="bloom", device=torch.device("cpu"), **kw)
     rows = E.evaluate_model(adapter, stream, factors=(1, 2), max_tokens=100, samples=(4,), schemes=("discrete",),
                             progress=False)  # fmt: skip
     by = {(r.kind, r.eval_len): r for r in rows}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -22,7 +23,7 @@ from transformers import (  # noqa: E402
     Qwen3Config,
 )
 
-from positional_lsh import hf  # noqa: E402
+from positional_lsh import alibi_slopes, hf  # noqa: E402
 from positional_lsh.ops.reference import alibi_bias  # noqa: E402
 
 V = 97
@@ -166,8 +167,6 @@ def test_falcon_convention_and_eager_double_bias():
     model = tiny("falcon", attn_implementation="sdpa")
     swap = hf.use_alibi(model)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    from positional_lsh import alibi_slopes
-
     torch.testing.assert_close(swap.slopes, alibi_slopes(4).double() / head_dim**0.5, rtol=0, atol=0)
     swap.restore()
     # transformers 5.24's eager path adds it twice (2 m / sqrt(d)); we follow sdpa, documented in docs/hf.md.
@@ -178,6 +177,79 @@ def test_falcon_convention_and_eager_double_bias():
         doubled = logits(eager, x)
     if not torch.allclose(doubled, ref_eager, rtol=0, atol=1e-11):
         pytest.skip("this transformers version's Falcon eager path no longer doubles the ALiBi bias")
+
+
+def _stock_attention_inputs(model, attn: torch.nn.Module, x: torch.Tensor) -> dict:
+    """The arguments the stock model passes to one attention module's forward (bound by parameter name)."""
+    got: dict = {}
+
+    def hook(mod, args, kwargs):
+        got.update(inspect.signature(mod.forward).bind(*args, **kwargs).arguments)
+
+    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        logits(model, x)
+    finally:
+        handle.remove()
+    return got
+
+
+def _stock_slopes(name: str, model) -> torch.Tensor:
+    """The per-key slope of the bias the stock attention receives, in this library's convention (float64)."""
+    x = ids(batch=1, length=5)
+    if name == "bloom":  # alibi (B*H, 1, n) = m * j, added after scaling
+        alibi = _stock_attention_inputs(model, model.transformer.h[0].self_attention, x)["alibi"]
+        return (alibi[:, 0, 1] - alibi[:, 0, 0]).double()
+    if name == "mpt":  # position_bias (H, 1, max_seq_len) = m * (j - (max_seq_len - 1)), added after scaling
+        bias = _stock_attention_inputs(model, model.transformer.blocks[0].attn, x)["position_bias"]
+        return (bias[:, 0, -1] - bias[:, 0, -2]).double()
+    # Falcon (sdpa): the mask holds alibi / sqrt(d), the scaled bias (its rows: keys of the last query).
+    mask = _stock_attention_inputs(model, model.transformer.h[0].self_attention, x)["attention_mask"]
+    return (mask[0, :, -1, 1] - mask[0, :, -1, 0]).double()
+
+
+@pytest.mark.parametrize(
+    "name, heads, kwargs",
+    [
+        ("bloom", 4, {}),
+        ("bloom", 6, {}),
+        ("mpt", 4, {}),
+        ("mpt", 6, {"alibi_bias_max": 4}),  # the stock MptModel ignores it (it always uses the default 8)
+        ("falcon", 4, {}),
+        ("falcon", 6, {}),
+        ("falcon-gqa", 4, {}),
+    ],
+)
+def test_native_slopes_capture_and_swap_agree_with_the_stock_model(name, heads, kwargs):
+    # One function (integrations.families.native_slopes) gives the slopes to the swap and to capture; they are
+    # what the stock model's own attention adds, read here from the arguments it receives (float32 model).
+    from positional_lsh.theory.capture import model_alibi_slopes
+
+    cfg = config(name, heads)
+    if kwargs:
+        cfg.attn_config.alibi_bias_max = kwargs["alibi_bias_max"]
+    torch.manual_seed(0)
+    impl = "sdpa" if name.startswith("falcon") else None
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+    captured = model_alibi_slopes(model)
+    with hf.use_alibi(model) as swap:
+        swapped = swap.slopes
+    assert captured is not None and captured.dtype == torch.float64 and captured.shape == (heads,)
+    assert torch.equal(captured, swapped)
+    stock = _stock_slopes(name.split("-")[0], model)
+    # BLOOM / MPT: float32 products m * 1, exact. Falcon: bf16(m) / sqrt(d) rounded once to float32.
+    tol = 1e-6 if name.startswith("falcon") else 0.0
+    torch.testing.assert_close(captured, stock, rtol=tol, atol=0)
+    if name == "mpt":
+        from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+        torch.testing.assert_close(captured, alibi_slopes(heads).double(), rtol=0, atol=0)
+        if kwargs:  # the config's value would give other slopes; the stock model does not use them
+            assert not torch.allclose(captured, -build_mpt_alibi_tensor(heads, 2, 4)[:, 0, 0].double())
+    if name.startswith("falcon"):  # bfloat16-rounded slopes, divided by sqrt(head_dim)
+        d = model.config.hidden_size // heads
+        bf16 = alibi_slopes(heads).bfloat16().double()
+        torch.testing.assert_close(captured, bf16 / d**0.5, rtol=1e-15, atol=0)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3"])

@@ -1,4 +1,4 @@
-"""Tests for positional_lsh.lm.model: every position mode, exact references, generation, checkpoints, bad input."""
+"""Tests for positional_lsh.lm (config, model, checkpoint): position modes, references, generation, bad input."""
 
 from __future__ import annotations
 
@@ -10,16 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from positional_lsh.lm import data as D
-from positional_lsh.lm.model import (
-    POSITIONS,
-    ModelConfig,
-    TransformerLM,
-    apply_rope,
-    is_checkpoint,
-    load_checkpoint,
-    rope_cos_sin,
-    save_checkpoint,
-)
+from positional_lsh.lm.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint, shipped_checkpoint_path
+from positional_lsh.lm.config import POSITIONS, ModelConfig
+from positional_lsh.lm.model import TransformerLM, apply_rope, rope_cos_sin
 
 from conftest import naive_alibi
 
@@ -316,3 +309,33 @@ def test_forward_and_generate_bad_input() -> None:
         model.set_position("relative")
     with pytest.raises(TypeError, match="ModelConfig"):
         TransformerLM({"position": "alibi"})  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------
+# Where the names live
+# --------------------------------------------------------------------------------------------------
+
+
+def test_public_lm_names_and_the_old_model_module() -> None:
+    import positional_lsh
+    import positional_lsh.lm as lm
+    import positional_lsh.model as old
+    from positional_lsh.lm import checkpoint, config, model
+
+    assert lm.ModelConfig is config.ModelConfig and lm.TransformerLM is model.TransformerLM
+    for name in ("load_checkpoint", "load_shipped_model", "save_checkpoint"):
+        assert getattr(lm, name) is getattr(checkpoint, name)
+    for name in ("ModelConfig", "TransformerLM", "load_checkpoint", "load_shipped_model"):
+        assert getattr(positional_lsh, name) is getattr(lm, name)  # lazily re-exported
+    homes = {**vars(config), **vars(model), **vars(checkpoint)}
+    for name in old.__all__:  # positional_lsh.model re-exports the public lm names
+        assert getattr(old, name) is homes[name], name
+
+
+@pytest.mark.skipif(not (shipped_checkpoint_path() / "model.safetensors").is_file(), reason="no shipped model")
+def test_shipped_model_loads_from_the_old_module() -> None:
+    from positional_lsh.model import load_shipped_model
+
+    ck = load_shipped_model(position="plsh", num_samples=2)
+    assert ck.model.cfg.position == "plsh" and not ck.model.training
+    assert ck.tokenizer is not None and ck.tokenizer.vocab_size <= ck.model.cfg.vocab_size

@@ -5,7 +5,18 @@ import math
 import pytest
 import torch
 
-from positional_lsh import Partitions, alibi_matrix, alibi_slopes, sample_partitions
+from positional_lsh import (
+    Partitions,
+    PositionalLSHAttention,
+    alibi_matrix,
+    alibi_slopes,
+    dense_plsh_attention,
+    plsh_attention,
+    sample_partitions,
+)
+from positional_lsh.ops import schemes
+from positional_lsh.ops._checks import check_int, nonnegative_int, positive_int
+from positional_lsh.ops.schemes import Scheme, get_scheme, register_scheme, scheme_names
 
 from conftest import naive_mean_mask
 
@@ -230,3 +241,94 @@ def test_single_float_slope_needs_num_heads():
     parts = sample_partitions(10, 1 / 256, 2, num_heads=3, generator=0)
     assert parts.num_heads == 3 and torch.allclose(parts.slopes, torch.full((3,), 1 / 256, dtype=torch.float64))
     assert isinstance(parts, Partitions)
+
+
+# ----------------------------------------------------------------------------------- the scheme registry
+
+
+@pytest.fixture
+def restore_registry():
+    saved = dict(schemes._REGISTRY)
+    yield
+    schemes._REGISTRY.clear()
+    schemes._REGISTRY.update(saved)
+
+
+def test_registry_properties():
+    assert scheme_names()[:3] == ("discrete", "gamma", "fixed")
+    assert scheme_names(integer=True) == ("discrete", "discrete-strat", "discrete-antithetic")
+    assert scheme_names(unbiased=False) == ("fixed",)
+    assert scheme_names(coupled=False) == ("discrete", "gamma", "fixed")
+    s = get_scheme("gamma-strat")
+    assert isinstance(s, Scheme) and s.coupled and s.unbiased and not s.integer and s.base == "gamma"
+    assert get_scheme("discrete").base == "discrete"
+    with pytest.raises(ValueError, match=r"unknown scheme 'nope'.*discrete"):
+        get_scheme("nope")
+
+
+def test_registered_scheme_is_accepted_everywhere(restore_registry):
+    from positional_lsh import ModelConfig
+
+    def halves(m, t, g):  # pitch 4, shift 0 or 2: integer, biased
+        pitch = torch.full((t, m.numel()), 4.0, dtype=torch.float64)
+        return pitch, 2.0 * (torch.arange(t, dtype=torch.float64) % 2)[:, None].expand_as(pitch)
+
+    assert "test-halves" not in scheme_names()
+    with pytest.raises(ValueError, match="scheme"):
+        ModelConfig(position="plsh", scheme="test-halves")
+    register_scheme("test-halves", halves, unbiased=False, integer=True)
+    assert scheme_names()[-1] == "test-halves" and "test-halves" in scheme_names(integer=True)
+    parts = sample_partitions(10, [0.5, 0.1], 2, scheme="test-halves")
+    assert parts.labels()[1, 0].tolist() == [-1, -1, 0, 0, 0, 0, 1, 1, 1, 1] and not parts.unbiased
+    q = torch.randn(1, 2, 10, 4, dtype=torch.float64)
+    out = plsh_attention(q, q, q, [0.5, 0.1], num_samples=2, scheme="test-halves")
+    torch.testing.assert_close(out, dense_plsh_attention(q, q, q, parts))
+    PositionalLSHAttention(2, num_samples=2, scheme="test-halves")(q, q, q)
+    cfg = ModelConfig(position="plsh", scheme="test-halves")
+    cfg.validate()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(name=""), "name"),
+        (dict(name=3), "name"),
+        (dict(name="discrete"), "name 'discrete' is already registered"),
+        (dict(sampler=None), "sampler"),
+        (dict(unbiased=1), "unbiased"),
+        (dict(integer="yes"), "integer"),
+        (dict(coupled=None), "coupled"),
+        (dict(coupled=True), "base"),
+        (dict(coupled=True, base="nope"), "base"),
+        (dict(coupled=True, base="discrete-strat"), "base"),
+        (dict(base="discrete"), "base"),
+        (dict(name="discrete", replace="y"), "replace"),
+    ],
+)
+def test_register_scheme_refuses_bad_input(restore_registry, kwargs, match):
+    args = dict(name="test-new", sampler=schemes.sample_discrete, unbiased=True, integer=True) | kwargs
+    with pytest.raises(ValueError, match=match):
+        register_scheme(args.pop("name"), args.pop("sampler"), **args)
+    assert "test-new" not in scheme_names()
+
+
+def test_register_scheme_replace(restore_registry):
+    register_scheme("test-new", schemes.sample_gamma, unbiased=True, integer=False)
+    register_scheme("test-new", schemes.sample_discrete, unbiased=True, integer=True, replace=True)
+    assert get_scheme("test-new").integer
+    coupled = register_scheme("test-c", schemes.sample_discrete, unbiased=True, integer=True, coupled=True,
+                              base="test-new")
+    assert coupled.base == "test-new" and "test-c" in scheme_names(coupled=True)
+
+
+def test_int_validators():
+    assert check_int("n", 3) == 3 and check_int("n", -5) == -5 and check_int("n", 2, minimum=2) == 2
+    assert positive_int("n", 1) == 1 and nonnegative_int("n", 0) == 0
+    for fn, bad in ((positive_int, 0), (nonnegative_int, -1)):
+        with pytest.raises(ValueError, match="n must be >="):
+            fn("n", bad)
+    with pytest.raises(ValueError, match="count must be >= 3, got 2"):
+        check_int("count", 2, minimum=3)
+    for bad in (True, 1.0, "1", None):
+        with pytest.raises(TypeError, match="n must be an int"):
+            check_int("n", bad)

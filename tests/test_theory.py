@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from positional_lsh import alibi_matrix, alibi_slopes, dense_plsh_attention, sample_partitions
-from positional_lsh.ops.sampling import SCHEMES
+from positional_lsh.ops.schemes import scheme_names
 from positional_lsh.theory import (
     MeanMaskOperator,
-    _block_starts,
     alibi_matvec,
     alibi_norm_bound,
     alibi_spectral_norm,
@@ -30,6 +29,7 @@ from positional_lsh.theory import (
     tail_bound,
     tail_bound_epsilon,
 )
+from positional_lsh.theory.operators import _block_starts
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -146,7 +146,7 @@ def test_block_starts_match_label_runs():
         np.testing.assert_array_equal(_block_starts(pitch, shift, n), runs, err_msg=f"{pitch}, {shift}")
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", scheme_names())
 @pytest.mark.parametrize("n", [1, 40, 300])
 def test_mean_mask_operator_matches_dense(scheme, n):
     slopes = [0.0, 3.0, 0.5, 0.05, 1 / 256]
@@ -198,7 +198,7 @@ def test_max_error_edge_cases():
     # slope 0: one block, exact
     assert max_error(sample_partitions(50, [0.0], 3, generator=0)) == 0.0
     # a single block covering everything (huge pitch, shift 0): error = 1 - A at the farthest pair
-    from positional_lsh.ops.sampling import Partitions
+    from positional_lsh.ops.partitions import Partitions
 
     big = Partitions(
         30, torch.tensor([0.1], dtype=torch.float64), torch.tensor([[1e9]]), torch.tensor([[0.0]]), "gamma"

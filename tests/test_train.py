@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from positional_lsh.cli import train as cli_train
+from positional_lsh.lm import ModelConfig, load_checkpoint
 from positional_lsh.lm import data as D
 from positional_lsh.lm import train as T
-from positional_lsh.lm.model import ModelConfig, load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +135,11 @@ def test_two_process_ddp_equals_one_process_with_double_batch(
             "--autocast", "float32", "--no-progress"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += ["-m", "positional_lsh.lm.train", "--out", str(tmp_path / "ddp"), "--batch-size", "2", *args]
+    cmd += ["-m", "positional_lsh.cli", "train", "--out", str(tmp_path / "ddp"), "--batch-size", "2", *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cpu x 2" in proc.stdout
-    assert T.main(["--out", str(tmp_path / "single"), "--batch-size", "4", *args]) == 0
+    assert cli_train.main(["--out", str(tmp_path / "single"), "--batch-size", "4", *args]) == 0
     wd, ws = weights(tmp_path / "ddp"), weights(tmp_path / "single")
     for k in wd:
         torch.testing.assert_close(wd[k], ws[k], rtol=1e-4, atol=1e-5)
@@ -153,15 +154,15 @@ def test_two_process_ddp_equals_one_process_with_double_batch(
 
 def test_cli_quick_preset_with_overrides(tmp_path: Path, text_dir: Path, tokenizer_file: Path) -> None:
     parser = __import__("argparse").ArgumentParser()
-    T.add_train_arguments(parser)
+    cli_train.add_train_arguments(parser)
     args = parser.parse_args(["--out", str(tmp_path / "q"), "--quick", "--steps", "3", "--position", "rope"])
-    cfg, model_cfg = T.configs_from_args(args)
+    cfg, model_cfg = cli_train.configs_from_args(args)
     assert cfg.steps == 3 and cfg.vocab_size == T.QUICK_PRESET["vocab_size"]  # flag beats preset
     assert model_cfg.n_layer == T.QUICK_PRESET["n_layer"] and model_cfg.position == "rope"
     argv = ["--out", str(tmp_path / "q"), "--quick", "--data", str(text_dir), "--tokenizer", str(tokenizer_file),
             "--cache-dir", "", "--steps", "4", "--eval-interval", "2", "--no-progress", "--save-dtype", "bfloat16",
             "--position", "window-alibi", "--window", "8"]  # fmt: skip
-    assert T.main(argv) == 0
+    assert cli_train.main(argv) == 0
     ck = load_checkpoint(tmp_path / "q")
     assert ck.model.cfg.position == "window-alibi" and ck.model.cfg.window == 8.0
     assert ck.metadata["weights_dtype"] == "bfloat16"
@@ -187,9 +188,9 @@ def test_train_config_bad_input(kw: dict, exc: type, match: str) -> None:
 
 
 def test_cli_bad_input_returns_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert T.main(["--out", str(tmp_path / "bad"), "--lr", "-1"]) == 2
+    assert cli_train.main(["--out", str(tmp_path / "bad"), "--lr", "-1"]) == 2
     assert "lr" in capsys.readouterr().err
-    assert T.main(["--out", str(tmp_path / "bad"), "--d-model", "30", "--n-head", "4"]) == 2
+    assert cli_train.main(["--out", str(tmp_path / "bad"), "--d-model", "30", "--n-head", "4"]) == 2
 
 
 def test_autocast_resolution() -> None:

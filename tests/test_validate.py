@@ -102,7 +102,7 @@ def test_captured_qkv_and_slopes_reproduce_the_models_alibi_attention(name):
     kw, (blocks_attr, attn_attr, out_attr) = ALIBI_MODELS[name]
     model = _tiny(name.split("-")[0], **kw)
     if name.startswith("falcon"):
-        model.config._attn_implementation = "sdpa"  # its eager ALiBi path is off (DESIGN.md §5)
+        model.config._attn_implementation = "sdpa"  # the eager path adds the ALiBi bias twice (see docs/hf.md)
     ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
     store: list[torch.Tensor] = []
     attn = getattr(getattr(model.transformer, blocks_attr)[1], attn_attr)
@@ -121,9 +121,9 @@ def test_captured_qkv_and_slopes_reproduce_the_models_alibi_attention(name):
 
 
 def test_model_alibi_slopes_conventions():
-    assert torch.equal(
-        model_alibi_slopes(_tiny("bloom", hidden_size=48, n_layer=1, n_head=12)), alibi_slopes(12).double()
-    )
+    # BLOOM's own builder (the stock model's slopes) computes the schedule in float32 powers: 1 ulp off for 2 heads.
+    bloom = model_alibi_slopes(_tiny("bloom", hidden_size=48, n_layer=1, n_head=12))
+    torch.testing.assert_close(bloom, alibi_slopes(12).double(), rtol=1.2e-7, atol=0)
     mpt = _tiny("mpt", d_model=48, n_layers=1, n_heads=12, max_seq_len=16)
     torch.testing.assert_close(model_alibi_slopes(mpt), alibi_slopes(12).double())
     llama = _tiny("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
@@ -422,7 +422,7 @@ def test_validate_on_a_local_checkpoint(tmp_path):
 
 def _shipped():
     try:
-        from positional_lsh.lm.model import load_shipped_model
+        from positional_lsh.lm import load_shipped_model
 
         return load_shipped_model()
     except (ImportError, FileNotFoundError):

@@ -11,7 +11,8 @@ import torch
 from scipy.special import ndtri
 
 from positional_lsh import dense_plsh_attention, plsh_attention, sample_partitions
-from positional_lsh.ops import sampling
+from positional_lsh.ops import schemes, variance_reduced
+from positional_lsh.ops.schemes import get_scheme, register_scheme, scheme_names
 from positional_lsh.theory import (
     MeanMaskOperator,
     alibi_spectral_norm,
@@ -33,11 +34,17 @@ def _one_thread():
 
 def test_schemes_are_registered():
     for s in VR:
-        assert s in sampling.SCHEMES
-        assert s in sampling.UNBIASED_SCHEMES
-        assert s in sampling.VARIANCE_REDUCED_SCHEMES
-    assert "fixed" in sampling.SCHEMES and "fixed" not in sampling.UNBIASED_SCHEMES
-    assert [sampling._strat_group_size(t) for t in (1, 3, 9, 16, 64, 256, 10000)] == [1, 1, 2, 2, 4, 8, 50]
+        assert s in scheme_names()
+        assert s in scheme_names(unbiased=True)
+        assert s in scheme_names(coupled=True)
+    assert set(scheme_names(coupled=True)) == set(VR)
+    assert "fixed" in scheme_names() and "fixed" not in scheme_names(unbiased=True)
+    assert {s: get_scheme(s).base for s in VR} == {
+        "discrete-strat": "discrete",
+        "gamma-strat": "gamma",
+        "discrete-antithetic": "discrete",
+    }
+    assert [variance_reduced._strat_group_size(t) for t in (1, 3, 9, 16, 64, 256, 10000)] == [1, 1, 2, 2, 4, 8, 50]
 
 
 # ------------------------------------------------------------------------------------------ exactness
@@ -53,13 +60,11 @@ def test_every_mask_is_marginally_exact(scheme, slope, num_samples):
 
 
 def _register_temporary(name, sampler, integer):
-    sampling.register_scheme(name, sampler, unbiased=True, integer=integer)
+    register_scheme(name, sampler, unbiased=True, integer=integer)
 
 
 def _unregister(name):
-    sampling._SAMPLERS.pop(name, None)
-    sampling._UNBIASED.discard(name)
-    sampling._INTEGER.discard(name)
+    schemes._REGISTRY.pop(name, None)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +78,7 @@ def _unregister(name):
         # shifts not uniform given the pitch (never in the last tenth of the pitch)
         (
             "broken-shift",
-            lambda m, t, g: (lambda p, s: (p, torch.floor(0.9 * s)))(*sampling._sample_discrete_strat(m, t, g)),
+            lambda m, t, g: (lambda p, s: (p, torch.floor(0.9 * s)))(*variance_reduced.sample_discrete_strat(m, t, g)),
         ),
     ],
 )
@@ -87,10 +92,10 @@ def test_unbiasedness_test_detects_broken_couplings(name, sampler):
 
 
 def _no_permutation(m, t, g):
-    k = sampling._strat_group_size(t)
+    k = variance_reduced._strat_group_size(t)
     groups = -(-t // k)
     u = (torch.arange(groups, dtype=torch.float64)[:, None] + torch.rand((groups, m.numel()), generator=g)) / groups
-    pitch = sampling._discrete_pitch_quantile(1.0 - u, m[None, :]).repeat_interleave(k, 0)[:t]
+    pitch = variance_reduced._discrete_pitch_quantile(1.0 - u, m[None, :]).repeat_interleave(k, 0)[:t]
     shift = torch.floor(torch.rand((t, m.numel()), generator=g, dtype=torch.float64) * pitch)
     return pitch, shift
 

@@ -18,14 +18,17 @@ from typing import Any
 from positional_lsh.ops import (
     Partitions,
     PositionalLSHAttention,
+    Scheme,
     alibi_attention,
     alibi_bias,
     alibi_matrix,
     alibi_slopes,
     dense_plsh_attention,
+    get_scheme,
     plsh_attention,
     register_scheme,
     sample_partitions,
+    scheme_names,
 )
 
 # Names served from the language-model room on first access (module-level __getattr__, PEP 562).
@@ -40,17 +43,20 @@ __all__ = [
     "ModelConfig",
     "Partitions",
     "PositionalLSHAttention",
+    "Scheme",
     "TransformerLM",
     "alibi_attention",
     "alibi_bias",
     "alibi_matrix",
     "alibi_slopes",
     "dense_plsh_attention",
+    "get_scheme",
     "load_checkpoint",
     "load_shipped_model",
     "plsh_attention",
     "register_scheme",
     "sample_partitions",
+    "scheme_names",
 ]
 __version__ = "0.1.0"
 

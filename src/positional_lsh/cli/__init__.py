@@ -1,8 +1,8 @@
 """The ``plsh`` command line.
 
-Each subcommand lives in the module of its idea; that module exposes ``register_cli(subparsers)``,
-which adds its parser and sets ``func`` to a callable taking the parsed namespace and returning an
-exit code.
+Each subcommand is a module of this package exposing ``register_cli(subparsers)``, which adds its parser
+(generated from the command's settings dataclass by :mod:`positional_lsh.cli.config`) and sets ``func`` to a
+callable taking the parsed namespace and returning an exit code. ``python -m positional_lsh.cli`` is ``plsh``.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from collections.abc import Sequence
 _COMMAND_MODULES = (
     "positional_lsh.cli.demo",
     "positional_lsh.cli.bench",
-    "positional_lsh.lm.train",
-    "positional_lsh.lm.evaluate",
+    "positional_lsh.cli.train",
+    "positional_lsh.cli.eval",
     "positional_lsh.cli.validate",
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``plsh`` parser with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="plsh",
         description="Positional LSH: ALiBi attention as an average of random contiguous block masks.",
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``plsh ARGV``; return the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:

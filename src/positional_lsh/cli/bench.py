@@ -15,7 +15,10 @@ Peers, measured in the same run on the same inputs:
 Times are medians over repeats (one run when a single call exceeds ``--long-seconds``), excluding compilation
 and mask construction. Peak memory is the growth of the process's peak resident set (``VmHWM``, reset before
 each call) beyond what was resident before it: the inputs are excluded, outputs and workspace included.
-Relative error is ``||out - exact||_F / ||exact||_F`` against ``flex-exact`` (or ``sdpa-mask``) of the same run.
+Relative error is ``||out - exact||_F / ||exact||_F``: for the approximate methods against the first exact peer
+of the same run (``flex-exact``, else ``sdpa-mask``, else ``alibi-chunked``; without one, as for the exact peers);
+for the exact peers against exact ALiBi in float64 on the same inputs, computed on 256 evenly spaced query rows
+(:func:`~positional_lsh.cli.bench_peers.reference_rows`), so their rounding error is measured, not assumed 0.
 """
 
 from __future__ import annotations
@@ -39,19 +42,39 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from positional_lsh.ops.attention import plsh_attention
-from positional_lsh.ops.reference import alibi_attention, alibi_bias
-from positional_lsh.ops.sampling import sample_partitions
-from positional_lsh.ops.slopes import alibi_slopes
+from positional_lsh.cli.bench_peers import (
+    ALL_METHODS,
+    DEFAULT_METHODS,
+    EXACT_METHODS,
+    Method,
+    band_block_mask,
+    flex,
+    methods_for_length,
+    reference_rows,
+    sampled_rows,
+)
+from positional_lsh.cli.config import add_arguments, comma_list, config_from_args, option, positive_int_text
+from positional_lsh.ops import alibi_slopes
+from positional_lsh.ops._checks import positive_int
 
-__all__ = ["BenchRow", "register_cli", "run_benchmark"]
-
-ALL_METHODS = ("flex-exact", "sdpa-mask", "flex-window", "alibi-chunked", "window-chunked", "plsh")
-DEFAULT_METHODS = ("flex-exact", "sdpa-mask", "flex-window", "plsh")
+__all__ = [
+    "ALL_METHODS",
+    "DEFAULT_METHODS",
+    "BenchConfig",
+    "BenchRow",
+    "band_block_mask",
+    "format_table",
+    "growth_exponents",
+    "register_cli",
+    "run_benchmark",
+    "write_outputs",
+]
 
 
 @dataclass
 class BenchRow:
+    """One measurement: a method (and ``T``) at one length, forward or forward + backward."""
+
     method: str
     seq_len: int
     samples: int | None
@@ -113,161 +136,8 @@ def _measure(
     return times, peak, out
 
 
-# -------------------------------------------------------------------------------------------- methods
-
-
-def _flex():
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None
-    return torch.compile(flex_attention, dynamic=False), create_block_mask
-
-
-def band_block_mask(
-    n: int, window: torch.Tensor | None, *, causal: bool, mask_mod: Callable[..., torch.Tensor], block: int = 128
-) -> object:
-    """FlexAttention ``BlockMask`` for keys with ``|i - j| <= window[h]`` (and ``j <= i`` when causal).
-
-    Built from the band's geometry in ``O(H (n / block)^2)`` memory. torch's ``create_block_mask`` evaluates
-    ``mask_mod`` on the whole ``n x n`` grid (with int64 intermediates: 16 GiB per head at n = 131072), which
-    does not fit at the lengths this benchmark covers. ``window=None`` is the plain (causal) mask, one head.
-    Blocks wholly inside the band are "full" (no ``mask_mod`` call); blocks that cut its edges are partial.
-    """
-    from torch.nn.attention.flex_attention import BlockMask
-
-    nb = -(-n // block)
-    lo = torch.arange(nb, dtype=torch.float64) * block  # first position of each block
-    hi = torch.clamp(lo + block - 1, max=n - 1)  # last position
-    w = torch.full((1,), math.inf, dtype=torch.float64) if window is None else window.double().reshape(-1)
-    w = w[:, None, None]
-    qlo, qhi = lo[None, :, None], hi[None, :, None]
-    klo, khi = lo[None, None, :], hi[None, None, :]
-    if causal:  # 0 <= i - j <= w
-        any_ = (qhi - klo >= 0) & (qlo - khi <= w)
-        all_ = (qlo - khi >= 0) & (qhi - klo <= w)
-    else:  # |i - j| <= w
-        any_ = (qlo - khi <= w) & (klo - qhi <= w)
-        all_ = (qhi - klo <= w) & (khi - qlo <= w)
-    if n % block:  # a short last block is left to mask_mod (partial), never trusted as full
-        all_[:, -1, :] = False
-        all_[:, :, -1] = False
-    partial = any_ & ~all_
-    full = all_
-
-    def pack(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        count = sel.sum(-1).to(torch.int32)
-        order = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-        return count[None], order[None]
-
-    kv_num, kv_idx = pack(partial)
-    full_num, full_idx = pack(full)
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n, n)
-    )
-
-
-def _rel_err(out: torch.Tensor, exact: torch.Tensor | None) -> float | None:
-    if exact is None:
-        return None
+def _rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
     return float((out.double() - exact.double()).norm() / exact.double().norm())
-
-
-AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class _Method:
-    name: str
-    samples: int | None
-    fn: AttnFn
-    can_backward: bool
-    note: str = ""
-
-
-def _methods_for_length(
-    n: int,
-    methods: tuple[str, ...],
-    samples: tuple[int, ...],
-    slopes: torch.Tensor,
-    window: torch.Tensor,
-    *,
-    causal: bool,
-    dtype: torch.dtype,
-    scheme: str,
-    seed: int,
-    flex: tuple | None,
-    sdpa_fits: bool,
-    window_factor: float,
-) -> list[_Method]:
-    """The attention callables to measure at length ``n``; exact peers first (they define the error)."""
-    out: list[_Method] = []
-    sl = slopes.to(dtype)
-    win = window.to(torch.int64)
-
-    def alibi_mod(score, b, h, qi, ki):  # FlexAttention's signature
-        return score - sl[h] * (qi - ki).abs()
-
-    def causal_mask(b, h, qi, ki):
-        return qi >= ki
-
-    def window_mask(b, h, qi, ki):
-        near = (qi - ki).abs() <= win[h]
-        return near & (qi >= ki) if causal else near
-
-    if "flex-exact" in methods and flex is not None:
-        compiled, _ = flex
-        bm = band_block_mask(n, None, causal=True, mask_mod=causal_mask) if causal else None
-        out.append(
-            _Method("flex-exact", None, lambda a, b, c: compiled(a, b, c, score_mod=alibi_mod, block_mask=bm), False)
-        )
-    if "sdpa-mask" in methods and sdpa_fits:
-        # (1, H, n, n): a 4-D mask lets SDPA use torch's fused CPU kernel (a 3-D one falls back to the math
-        # path, which materializes the scores and is several times slower).
-        mask = alibi_bias(n, n, slopes, causal=causal, dtype=dtype)[None]
-        mib = mask.numel() * mask.element_size() / 2**20
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        out.append(
-            _Method("sdpa-mask", None, lambda a, b, c: sdpa(a, b, c, attn_mask=mask), True, f"+{mib:.0f} MiB mask")
-        )
-    if "alibi-chunked" in methods:
-        out.append(
-            _Method("alibi-chunked", None, lambda a, b, c: alibi_attention(a, b, c, slopes, causal=causal), True)
-        )
-    if "flex-window" in methods and flex is not None:
-        compiled, _ = flex
-        wbm = band_block_mask(n, window, causal=causal, mask_mod=window_mask)
-        out.append(
-            _Method(
-                "flex-window",
-                None,
-                lambda a, b, c: compiled(a, b, c, score_mod=alibi_mod, block_mask=wbm),
-                False,
-                f"window {window_factor:g}*sigma",
-            )
-        )
-    if "window-chunked" in methods:
-        out.append(
-            _Method(
-                "window-chunked",
-                None,
-                lambda a, b, c: alibi_attention(a, b, c, slopes, causal=causal, window=window),
-                True,
-                f"window {window_factor:g}*sigma",
-            )
-        )
-    if "plsh" in methods:
-        for t in samples:
-            parts = sample_partitions(n, slopes, t, scheme=scheme, generator=seed)
-
-            def plsh_fn(a, b, c, parts=parts):
-                return plsh_attention(a, b, c, partitions=parts, causal=causal)
-
-            out.append(_Method("plsh", t, plsh_fn, True, scheme))
-    return out
-
-
-EXACT_METHODS = ("flex-exact", "sdpa-mask", "alibi-chunked")
 
 
 def run_benchmark(
@@ -297,12 +167,12 @@ def run_benchmark(
         raise ValueError(f"lengths must be positive integers, got {lengths}")
     slopes = alibi_slopes(num_heads)
     window = window_factor / slopes.double()
-    flex = _flex() if {"flex-exact", "flex-window"} & set(methods) else None
+    compiled_flex = flex() if {"flex-exact", "flex-window"} & set(methods) else None
     rows: list[BenchRow] = []
     per_length = len([m for m in methods if m != "plsh"]) + len(samples) * ("plsh" in methods)
     bar = tqdm(total=len(lengths) * per_length, desc="plsh bench", disable=not progress)
     for n in lengths:
-        if flex is not None:
+        if compiled_flex is not None:
             # Each length compiles FlexAttention anew (static shapes); forget earlier lengths so that torch's
             # recompile limit is never hit (past it, flex_attention silently runs unfused and materializes n x n).
             torch._dynamo.reset()
@@ -312,7 +182,9 @@ def run_benchmark(
         # The prebuilt mask dominates SDPA's memory (the fused kernel never materializes the scores).
         sdpa_fits = mask_gib * 1.25 <= sdpa_max_gib
         exact: torch.Tensor | None = None
-        todo = _methods_for_length(
+        rows_ref = sampled_rows(n)
+        ref = reference_rows(q, k, v, slopes, rows_ref, causal=causal)
+        todo = methods_for_length(
             n,
             methods,
             samples,
@@ -322,7 +194,7 @@ def run_benchmark(
             dtype=dtype,
             scheme=scheme,
             seed=seed,
-            flex=flex,
+            flex=compiled_flex,
             sdpa_fits=sdpa_fits,
             window_factor=window_factor,
         )
@@ -335,9 +207,12 @@ def run_benchmark(
                     m.fn(q, k, v)  # compile for this shape, outside the timing
                 times, peak, out = _measure(lambda m=m, q=q, k=k, v=v: m.fn(q, k, v), repeats, long_seconds)
             assert out is not None
+            if m.name in EXACT_METHODS or exact is None:
+                err = _rel_err(out[:, :, rows_ref], ref)
+            else:
+                err = _rel_err(out, exact)
             if m.name in EXACT_METHODS and exact is None:
                 exact = out
-            err = None if m.name in EXACT_METHODS else _rel_err(out, exact)
             rows.append(
                 BenchRow(m.name, n, m.samples, "fwd", statistics.median(times), len(times), peak, err, m.note, times)
             )
@@ -345,7 +220,7 @@ def run_benchmark(
             if backward and m.can_backward and n <= backward_max_len:
                 qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
 
-                def fwd_bwd(m: _Method = m, qq=qq, kk=kk, vv=vv, grad=grad) -> None:
+                def fwd_bwd(m: Method = m, qq=qq, kk=kk, vv=vv, grad=grad) -> None:
                     qq.grad = kk.grad = vv.grad = None
                     torch.autograd.backward(m.fn(qq, kk, vv), grad)
 
@@ -357,7 +232,7 @@ def run_benchmark(
                 )
                 del qq, kk, vv
             bar.update(1)
-        del todo, exact
+        del todo, exact, ref
     bar.close()
     return rows
 
@@ -382,6 +257,7 @@ def _ratio_rows(rows: list[BenchRow]) -> list[dict[str, object]]:
 
 
 def format_table(rows: list[BenchRow]) -> str:
+    """The rows as a Markdown table."""
     lines = [
         "| method | T | n | pass | median s | runs | peak MiB | rel. error | × vs flex-exact (fwd) | × vs sdpa-mask |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -408,6 +284,7 @@ def growth_exponents(
 
 
 def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict[str, object]) -> list[Path]:
+    """Write ``bench.csv``, ``bench.md`` and ``bench.png`` into ``out_dir``; return their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     csv_path = out_dir / "bench.csv"
@@ -422,13 +299,17 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict[str, object]) 
         "# plsh bench\n\n" + "".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n" + format_table(rows) + "\n"
     )
     written.append(md)
-    try:
-        import matplotlib
+    written.append(_plot(rows, out_dir / "bench.png", meta))
+    return written
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return written
+
+def _plot(rows: list[BenchRow], png: Path, meta: dict[str, object]) -> Path:
+    """``bench.png``: median time vs n, forward and forward + backward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, mode in zip(axes, ("fwd", "fwd+bwd"), strict=True):
         series: dict[str, list[tuple[int, float]]] = {}
@@ -453,90 +334,107 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict[str, object]) 
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    png = out_dir / "bench.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
-    written.append(png)
-    return written
+    return png
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+# ------------------------------------------------------------------------------------------ command line
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def _main(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    methods = tuple(args.methods.split(","))
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
+@dataclass
+class BenchConfig:
+    """Settings of ``plsh bench`` (see :func:`run_benchmark` for their meaning)."""
+
+    lengths: tuple[int, ...] = option(
+        (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
+        "sequence lengths n, comma-separated",
+        parse=comma_list(positive_int_text),
+    )
+    samples: tuple[int, ...] = option((1, 4, 8, 16), "T values for plsh", parse=comma_list(positive_int_text))
+    methods: tuple[str, ...] = option(DEFAULT_METHODS, f"comma-separated, from {ALL_METHODS}", choices=ALL_METHODS)
+    heads: int = option(8, "attention heads H (standard ALiBi slopes)")
+    head_dim: int = option(64, "head dimension d")
+    dtype: str = option("float32", "dtype of q, k, v and the computation", choices=tuple(_DTYPES))
+    scheme: str = option("discrete", "positional-LSH sampling scheme")
+    causal: bool = option(True, "non-causal attention", name="--bidirectional")
+    backward: bool = option(True, "forward only", name="--no-backward")
+    backward_max_len: int = option(1 << 17, "longest n timed with a backward")
+    repeats: int = option(3, "timed calls per measurement (median reported)")
+    long_seconds: float = option(20.0, "run once when a call takes longer")
+    sdpa_max_gib: float = option(
+        20.0, "skip sdpa-mask where its (H, n, n) float mask (plus 25%) would exceed this many GiB"
+    )
+    threads: int = option(0, "torch threads (0: torch's default)")
+    seed: int = option(0, "seed of the inputs and the partitions")
+    out: str = option("runs/bench", "output directory (bench.csv, bench.md, bench.png)")
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "head_dim", "repeats", "backward_max_len"):
+            positive_int(name, getattr(self, name))
+        unknown = set(self.methods) - set(ALL_METHODS)
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; expected some of {ALL_METHODS}")
+
+
+def run_bench_command(cfg: BenchConfig) -> list[BenchRow]:
+    """Run the benchmark length by length, writing the outputs after each; print the table and return the rows."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     meta = {
         "command": " ".join(["plsh", *sys.argv[1:]]) if sys.argv[0].endswith("plsh") else "plsh bench (API)",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
-        "heads": args.heads,
-        "head_dim": args.head_dim,
-        "dtype": args.dtype,
-        "causal": not args.bidirectional,
-        "scheme": args.scheme,
-        "seed": args.seed,
+        "heads": cfg.heads,
+        "head_dim": cfg.head_dim,
+        "dtype": cfg.dtype,
+        "causal": cfg.causal,
+        "scheme": cfg.scheme,
+        "seed": cfg.seed,
     }
     rows: list[BenchRow] = []
-    for n in args.lengths:  # one length at a time, writing the outputs after each: long runs keep partial results
+    paths: list[Path] = []
+    for n in cfg.lengths:  # one length at a time, writing the outputs after each: long runs keep partial results
         rows += run_benchmark(
             [n],
-            samples=tuple(args.samples),
-            methods=methods,
-            num_heads=args.heads,
-            head_dim=args.head_dim,
-            causal=not args.bidirectional,
-            dtype=dtype,
-            scheme=args.scheme,
-            backward=not args.no_backward,
-            repeats=args.repeats,
-            long_seconds=args.long_seconds,
-            sdpa_max_gib=args.sdpa_max_gib,
-            seed=args.seed,
-            backward_max_len=args.backward_max_len,
+            samples=tuple(cfg.samples),
+            methods=tuple(cfg.methods),
+            num_heads=cfg.heads,
+            head_dim=cfg.head_dim,
+            causal=cfg.causal,
+            dtype=_DTYPES[cfg.dtype],
+            scheme=cfg.scheme,
+            backward=cfg.backward,
+            repeats=cfg.repeats,
+            long_seconds=cfg.long_seconds,
+            sdpa_max_gib=cfg.sdpa_max_gib,
+            seed=cfg.seed,
+            backward_max_len=cfg.backward_max_len,
         )
-        paths = write_outputs(rows, Path(args.out), meta)
+        paths = write_outputs(rows, Path(cfg.out), meta)
     print(format_table(rows))
     for a, b, e in growth_exponents(rows):
         print(f"plsh T=8 fwd time growth {a}->{b}: n^{e:.2f}")
     for path in paths:
         print(f"wrote {path}")
+    return rows
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args, BenchConfig)
+    except (TypeError, ValueError) as exc:
+        print(f"plsh bench: error: {exc}", file=sys.stderr)
+        return 2
+    run_bench_command(cfg)
     return 0
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:
+    """Add ``plsh bench`` to the ``plsh`` command line."""
     p = sub.add_parser("bench", help="time/memory/error of positional LSH vs exact and windowed ALiBi")
-    p.add_argument(
-        "--lengths",
-        type=_int_list,
-        default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072],
-        help="sequence lengths n, comma-separated (default 1k ... 128k)",
-    )
-    p.add_argument("--samples", type=_int_list, default=[1, 4, 8, 16], help="T values for plsh")
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated, from {ALL_METHODS}")
-    p.add_argument("--heads", type=int, default=8, help="attention heads H (standard ALiBi slopes)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dimension d")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    p.add_argument("--scheme", default="discrete", help="positional-LSH sampling scheme")
-    p.add_argument("--bidirectional", action="store_true", help="non-causal attention")
-    p.add_argument("--no-backward", action="store_true", help="forward only")
-    p.add_argument("--backward-max-len", type=int, default=1 << 17, help="longest n timed with a backward")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median reported)")
-    p.add_argument("--long-seconds", type=float, default=20.0, help="run once when a call takes longer")
-    p.add_argument(
-        "--sdpa-max-gib",
-        type=float,
-        default=20.0,
-        help="skip sdpa-mask where its (H, n, n) float mask (plus 25%%) would exceed this many GiB",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the partitions")
-    p.add_argument("--out", default="runs/bench", help="output directory (bench.csv, bench.md, bench.png)")
+    add_arguments(p, BenchConfig)
     p.set_defaults(func=_main)

@@ -23,225 +23,37 @@ or torch's own attention, never a second implementation:
 The mode can be changed after training without touching the weights (:meth:`TransformerLM.set_position`),
 e.g. to evaluate an ALiBi-trained model with positional-LSH attention at several ``T``.
 
-Checkpoints (:func:`save_checkpoint`, :func:`load_checkpoint`) are directories holding ``config.json``
-(the :class:`ModelConfig` and metadata), ``model.safetensors`` (float32, or float16/bfloat16 storage that
-loads back as float32) and ``tokenizer.json``.
+The configuration is :class:`~positional_lsh.lm.config.ModelConfig`; checkpoints (save, load, the shipped
+model) are in :mod:`positional_lsh.lm.checkpoint`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import numbers
-import os
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from positional_lsh.lm.data import BPETokenizer
+from positional_lsh.lm.config import ModelConfig, check_float, nonnegative_int
+from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops._seeds import layer_seed
 from positional_lsh.ops.attention import plsh_attention
+from positional_lsh.ops.partitions import sample_partitions
 from positional_lsh.ops.reference import alibi_attention, alibi_bias
-from positional_lsh.ops.sampling import SCHEMES, sample_partitions
-from positional_lsh.ops.slopes import alibi_slopes
 
-__all__ = [
-    "CHECKPOINT_FORMAT",
-    "POSITIONS",
-    "Checkpoint",
-    "ModelConfig",
-    "TransformerLM",
-    "is_checkpoint",
-    "load_checkpoint",
-    "load_shipped_model",
-    "save_checkpoint",
-    "shipped_checkpoint_path",
-]
-
-POSITIONS = ("alibi", "plsh", "window-alibi", "rope", "nope")
-"""The attention position modes."""
-
-ALIBI_IMPLS = ("auto", "sdpa", "chunked")
-
-CHECKPOINT_FORMAT = "positional-lsh-lm"
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
+__all__ = ["MLP", "Block", "CausalSelfAttention", "TransformerLM", "apply_rope", "rope_cos_sin"]
 
 # alibi_impl="auto" uses SDPA with a prebuilt (H, Lq, Lk) bias up to this many bias entries.
 _SDPA_MAX_BIAS_ENTRIES = 2**22
 
-_SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _check_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _check_float(name: str, value: object, *, positive: bool = True, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    v = float(value)
-    if not math.isfinite(v) or (positive and (v < 0 or (v == 0 and not allow_zero))):
-        raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} finite number, got {value}")
-    return v
-
 
 def _layer_seed(seed: int, layer: int) -> int:
-    """Independent-looking seeds per layer from one base seed (a fixed odd multiplier, kept below 2**63)."""
-    return (seed * 1_000_003 + layer * 7_919 + 1) % (2**62)
-
-
-# --------------------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelConfig:
-    """Model hyperparameters, including the attention position mode.
-
-    Attributes:
-        vocab_size: number of token ids (the tokenizer's ``vocab_size``).
-        seq_len: the training context length. Not a hard limit: ALiBi, positional LSH and NoPE run at any
-            length, RoPE too (its extrapolation is what it is). Evaluation reports lengths as multiples of it.
-        n_layer, n_head, d_model: depth, heads, width (``d_model % n_head == 0``; head dim even for RoPE).
-        mlp_ratio: MLP hidden width as a multiple of ``d_model``.
-        dropout: dropout on attention outputs, MLP outputs and embeddings (0 disables).
-        position: ``"alibi"``, ``"plsh"``, ``"window-alibi"``, ``"rope"`` or ``"nope"``.
-        sigma: ``None`` for the standard per-head ALiBi slopes ``2^{-8h/H}``; otherwise one length scale for
-            every head (slope ``1/sigma``), as the paper used (``sigma = 256``). For alibi, plsh, window-alibi.
-            ``math.inf`` means slope 0: no positional bias (positional LSH is then exact causal attention).
-        num_samples: positional-LSH samples ``T`` per call (``plsh``).
-        scheme: positional-LSH partition scheme (``"discrete"``, ``"gamma"``, ``"fixed"``).
-        seed: seed of the training-time partition generators (one per layer, derived from it).
-        eval_seed: seed of the eval-mode partitions (one per layer, derived from it).
-        window: ``window-alibi``'s largest kept distance ``|i - j|``: ``None`` for ``window_factor * sigma_h``
-            per head, one number for every head, or a list with one number per head.
-        window_factor: per-head window in units of ``sigma_h = 1 / m_h`` when ``window`` is ``None``.
-        rope_base: RoPE frequency base.
-        alibi_impl: ``"auto"``, ``"sdpa"`` (torch SDPA with a ``(H, n, n)`` bias from ``alibi_bias``) or
-            ``"chunked"`` (``alibi_attention``, ``O(n)`` memory). Also used by ``window-alibi``.
-        attn_backend: kernel backend of ``plsh_attention``/``alibi_attention`` (``"auto"``, ``"flash"``,
-            ``"math"``).
-        attn_fp32: compute attention in float32 even under bf16/fp16 autocast (the projections and MLP stay
-            in low precision). Keeps the ALiBi bias unrounded, and on CPU torch's float32 flash kernel is faster
-            than its bf16 one on the many small blocks of positional LSH (docs/experiments.md).
-    """
-
-    vocab_size: int = 8192
-    seq_len: int = 256
-    n_layer: int = 4
-    n_head: int = 8
-    d_model: int = 256
-    mlp_ratio: int = 4
-    dropout: float = 0.0
-    position: str = "alibi"
-    sigma: float | None = None
-    num_samples: int = 1
-    scheme: str = "discrete"
-    seed: int = 0
-    eval_seed: int = 0
-    window: float | list[float] | None = None
-    window_factor: float = 12.0
-    rope_base: float = 10000.0
-    alibi_impl: str = "auto"
-    attn_backend: str = "auto"
-    attn_fp32: bool = True
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ``TypeError``/``ValueError`` naming the first bad field."""
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio", "num_samples"):
-            _check_int(name, getattr(self, name))
-        for name in ("seed", "eval_seed"):
-            _check_int(name, getattr(self, name), minimum=0)
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
-        _check_float("dropout", self.dropout, allow_zero=True)
-        if self.dropout >= 1:
-            raise ValueError(f"dropout must be < 1, got {self.dropout}")
-        if not isinstance(self.position, str) or self.position not in POSITIONS:
-            raise ValueError(f"position must be one of {POSITIONS}, got {self.position!r}")
-        if self.sigma is not None and not (isinstance(self.sigma, float) and self.sigma == math.inf):
-            _check_float("sigma", self.sigma)
-        if not isinstance(self.scheme, str) or self.scheme not in SCHEMES:
-            raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
-        if self.window is not None:
-            values = self.window if isinstance(self.window, list | tuple) else [self.window]
-            for w in values:
-                _check_float("window", w, allow_zero=True)
-            if isinstance(self.window, list | tuple) and len(self.window) != self.n_head:
-                raise ValueError(f"window must have one entry per head ({self.n_head}), got {len(self.window)}")
-        _check_float("window_factor", self.window_factor)
-        _check_float("rope_base", self.rope_base)
-        if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"rope needs an even head dimension, got d_model/n_head = {self.head_dim}")
-        if self.alibi_impl not in ALIBI_IMPLS:
-            raise ValueError(f"alibi_impl must be one of {ALIBI_IMPLS}, got {self.alibi_impl!r}")
-        if not isinstance(self.attn_fp32, bool):
-            raise TypeError(f"attn_fp32 must be a bool, got {type(self.attn_fp32).__name__}")
-        if self.attn_backend not in ("auto", "flash", "math"):
-            raise ValueError(f"attn_backend must be 'auto', 'flash' or 'math', got {self.attn_backend!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    def slopes(self) -> torch.Tensor:
-        """``(n_head,)`` float64 CPU ALiBi slopes: the standard schedule, or ``1/sigma`` for every head."""
-        if self.sigma is None:
-            return alibi_slopes(self.n_head).double()
-        return torch.full((self.n_head,), 1.0 / float(self.sigma), dtype=torch.float64)
-
-    def windows(self) -> torch.Tensor:
-        """``(n_head,)`` float64 window (largest kept ``|i - j|``) of ``window-alibi``."""
-        if self.window is None:
-            return (self.window_factor / self.slopes()).clamp(max=2.0**40)  # slope 0: no window
-        if isinstance(self.window, list | tuple):
-            return torch.tensor([float(w) for w in self.window], dtype=torch.float64)
-        return torch.full((self.n_head,), float(self.window), dtype=torch.float64)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a dict (unknown keys are an error, so typos do not pass silently)."""
-        if not isinstance(d, dict):
-            raise TypeError(f"config must be a dict, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown model config keys: {unknown}")
-        return cls(**d)
-
-    def describe(self) -> str:
-        """A short label such as ``plsh T=4 discrete`` or ``alibi``."""
-        sig = "" if self.sigma is None else f" sigma={self.sigma:g}"
-        if self.position == "plsh":
-            return f"plsh T={self.num_samples} {self.scheme}{sig}"
-        if self.position == "window-alibi":
-            w = f"{self.window_factor:g}σ" if self.window is None else "custom"
-            return f"window-alibi ({w}){sig}"
-        if self.position == "alibi":
-            return f"alibi{sig}"
-        return self.position
-
-
-# --------------------------------------------------------------------------------------------------
-# Modules
-# --------------------------------------------------------------------------------------------------
+    """Per-layer seed: :func:`positional_lsh.ops._seeds.layer_seed` (the one formula, shared with the hf swap)."""
+    return layer_seed(seed, layer)
 
 
 def rope_cos_sin(
@@ -321,6 +133,10 @@ class CausalSelfAttention(nn.Module):
         if self.position == "window-alibi":
             return self._alibi(q, k, v, self.window)
         if self.position == "plsh":
+            if getattr(self, "context_group", None) is not None:  # set by positional_lsh.distributed.set_context_group
+                from positional_lsh.distributed.context import context_parallel_attend
+
+                return context_parallel_attend(self, q, k, v)
             parts = self.partitions(lk)
             return plsh_attention(q, k, v, partitions=parts, causal=True, backend=self.cfg.attn_backend)
         # rope / nope: plain causal attention (rotation already applied for rope).
@@ -517,16 +333,11 @@ class TransformerLM(nn.Module):
         stops early when every row has produced ``stop_token``. The model is put in eval mode.
         """
         idx = self._check_idx(idx)
-        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, minimum=0)
-        temperature = _check_float("temperature", temperature, allow_zero=True)
+        max_new_tokens = nonnegative_int("max_new_tokens", max_new_tokens)
+        temperature = check_float("temperature", temperature, allow_zero=True)
         if top_k is not None:
-            top_k = _check_int("top_k", top_k)
-        if isinstance(generator, bool):
-            raise TypeError("generator must be a torch.Generator, an int seed or None")
-        if isinstance(generator, numbers.Integral):
-            generator = torch.Generator().manual_seed(int(generator))
-        elif generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {type(generator)}")
+            top_k = positive_int("top_k", top_k)
+        generator = _sampling_generator(generator)
         self.eval()
         out = idx.to(self.device)
         done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
@@ -536,16 +347,7 @@ class TransformerLM(nn.Module):
                 logits, cache = self.forward_with_cache(out if cache is None else out[:, -1:], cache)
             else:
                 logits = self.forward(out)
-            logits = logits[:, -1, :]
-            if temperature == 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None and top_k < logits.shape[-1]:
-                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(out.device)
+            nxt = _next_token(logits[:, -1, :], temperature, top_k, generator)
             out = torch.cat((out, nxt), dim=1)
             if stop_token is not None:
                 done |= nxt[:, 0] == stop_token
@@ -554,141 +356,26 @@ class TransformerLM(nn.Module):
         return out
 
 
-# --------------------------------------------------------------------------------------------------
-# Checkpoints
-# --------------------------------------------------------------------------------------------------
+def _sampling_generator(generator: object) -> torch.Generator | None:
+    """A CPU generator for token sampling from a ``torch.Generator``, an int seed or ``None``."""
+    if isinstance(generator, bool):
+        raise TypeError("generator must be a torch.Generator, an int seed or None")
+    if isinstance(generator, numbers.Integral):
+        return torch.Generator().manual_seed(int(generator))
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {type(generator)}")
+    return generator
 
 
-class Checkpoint(NamedTuple):
-    """A loaded checkpoint: the model (eval mode), its tokenizer (``None`` if absent) and the metadata."""
-
-    model: TransformerLM
-    tokenizer: BPETokenizer | None
-    metadata: dict[str, Any]
-
-
-def _as_dir(name: str, value: object) -> Path:
-    if not isinstance(value, str | os.PathLike):
-        raise TypeError(f"{name} must be a str or os.PathLike path, got {type(value).__name__}")
-    return Path(value)
-
-
-def save_checkpoint(
-    path: str | os.PathLike[str],
-    model: TransformerLM,
-    tokenizer: BPETokenizer | None = None,
-    *,
-    dtype: str | torch.dtype = "float32",
-    metadata: dict[str, Any] | None = None,
-) -> Path:
-    """Write ``config.json``, ``model.safetensors`` and (if given) ``tokenizer.json`` into directory ``path``.
-
-    ``dtype``: storage dtype of the weights, ``"float32"``, ``"float16"`` or ``"bfloat16"`` (loading always
-    restores float32). ``metadata`` (JSON-serializable) is stored in ``config.json`` under ``"metadata"``.
-    Files are written to temporary names and renamed, so an interrupted save never leaves a torn checkpoint.
-    """
-    from safetensors.torch import save_file
-
-    p = _as_dir("path", path)
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
-    if tokenizer is not None and not isinstance(tokenizer, BPETokenizer):
-        raise TypeError(f"tokenizer must be a BPETokenizer or None, got {type(tokenizer).__name__}")
-    if isinstance(dtype, torch.dtype):
-        names = {v: k for k, v in _SAVE_DTYPES.items()}
-        if dtype not in names:
-            raise ValueError(f"dtype must be one of {sorted(_SAVE_DTYPES)}, got {dtype}")
-        dtype = names[dtype]
-    if dtype not in _SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_SAVE_DTYPES)}, got {dtype!r}")
-    if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.cfg.vocab_size}")
-    p.mkdir(parents=True, exist_ok=True)
-    state = {
-        k: v.detach().to("cpu", _SAVE_DTYPES[dtype]).contiguous()
-        for k, v in model.state_dict().items()
-        if k != "head.weight"  # tied to embed.weight
-    }
-    tmp = p / (WEIGHTS_FILE + ".tmp")
-    save_file(state, str(tmp), metadata={"format": CHECKPOINT_FORMAT, "dtype": dtype})
-    os.replace(tmp, p / WEIGHTS_FILE)
-    config = {
-        "format": CHECKPOINT_FORMAT,
-        "version": 1,
-        "model": model.cfg.to_dict(),
-        "weights_dtype": dtype,
-        "num_params": model.num_params(),
-        "tokenizer_fingerprint": None if tokenizer is None else tokenizer.fingerprint,
-        "metadata": metadata or {},
-    }
-    tmp = p / (CONFIG_FILE + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, p / CONFIG_FILE)
-    if tokenizer is not None:
-        tmp = p / (TOKENIZER_FILE + ".tmp")
-        tmp.write_text(tokenizer.to_str(), encoding="utf-8")
-        os.replace(tmp, p / TOKENIZER_FILE)
-    return p
-
-
-def is_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a directory holding one of this library's checkpoints."""
-    p = Path(path)
-    cfg = p / CONFIG_FILE
-    if not (cfg.is_file() and (p / WEIGHTS_FILE).is_file()):
-        return False
-    try:
-        return json.loads(cfg.read_text(encoding="utf-8")).get("format") == CHECKPOINT_FORMAT
-    except (OSError, ValueError):
-        return False
-
-
-def load_checkpoint(
-    path: str | os.PathLike[str], *, device: torch.device | str | None = None, **overrides: Any
-) -> Checkpoint:
-    """Load a checkpoint written by :func:`save_checkpoint`: float32 model in eval mode, tokenizer, metadata.
-
-    ``overrides`` replace :class:`ModelConfig` fields (e.g. ``position="plsh", num_samples=16`` to evaluate
-    an ALiBi-trained model with positional LSH; only settings without weights can change).
-    """
-    from safetensors.torch import load_file
-
-    p = _as_dir("path", path)
-    if not p.is_dir():
-        raise ValueError(f"path {p} is not a directory")
-    if not (p / CONFIG_FILE).is_file() or not (p / WEIGHTS_FILE).is_file():
-        raise ValueError(f"path {p} is not a checkpoint directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = json.loads((p / CONFIG_FILE).read_text(encoding="utf-8"))
-    if config.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"path {p}: {CONFIG_FILE} is not a {CHECKPOINT_FORMAT} config (format={config.get('format')})")
-    model_cfg = dict(config["model"])
-    model_cfg.update(overrides)
-    cfg = ModelConfig.from_dict(model_cfg)
-    model = TransformerLM(cfg)
-    state = {k: v.float() for k, v in load_file(str(p / WEIGHTS_FILE)).items()}
-    state["head.weight"] = state["embed.weight"]
-    model.load_state_dict(state, strict=True)
-    if device is not None:
-        model.to(device)
-    model.eval()
-    tokenizer = BPETokenizer.load(p / TOKENIZER_FILE) if (p / TOKENIZER_FILE).is_file() else None
-    meta = dict(config.get("metadata") or {})
-    meta.update({"weights_dtype": config.get("weights_dtype"), "num_params": config.get("num_params")})
-    return Checkpoint(model, tokenizer, meta)
-
-
-def shipped_checkpoint_path() -> Path:
-    """Directory of the small ALiBi language model shipped inside the package (``checkpoints/alibi-lm``).
-
-    Trained by ``plsh train`` on the shipped corpus; its recipe is ``checkpoints/alibi-lm/RECIPE.md``.
-    """
-    return Path(__file__).resolve().parent / "checkpoints" / "alibi-lm"
-
-
-def load_shipped_model(*, device: torch.device | str | None = None, **overrides: Any) -> Checkpoint:
-    """Load the shipped model (float32, eval mode) with its tokenizer; ``overrides`` as in :func:`load_checkpoint`
-    (e.g. ``position="plsh", num_samples=16``)."""
-    path = shipped_checkpoint_path()
-    if not (path / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"the shipped model is missing from {path} (a broken installation?)")
-    return load_checkpoint(path, device=device, **overrides)
+def _next_token(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """``(B, 1)`` next token ids from last-position ``logits (B, V)``: greedy at temperature 0, else sampled."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).to(logits.device)

@@ -1,4 +1,4 @@
-"""``plsh train``: train a :class:`~positional_lsh.lm.model.TransformerLM` language model.
+"""Training of a :class:`~positional_lsh.lm.model.TransformerLM` language model.
 
 AdamW (decoupled weight decay on matrices only) with linear warm-up and cosine decay to ``min_lr``, gradient
 clipping, optional bf16/fp16 autocast, gradient accumulation, a progress bar with loss and tokens/s,
@@ -18,7 +18,6 @@ end-of-document token); validation uses ``eval_batches`` fixed windows of the va
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -27,7 +26,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,10 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from positional_lsh.lm import data as D
-from positional_lsh.lm.model import POSITIONS, ModelConfig, TransformerLM, save_checkpoint
+from positional_lsh.lm.checkpoint import save_checkpoint
+from positional_lsh.lm.config import ModelConfig
+from positional_lsh.lm.model import TransformerLM
+from positional_lsh.ops._checks import check_int, positive_int
 
 __all__ = [
     "QUICK_PRESET",
@@ -45,8 +47,6 @@ __all__ = [
     "TrainResult",
     "default_cache_dir",
     "lr_at",
-    "main",
-    "register_cli",
     "resolve_autocast_dtype",
     "train",
 ]
@@ -66,7 +66,7 @@ def default_cache_dir() -> Path:
 
 @dataclass
 class TrainConfig:
-    """Training hyperparameters (the model's are in :class:`~positional_lsh.lm.model.ModelConfig`).
+    """Training hyperparameters (the model's are in :class:`~positional_lsh.lm.config.ModelConfig`).
 
     Attributes:
         out_dir: the run directory: checkpoint files, ``trainer_state.pt``, ``log.jsonl``, ``train_config.json``.
@@ -121,17 +121,17 @@ class TrainConfig:
     progress: bool = True
 
     def validate(self) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the first bad field."""
         if not isinstance(self.out_dir, str | os.PathLike) or not str(self.out_dir):
             raise TypeError("out_dir must be a non-empty path")
-        for name in ("vocab_size", "batch_size", "grad_accum", "steps", "eval_interval", "eval_batches"):
-            _pos_int(name, getattr(self, name))
-        _pos_int("ckpt_interval", self.ckpt_interval)
-        _pos_int("warmup", self.warmup, minimum=0)
-        _pos_int("seed", self.seed, minimum=0)
-        if self.threads is not None:
-            _pos_int("threads", self.threads)
-        if self.stop_after is not None:
-            _pos_int("stop_after", self.stop_after)
+        names = ("vocab_size", "batch_size", "grad_accum", "steps", "eval_interval", "eval_batches", "ckpt_interval")
+        for name in names:
+            positive_int(name, getattr(self, name))
+        for name in ("warmup", "seed"):
+            check_int(name, getattr(self, name), minimum=0)
+        for name in ("threads", "stop_after"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
@@ -148,14 +148,6 @@ class TrainConfig:
             raise ValueError(f"autocast must be one of {AUTOCAST_CHOICES}, got {self.autocast!r}")
         if self.save_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"save_dtype must be float32, float16 or bfloat16, got {self.save_dtype!r}")
-
-
-def _pos_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 QUICK_PRESET: dict[str, Any] = {
@@ -230,9 +222,12 @@ class TrainResult:
 
 @dataclass
 class _Dist:
+    """This process's place in the run; ``owns_group``: :func:`_init_distributed` created the process group."""
+
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    owns_group: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -248,15 +243,17 @@ class _Dist:
 
 
 def _init_distributed(device_choice: str) -> tuple[_Dist, torch.device]:
+    """Join (creating it under ``torchrun`` if needed) the process group and choose the device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     want_cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
     if world > 1:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if want_cuda:
             torch.cuda.set_device(local_rank)
-        if not dist.is_initialized():
+        owns = not dist.is_initialized()
+        if owns:
             dist.init_process_group(backend="nccl" if want_cuda else "gloo")
-        info = _Dist(dist.get_rank(), dist.get_world_size(), local_rank)
+        info = _Dist(dist.get_rank(), dist.get_world_size(), local_rank, owns)
         device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
         return info, device
     if device_choice == "auto":
@@ -310,6 +307,7 @@ def _train_batches(
 
 
 def _optimizer(model: TransformerLM, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -343,60 +341,75 @@ def _validate(
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` to ``dtype``, or nothing for ``None``."""
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
 
 
-def _save_state(
-    out: Path,
-    model: TransformerLM,
-    tok: D.BPETokenizer,
-    opt: torch.optim.Optimizer,
-    data_gen: torch.Generator,
-    step: int,
-    tokens: int,
-    last_loss: float,
-    val_loss: float | None,
-    elapsed: float,
-    cfg: TrainConfig,
-    info: _Dist,
-    command: str,
-) -> None:
+def _save_state(run: _Run) -> None:
     """Export the checkpoint (config + weights + tokenizer) and the exact resume state."""
+    cfg, info = run.cfg, run.info
     meta = {
-        "step": step,
-        "tokens": tokens,
-        "train_loss": last_loss,
-        "val_loss": val_loss,
-        "train_seconds": round(elapsed, 1),
+        "step": run.step,
+        "tokens": run.tokens,
+        "train_loss": run.last_loss,
+        "val_loss": run.val_loss,
+        "train_seconds": round(run.elapsed, 1),
         "world_size": info.world,
-        "finished": step >= cfg.steps,
+        "finished": run.step >= cfg.steps,
         "train_config": dataclasses.asdict(cfg),
-        "command": command,
+        "command": run.command,
         "torch": torch.__version__,
     }
-    save_checkpoint(out, model, tok, dtype=cfg.save_dtype, metadata=meta)
+    save_checkpoint(run.out, run.model, run.tok, dtype=cfg.save_dtype, metadata=meta)
     state = {
-        "step": step,
-        "tokens": tokens,
-        "elapsed": elapsed,
-        "val_loss": val_loss,
-        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "optimizer": opt.state_dict(),
-        "data_generator": data_gen.get_state(),
-        "partition_generators": model.rng_state(),
+        "step": run.step,
+        "tokens": run.tokens,
+        "elapsed": run.elapsed,
+        "val_loss": run.val_loss,
+        "model": {k: v.detach().cpu() for k, v in run.model.state_dict().items()},
+        "optimizer": run.opt.state_dict(),
+        "data_generator": run.data_gen.get_state(),
+        "partition_generators": run.model.rng_state(),
         "torch_rng": torch.get_rng_state(),
         "world_size": info.world,
     }
-    tmp = out / (STATE_FILE + ".tmp")
+    tmp = run.out / (STATE_FILE + ".tmp")
     torch.save(state, tmp)
-    os.replace(tmp, out / STATE_FILE)
+    os.replace(tmp, run.out / STATE_FILE)
 
 
 def _log(out: Path, record: dict[str, Any]) -> None:
+    """Append one JSON record to the run's ``log.jsonl``."""
     with open(out / LOG_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+
+
+@dataclass
+class _Run:
+    """One training run's state, shared by the steps of :func:`train`."""
+
+    cfg: TrainConfig
+    model_cfg: ModelConfig
+    out: Path
+    info: _Dist
+    device: torch.device
+    command: str
+    tok: D.BPETokenizer
+    model: TransformerLM
+    ddp_model: torch.nn.Module
+    opt: torch.optim.AdamW
+    data_gen: torch.Generator
+    amp: torch.dtype | None
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    tokens_per_step: int
+    step: int = 0
+    tokens: int = 0
+    elapsed: float = 0.0
+    val_loss: float | None = None
+    last_loss: float = float("nan")
 
 
 def train(
@@ -416,12 +429,31 @@ def train(
         command: the command line to record in the checkpoint (default: ``sys.argv``).
 
     Returns:
-        :class:`TrainResult`. Under ``torchrun`` every process returns it; only rank 0 writes files.
+        :class:`TrainResult`. Under ``torchrun`` every process returns it; only rank 0 writes files. A process
+        group this call creates is destroyed before it returns (after a barrier).
     """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
     if model_cfg is not None and not isinstance(model_cfg, ModelConfig):
         raise TypeError(f"model_cfg must be a ModelConfig or None, got {type(model_cfg).__name__}")
+    cfg, model_cfg, state = _resolve_configs(cfg, model_cfg, resume)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    command = command if command is not None else shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    info, device = _init_distributed(cfg.device)
+    try:
+        run = _setup(cfg, model_cfg, state, info, device, command)
+        return _loop(run)
+    finally:
+        if info.owns_group and dist.is_initialized():
+            dist.barrier()  # no rank tears gloo down while another is still talking to it
+            dist.destroy_process_group()
+
+
+def _resolve_configs(
+    cfg: TrainConfig, model_cfg: ModelConfig | None, resume: bool
+) -> tuple[TrainConfig, ModelConfig, dict[str, Any] | None]:
+    """The run's configs (on resume: the saved ones, with ``cfg``'s per-job settings) and the saved state."""
     out = Path(cfg.out_dir)
     state: dict[str, Any] | None = None
     if resume:
@@ -433,262 +465,156 @@ def train(
         model_cfg = ModelConfig.from_dict(saved["model"])
         state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=False)
     cfg.validate()
-    model_cfg = model_cfg if model_cfg is not None else ModelConfig(seed=cfg.seed)
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    command = command if command is not None else shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    return cfg, model_cfg if model_cfg is not None else ModelConfig(seed=cfg.seed), state
 
-    info, device = _init_distributed(cfg.device)
+
+def _setup(
+    cfg: TrainConfig,
+    model_cfg: ModelConfig,
+    state: dict[str, Any] | None,
+    info: _Dist,
+    device: torch.device,
+    command: str,
+) -> _Run:
+    """Data, model, optimizer and batches of a run (restored from ``state`` on resume); rank 0 records the run."""
+    out = Path(cfg.out_dir)
     if info.main:
         out.mkdir(parents=True, exist_ok=True)
     info.barrier()
     tok, streams = _prepare_data(cfg, out, info)
     model_cfg = dataclasses.replace(model_cfg, vocab_size=tok.vocab_size)
-    if info.main and not resume:
+    if info.main and state is None:
         record = {"train": dataclasses.asdict(cfg), "model": model_cfg.to_dict(), "command": command}
         (out / TRAIN_CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         (out / LOG_FILE).write_text("", encoding="utf-8")
-
     torch.manual_seed(cfg.seed)
     model = TransformerLM(model_cfg).to(device)
     opt = _optimizer(model, cfg, device)
     data_gen = torch.Generator().manual_seed(cfg.seed)
-    start_step, tokens, elapsed, val_loss = 0, 0, 0.0, None
-    if state is not None:
-        if state["world_size"] != info.world:
-            raise ValueError(
-                f"resume: the run was saved with {state['world_size']} processes; resume it with the same number "
-                f"(got {info.world}) so that the batches stay the same"
-            )
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        data_gen.set_state(state["data_generator"])
-        model.set_rng_state(state["partition_generators"])
-        torch.set_rng_state(state["torch_rng"])
-        start_step, tokens, elapsed, val_loss = state["step"], state["tokens"], state["elapsed"], state["val_loss"]
+    counters = _restore(state, model, opt, data_gen, info) if state is not None else {}
     model.train()
     ddp_model: torch.nn.Module = model
     if info.enabled:
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    amp = resolve_autocast_dtype(cfg.autocast, device)
     seq_len = model_cfg.seq_len
-    batches = _train_batches(streams["train"], seq_len, cfg.batch_size, info, data_gen)
     val_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
-    val_batches = [
-        D.random_batch(streams["validation"], seq_len, cfg.batch_size * info.world, generator=val_gen)
-        for _ in range(cfg.eval_batches)
-    ]
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * info.world * seq_len
-    stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
+    run = _Run(
+        cfg, model_cfg, out, info, device, command, tok, model, ddp_model, opt, data_gen,
+        amp=resolve_autocast_dtype(cfg.autocast, device),
+        batches=_train_batches(streams["train"], seq_len, cfg.batch_size, info, data_gen),
+        val_batches=[
+            D.random_batch(streams["validation"], seq_len, cfg.batch_size * info.world, generator=val_gen)
+            for _ in range(cfg.eval_batches)
+        ],
+        tokens_per_step=cfg.batch_size * cfg.grad_accum * info.world * seq_len,
+        **counters,
+    )  # fmt: skip
     if info.main:
         print(
             f"plsh train: {model_cfg.describe()} | {model.num_params() / 1e6:.2f} M params | seq_len {seq_len} | "
-            f"{tokens_per_step} tokens/step x {cfg.steps} steps | device {device} x {info.world} | "
-            f"autocast {amp or 'off'} | train {streams['train'].numel():,} tokens",
+            f"{run.tokens_per_step} tokens/step x {cfg.steps} steps | device {device} x {info.world} | "
+            f"autocast {run.amp or 'off'} | train {streams['train'].numel():,} tokens",
             flush=True,
         )
+    return run
+
+
+def _restore(
+    state: dict[str, Any], model: TransformerLM, opt: torch.optim.Optimizer, data_gen: torch.Generator, info: _Dist
+) -> dict[str, Any]:
+    """Load a saved ``trainer_state.pt`` into the model, optimizer and generators; return the run's counters."""
+    if state["world_size"] != info.world:
+        raise ValueError(
+            f"resume: the run was saved with {state['world_size']} processes; resume it with the same number "
+            f"(got {info.world}) so that the batches stay the same"
+        )
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    data_gen.set_state(state["data_generator"])
+    model.set_rng_state(state["partition_generators"])
+    torch.set_rng_state(state["torch_rng"])
+    return {k: state[k] for k in ("step", "tokens", "elapsed", "val_loss")}
+
+
+def _loop(run: _Run) -> TrainResult:
+    """Optimizer steps until ``steps`` (or ``stop_after``), with logging, validation and checkpoints."""
+    cfg, info = run.cfg, run.info
+    stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
     bar = tqdm(
-        total=cfg.steps, initial=start_step, desc="train", disable=not (cfg.progress and info.main), dynamic_ncols=True
+        total=cfg.steps, initial=run.step, desc="train", disable=not (cfg.progress and info.main), dynamic_ncols=True
     )
-    last_loss = float("nan")
-    t_start = time.perf_counter() - elapsed
+    t_start = time.perf_counter() - run.elapsed
     window_t, window_tokens = time.perf_counter(), 0
-    step = start_step
-    while step < stop:
-        lr = lr_at(step, cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(cfg.grad_accum):
-            x, y = next(batches)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            sync = not info.enabled or micro == cfg.grad_accum - 1
-            ctx = contextlib.nullcontext() if sync else ddp_model.no_sync()  # type: ignore[operator]
-            with ctx:
-                with _autocast(device, amp):
-                    _, loss = ddp_model(x, y)
-                (loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        tokens += tokens_per_step
-        window_tokens += tokens_per_step
-        loss_t = loss_sum / cfg.grad_accum
-        if info.enabled:
-            dist.all_reduce(loss_t)
-            loss_t /= info.world
-        last_loss = float(loss_t)
-        if not math.isfinite(last_loss):
-            raise FloatingPointError(f"training loss is {last_loss} at step {step}; lower lr or check the data")
+    while run.step < stop:
+        lr = _optimizer_step(run)
+        window_tokens += run.tokens_per_step
         now = time.perf_counter()
         tps = window_tokens / max(1e-9, now - window_t)
         if now - window_t > 30:
             window_t, window_tokens = now, 0
         bar.update(1)
-        bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
+        bar.set_postfix(loss=f"{run.last_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
         if info.main:
-            _log(out, {"step": step, "loss": last_loss, "lr": lr, "tokens": tokens, "tok_s": round(tps, 1),
-                       "elapsed": round(now - t_start, 2)})  # fmt: skip
-        if step % cfg.eval_interval == 0 or step == cfg.steps:
-            val_loss = _validate(model, val_batches, info, device, amp)
+            _log(run.out, {"step": run.step, "loss": run.last_loss, "lr": lr, "tokens": run.tokens,
+                           "tok_s": round(tps, 1), "elapsed": round(now - t_start, 2)})  # fmt: skip
+        if run.step % cfg.eval_interval == 0 or run.step == cfg.steps:
+            run.val_loss = _validate(run.model, run.val_batches, info, run.device, run.amp)
             if info.main:
-                _log(out, {"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+                _log(run.out, {"step": run.step, "val_loss": run.val_loss, "val_ppl": math.exp(run.val_loss)})
                 bar.write(
-                    f"step {step}: train loss {last_loss:.4f}, val loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f})"
+                    f"step {run.step}: train loss {run.last_loss:.4f}, val loss {run.val_loss:.4f} "
+                    f"(ppl {math.exp(run.val_loss):.2f})"
                 )
-        if step % cfg.ckpt_interval == 0 or step == stop:
+        if run.step % cfg.ckpt_interval == 0 or run.step == stop:
+            run.elapsed = time.perf_counter() - t_start
             if info.main:
-                _save_state(
-                    out, model, tok, opt, data_gen, step, tokens, last_loss, val_loss,
-                    time.perf_counter() - t_start, cfg, info, command,
-                )  # fmt: skip
+                _save_state(run)
             info.barrier()
     bar.close()
     seconds = time.perf_counter() - t_start
     if info.main:
-        status = "finished" if step >= cfg.steps else f"stopped at step {step} (resume with --resume)"
-        print(f"plsh train: {status}; {tokens:,} tokens in {seconds:.0f} s; checkpoint in {out}", flush=True)
-    return TrainResult(out, step, tokens, last_loss, val_loss, seconds, step >= cfg.steps)
+        status = "finished" if run.step >= cfg.steps else f"stopped at step {run.step} (resume with --resume)"
+        print(f"plsh train: {status}; {run.tokens:,} tokens in {seconds:.0f} s; checkpoint in {run.out}", flush=True)
+    finished = run.step >= cfg.steps
+    return TrainResult(run.out, run.step, run.tokens, run.last_loss, run.val_loss, seconds, finished)
 
 
-# --------------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------------
-
-_MODEL_FLAGS = {
-    "position": str,
-    "num_samples": int,
-    "scheme": str,
-    "sigma": float,
-    "window": float,
-    "window_factor": float,
-    "n_layer": int,
-    "n_head": int,
-    "d_model": int,
-    "mlp_ratio": int,
-    "dropout": float,
-    "seq_len": int,
-    "rope_base": float,
-    "alibi_impl": str,
-    "attn_backend": str,
-    "partition_seed": int,
-    "attn_fp32": bool,
-}
-
-_TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name != "out_dir"}
-
-
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``plsh train``'s options to a parser (every default is ``None``: presets fill in what is not given)."""
-    p.add_argument("--out", required=True, help="run directory (checkpoint, trainer state, log)")
-    p.add_argument("--quick", action="store_true", help=f"tiny ~1-minute preset for smoke tests and CI: {QUICK_PRESET}")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its trainer_state.pt")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", help="'default' (shipped corpus), hf:PATH[:NAME], a .jsonl[.xz] file, or text files/dir")
-    g.add_argument("--tokenizer", help="reuse this tokenizer.json (or a checkpoint directory) instead of training one")
-    g.add_argument("--vocab-size", type=int, help=f"BPE vocabulary when training a tokenizer ({D.DEFAULT_VOCAB_SIZE})")
-    g.add_argument("--cache-dir", help=f"token cache directory (default {default_cache_dir()}; '' disables)")
-    g = p.add_argument_group("model")
-    g.add_argument("--position", choices=POSITIONS, help="attention position mode (alibi)")
-    g.add_argument("--num-samples", type=int, help="positional-LSH samples T per step (1)")
-    g.add_argument("--scheme", help="positional-LSH scheme: discrete, gamma, fixed (discrete)")
-    g.add_argument("--sigma", type=float, help="one constant sigma for every head (default: per-head ALiBi slopes)")
-    g.add_argument("--window", type=float, help="window-alibi: largest kept distance in tokens")
-    g.add_argument("--window-factor", type=float, help="window-alibi: window = factor * sigma_h per head (12)")
-    g.add_argument("--n-layer", type=int, help="layers (4)")
-    g.add_argument("--n-head", type=int, help="attention heads (8)")
-    g.add_argument("--d-model", type=int, help="width (256)")
-    g.add_argument("--mlp-ratio", type=int, help="MLP width / d_model (4)")
-    g.add_argument("--dropout", type=float, help="dropout (0)")
-    g.add_argument("--seq-len", type=int, help="training context length (256)")
-    g.add_argument("--rope-base", type=float, help="RoPE base (10000)")
-    g.add_argument("--alibi-impl", choices=("auto", "sdpa", "chunked"), help="exact ALiBi kernel (auto)")
-    g.add_argument("--attn-backend", choices=("auto", "flash", "math"), help="plsh/alibi kernel backend (auto)")
-    g.add_argument("--partition-seed", type=int, help="seed of the positional-LSH training partitions (--seed)")
-    g.add_argument(
-        "--attn-low-precision",
-        dest="attn_fp32",
-        action="store_const",
-        const=False,
-        help="run attention in the autocast dtype too (default: float32 attention; see ModelConfig.attn_fp32)",
-    )
-    g = p.add_argument_group("optimization")
-    g.add_argument("--batch-size", type=int, help="windows per micro-batch per process (16)")
-    g.add_argument("--grad-accum", type=int, help="micro-batches per step (1)")
-    g.add_argument("--steps", type=int, help="optimizer steps (2000)")
-    g.add_argument("--lr", type=float, help="peak learning rate (1e-3)")
-    g.add_argument("--min-lr", type=float, help="final learning rate (1e-4)")
-    g.add_argument("--warmup", type=int, help="warm-up steps (100)")
-    g.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (0.1)")
-    g.add_argument("--beta1", type=float, help="AdamW beta1 (0.9)")
-    g.add_argument("--beta2", type=float, help="AdamW beta2 (0.95)")
-    g.add_argument("--grad-clip", type=float, help="gradient-norm clip, 0 disables (1.0)")
-    g = p.add_argument_group("run")
-    g.add_argument("--eval-interval", type=int, help="validate every N steps (250)")
-    g.add_argument("--eval-batches", type=int, help="validation batches (16)")
-    g.add_argument("--ckpt-interval", type=int, help="resumable checkpoint every N steps (500)")
-    g.add_argument("--seed", type=int, help="seed of init, data order and partitions (0)")
-    g.add_argument("--autocast", choices=AUTOCAST_CHOICES, help="mixed precision (auto: bf16 where native)")
-    g.add_argument("--device", help="auto, cpu, cuda, cuda:1 ... (auto)")
-    g.add_argument("--threads", type=int, help="torch intra-op threads")
-    g.add_argument("--save-dtype", choices=("float32", "float16", "bfloat16"), help="weights storage (float32)")
-    g.add_argument("--stop-after", type=int, help="stop at this step with a resumable checkpoint")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+def _optimizer_step(run: _Run) -> float:
+    """One optimizer step (``grad_accum`` micro-batches); updates the step, token count and loss; returns the lr."""
+    cfg, info = run.cfg, run.info
+    lr = lr_at(run.step, cfg)
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(cfg.grad_accum):
+        x, y = next(run.batches)
+        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+        sync = not info.enabled or micro == cfg.grad_accum - 1
+        ctx = contextlib.nullcontext() if sync else run.ddp_model.no_sync()  # type: ignore[operator]
+        with ctx:
+            with _autocast(run.device, run.amp):
+                _, loss = run.ddp_model(x, y)
+            (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.step += 1
+    run.tokens += run.tokens_per_step
+    loss_t = loss_sum / cfg.grad_accum
+    if info.enabled:
+        dist.all_reduce(loss_t)
+        loss_t /= info.world
+    run.last_loss = float(loss_t)
+    if not math.isfinite(run.last_loss):
+        raise FloatingPointError(f"training loss is {run.last_loss} at step {run.step}; lower lr or check the data")
+    return lr
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
-    """Build the configs: defaults, then ``--quick``'s preset, then the flags given explicitly."""
-    given = {k: v for k, v in vars(args).items() if v is not None}
-    values: dict[str, Any] = {}
-    if args.quick:
-        values.update(QUICK_PRESET)
-    values.update(given)
-    train_kw = {k: values[k] for k in _TRAIN_DEFAULTS if k in values}
-    train_kw["progress"] = not args.no_progress
-    cfg = TrainConfig(out_dir=args.out, **train_kw)
-    model_kw = {k: values[k] for k in _MODEL_FLAGS if k in values and k != "partition_seed"}
-    model_kw["seed"] = values.get("partition_seed", cfg.seed)
-    return cfg, ModelConfig(**model_kw)
+if __name__ == "__main__":  # `python -m positional_lsh.lm.train` (older torchrun commands) is `plsh train`
+    from positional_lsh.cli.train import main
 
-
-def _main(args: argparse.Namespace) -> int:
-    try:
-        cfg, model_cfg = configs_from_args(args)
-        cfg.validate()
-    except (TypeError, ValueError) as exc:
-        print(f"plsh train: error: {exc}", file=sys.stderr)
-        return 2
-    result = train(cfg, model_cfg, resume=args.resume, command=getattr(args, "command_line", None))
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # no rank tears gloo down while another is still talking to it
-        dist.destroy_process_group()
-    return 0 if result.step > 0 or result.finished else 1
-
-
-def register_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
-        help="train a language model with alibi / plsh / window-alibi / rope / nope attention",
-        description="Train a decoder-only LM on the shipped corpus (or --data). Works under torchrun for "
-        "data-parallel training: torchrun --nproc_per_node N -m positional_lsh.lm.train --out DIR ...",
-    )
-    add_train_arguments(p)
-    p.set_defaults(func=_main)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m positional_lsh.lm.train ARGS`` (what ``torchrun -m`` runs): the same as ``plsh train ARGS``."""
-    parser = argparse.ArgumentParser(prog="plsh train")
-    add_train_arguments(parser)
-    args = parser.parse_args(argv)
-    args.command_line = shlex.join(["plsh", "train", *(sys.argv[1:] if argv is None else argv)])
-    return _main(args)
-
-
-if __name__ == "__main__":
     sys.exit(main())

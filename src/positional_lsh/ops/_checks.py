@@ -18,12 +18,26 @@ SlopesLike = torch.Tensor | Sequence[float] | float | None
 GeneratorLike = torch.Generator | int | None
 
 
-def positive_int(name: str, value: object) -> int:
+def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
+    """``value`` as an ``int``: ``TypeError`` unless an integer (``bool`` refused), ``ValueError`` below ``minimum``.
+
+    The one integer validator of the package; errors name the argument ``name``.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def positive_int(name: str, value: object) -> int:
+    """``check_int(name, value, minimum=1)``."""
+    return check_int(name, value, minimum=1)
+
+
+def nonnegative_int(name: str, value: object) -> int:
+    """``check_int(name, value, minimum=0)``."""
+    return check_int(name, value, minimum=0)
 
 
 def check_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int, int]:
@@ -49,6 +63,8 @@ def check_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int,
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     b, hq, lq, d = q.shape
     bk, hkv, lk, dk = k.shape
+    if min(b, hq, lq, d, hkv, lk) < 1:
+        raise ValueError(f"q and k must have non-empty dimensions, got {tuple(q.shape)} and {tuple(k.shape)}")
     if bk != b:
         raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
     if dk != d:
@@ -57,8 +73,6 @@ def check_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int,
         raise ValueError(
             f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hkv})"
         )
-    if lq < 1 or lk < 1 or d < 1 or b < 1:
-        raise ValueError(f"q and k must have non-empty dimensions, got {tuple(q.shape)} and {tuple(k.shape)}")
     if lq > lk:
         raise ValueError(
             f"q has more positions ({lq}) than k ({lk}); queries are aligned to the last keys, "

@@ -9,13 +9,14 @@ Two backends share one contract:
 * ``"math"`` — plain batched matmuls with softmax, processed in chunks to bound memory. Runs on any
   device and dtype (CUDA included); used where the fused CPU op is unavailable.
 
-Contract: ``q (N, M, Lq, d)``, ``k, v (N, M, Lk, d)`` (any strides on the first three dims),
+Contract: ``q (N, M, Lq, d)``, ``k, v (N, M, Lk, d)`` (any strides on the first two dims; the flash backend
+needs stride 1 in the last dim, see :func:`kernel_layout`),
 ``Lq <= Lk``; queries are aligned to the *last* ``Lq`` keys, so with ``causal=True`` query ``i`` sees keys
 ``j <= i + Lk - Lq``. ``bias`` is an optional additive float mask broadcastable to ``(N, M, Lq, Lk)``.
 ``attend`` returns ``out`` in the input dtype and ``lse`` in float32 (float64 for float64 input).
 ``attend_backward`` takes the upstream gradient with an arbitrary ``out``/``lse`` — when these are the
 *merged* output and log-sum-exp of several attention calls whose key sets are united in one softmax,
-it returns this call's share of the gradient of the merged output (DESIGN.md §2).
+it returns this call's share of the gradient of the merged output (docs/design.md, the merged-lse backward).
 """
 
 from __future__ import annotations
@@ -41,8 +42,41 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for inputs of ``dtype``: float64 for float64, float32 otherwise (half types too)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def kernel_layout(x: torch.Tensor, backend: str) -> torch.Tensor:
+    """``x (B, H, L, d)`` in a layout the kernels are correct and fast on; a copy only when needed.
+
+    torch's CPU flash op reads the last dim as if its stride were 1 (any other stride gives wrong results)
+    and is slow on rows that are far apart in memory (e.g. query heads interleaved with keys and values in
+    a fused projection). So for ``"flash"`` every ``(L, d)`` slab must be row-major (``stride(-1) == 1`` and
+    ``stride(-2) == d``); the batch and head strides may be anything (expanded tensors are kept as views).
+    Called once per op call, so that the per-block kernel calls get views of it. ``"math"`` takes any layout.
+    """
+    if backend != "flash":
+        return x
+    length, d = x.shape[-2], x.shape[-1]
+    if (d == 1 or x.stride(-1) == 1) and (length == 1 or x.stride(-2) == d):
+        return x
+    return x.contiguous()
+
+
+def nonfinite_keys(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """``(B, H, Lk)`` bool: key positions whose key or value has a NaN or inf; ``None`` when there are none.
+
+    A masked key must not reach any row, but the kernels add the ``-inf`` mask to the score (``NaN + -inf`` is
+    NaN) and multiply zero probabilities by values (``0 * NaN`` is NaN). So the ops zero these keys, run, and
+    set the rows that do keep one of them to NaN.
+    """
+    # Fast path: a NaN or inf anywhere makes the total non-finite (a finite overflow only costs the exact check).
+    acc = acc_dtype(k.dtype)
+    if bool(torch.isfinite(k.sum(dtype=acc) + v.sum(dtype=acc))):
+        return None
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+    return bad if bool(bad.any()) else None
 
 
 def _causal_bias(lq: int, lk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -67,7 +101,7 @@ def _math_setup(
     q: torch.Tensor, lk: int, causal: bool, bias: torch.Tensor | None
 ) -> tuple[torch.dtype, torch.Tensor | None, list[slice]]:
     """Accumulation dtype, the full additive mask (causal included) and chunks of the ``M`` dimension."""
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     lq = q.shape[-2]
     mask = bias.to(acc) if bias is not None else None
     if causal:

@@ -34,8 +34,10 @@ def _get_pool(size: int) -> ThreadPoolExecutor:
         return _pools[size]
 
 
-def _no_grad_call(fn: Callable[[T], None], item: T) -> None:
-    with torch.no_grad():  # grad mode is thread-local: the worker must not record graphs
+def _call_in_modes(fn: Callable[[T], None], item: T, grad: bool, inference: bool) -> None:
+    """``fn(item)`` under the caller's grad and inference modes (both are thread-local: workers do not inherit
+    them, and in-place updates of tensors made under ``torch.inference_mode`` need that mode)."""
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
         fn(item)
 
 
@@ -51,7 +53,8 @@ def run_all(fn: Callable[[T], None], items: Sequence[T], workers: int) -> None:
             fn(item)
         return
     pool = _get_pool(workers)
-    futures = [pool.submit(_no_grad_call, fn, item) for item in items]
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    futures = [pool.submit(_call_in_modes, fn, item, grad, inference) for item in items]
     for f in futures:
         f.result()
 

@@ -1,6 +1,6 @@
 """Fast positional-LSH attention: ALiBi approximated by ``T`` runs of regular block-local attention.
 
-The estimator (DESIGN.md §2). For head ``h`` with sampled block masks ``M_1..M_T`` and their mean
+The estimator (docs/design.md). For head ``h`` with sampled block masks ``M_1..M_T`` and their mean
 ``Mbar``::
 
     out_i = sum_j Mbar[i,j] e^{s[i,j]} v_j / sum_j Mbar[i,j] e^{s[i,j]} = softmax_j(s[i,j] + log Mbar[i,j]) v
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -34,9 +35,16 @@ from positional_lsh.ops._checks import (
     check_qkv,
     positive_int,
 )
-from positional_lsh.ops._kernels import attend, attend_backward, resolve_backend
+from positional_lsh.ops._kernels import (
+    acc_dtype,
+    attend,
+    attend_backward,
+    kernel_layout,
+    nonfinite_keys,
+    resolve_backend,
+)
 from positional_lsh.ops._parallel import pool_size, run_all, work_items, workers_for
-from positional_lsh.ops.sampling import Partitions, Segment, sample_partitions
+from positional_lsh.ops.partitions import Partitions, Segment, sample_partitions
 
 __all__ = ["PositionalLSHAttention", "plsh_attention"]
 
@@ -154,15 +162,88 @@ def _segment_inputs(
     )
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 WorkItem = tuple[list[_HeadWork], slice]
 
 
 def _work_items(plan: list[_HeadWork], batch: int, workers: int) -> list[WorkItem]:
     return work_items([(w, w.kv_head, w.cost) for w in plan], batch, workers)
+
+
+def _rows_reaching(bad: torch.Tensor, partitions: Partitions, q_len: int, causal: bool) -> torch.Tensor:
+    """``(B, Hq, Lq)`` bool: query rows that keep a ``bad`` key (``bad`` is ``(B, Hkv, Lk)``) in some sample."""
+    b, hkv, lk = bad.shape
+    hq = partitions.num_heads
+    bad = bad.cpu()
+    out = torch.zeros((b, hq, q_len), dtype=torch.bool)
+    for h in range(hq):
+        keys = bad[:, h // (hq // hkv)]
+        j = torch.nonzero(keys.any(0)).flatten()
+        if j.numel() == 0:
+            continue
+        lo, hi = partitions.block_span(h, j)
+        if causal:
+            lo = j  # rows before a key never see it
+        for bi in range(b):
+            sel = keys[bi, j]
+            diff = torch.zeros(lk + 1, dtype=torch.long)
+            diff.index_add_(0, lo[sel], torch.ones_like(lo[sel])).index_add_(0, hi[sel], -torch.ones_like(hi[sel]))
+            out[bi, h] = diff.cumsum(0)[lk - q_len : lk] > 0
+    return out.to(bad.device)
+
+
+def _forward_item(
+    item: WorkItem,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_acc: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> None:
+    """Run and merge every segment of one work item into ``out_acc`` and ``lse`` (disjoint rows per item)."""
+    works, b = item
+    for work in works:
+        q_h, k_h, v_h = q[b, work.head], k[b, work.kv_head], v[b, work.kv_head]
+        out_h, lse_h = out_acc[b, work.head], lse[b, work.head]
+        for segments, count in work.samples:
+            for seg in segments:
+                o, l = attend(
+                    *_segment_inputs(seg, q_h, k_h, v_h), causal=causal and seg.masked, scale=scale, backend=backend
+                )
+                _merge_into(out_h, lse_h, seg, o, l, math.log(count))
+
+
+def _backward_item(
+    item: WorkItem,
+    saved: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> None:
+    """Accumulate one work item's share of ``(dq, dk, dv)``, each block run against the merged out/lse."""
+    q, k, v, out, lse = saved
+    dq, dk, dv = grads
+    works, b = item
+    for work in works:
+        h, hk = work.head, work.kv_head
+        q_h, k_h, v_h = q[b, h], k[b, hk], v[b, hk]
+        for segments, count in work.samples:
+            for seg in segments:
+                qs, ks, vs = _segment_inputs(seg, q_h, k_h, v_h)
+                os_, ls, ds = (_rows(x[b, h], seg, seg.q_start, seg.q_len) for x in (out, lse, dout))
+                # A sample counted `count` times contributes `count` times its probabilities.
+                if count > 1:
+                    ds = ds * count
+                gq, gk, gv = attend_backward(
+                    ds, qs, ks, vs, os_, ls, causal=causal and seg.masked, scale=scale, backend=backend
+                )
+                _add_rows(dq[b, h], seg, seg.q_start, seg.q_len, gq)
+                _add_rows(dk[b, hk], seg, seg.k_start, seg.k_len, gk)
+                _add_rows(dv[b, hk], seg, seg.k_start, seg.k_len, gv)
 
 
 class _PositionalLSHFunction(torch.autograd.Function):
@@ -173,31 +254,28 @@ class _PositionalLSHFunction(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         plan: list[_HeadWork],
+        partitions: Partitions,
         causal: bool,
         scale: float,
         backend: str,
     ) -> torch.Tensor:
-        acc = _acc_dtype(q.dtype)
+        # Once per call: every block kernel call below gets a view of a kernel-friendly layout.
+        q, k, v = (kernel_layout(x, backend) for x in (q, k, v))
+        bad = nonfinite_keys(k, v)  # zeroed here, and the rows that keep them set to NaN below
+        if bad is not None:
+            k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
+        acc = acc_dtype(q.dtype)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         items = _work_items(plan, q.shape[0], workers_for(q.device))
-
-        def run(item: WorkItem) -> None:
-            works, b = item
-            for work in works:
-                q_h, k_h, v_h = q[b, work.head], k[b, work.kv_head], v[b, work.kv_head]
-                out_h, lse_h = out_acc[b, work.head], lse[b, work.head]
-                for segments, count in work.samples:
-                    for seg in segments:
-                        o, l = attend(
-                            *_segment_inputs(seg, q_h, k_h, v_h),
-                            causal=causal and seg.masked,
-                            scale=scale,
-                            backend=backend,
-                        )
-                        _merge_into(out_h, lse_h, seg, o, l, math.log(count))
-
+        run = partial(
+            _forward_item, q=q, k=k, v=v, out_acc=out_acc, lse=lse, causal=causal, scale=scale, backend=backend
+        )
         run_all(run, items, pool_size(len(items), q.device))
+        if bad is not None:
+            reached = _rows_reaching(bad, partitions, q.shape[2], causal).to(q.device)
+            out_acc.masked_fill_(reached[..., None], float("nan"))
+            lse.masked_fill_(reached, float("nan"))
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.causal, ctx.scale, ctx.backend = plan, causal, scale, backend
@@ -208,46 +286,23 @@ class _PositionalLSHFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        plan: list[_HeadWork] = ctx.plan
-        acc = _acc_dtype(q.dtype)
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        items = _work_items(plan, q.shape[0], workers_for(q.device))
-
-        def run(item: WorkItem) -> None:
-            works, b = item
-            for work in works:
-                h, hk = work.head, work.kv_head
-                q_h, k_h, v_h = q[b, h], k[b, hk], v[b, hk]
-                for segments, count in work.samples:
-                    for seg in segments:
-                        qs, ks, vs = _segment_inputs(seg, q_h, k_h, v_h)
-                        os_ = _rows(out[b, h], seg, seg.q_start, seg.q_len)
-                        ls = _rows(lse[b, h], seg, seg.q_start, seg.q_len)
-                        ds = _rows(dout[b, h], seg, seg.q_start, seg.q_len)
-                        # A sample counted `count` times contributes `count` times its probabilities.
-                        if count > 1:
-                            ds = ds * count
-                        gq, gk, gv = attend_backward(
-                            ds,
-                            qs,
-                            ks,
-                            vs,
-                            os_,
-                            ls,
-                            causal=ctx.causal and seg.masked,
-                            scale=ctx.scale,
-                            backend=ctx.backend,
-                        )
-                        _add_rows(dq[b, h], seg, seg.q_start, seg.q_len, gq)
-                        _add_rows(dk[b, hk], seg, seg.k_start, seg.k_len, gk)
-                        _add_rows(dv[b, hk], seg, seg.k_start, seg.k_len, gv)
-
+        saved = ctx.saved_tensors
+        q, k, v = saved[:3]
+        acc = acc_dtype(q.dtype)
+        grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+        items = _work_items(ctx.plan, q.shape[0], workers_for(q.device))
+        run = partial(
+            _backward_item,
+            saved=saved,
+            dout=dout.contiguous(),
+            grads=grads,
+            causal=ctx.causal,
+            scale=ctx.scale,
+            backend=ctx.backend,
+        )
         run_all(run, items, pool_size(len(items), q.device))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dq, dk, dv = grads
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def plsh_attention(
@@ -279,7 +334,8 @@ def plsh_attention(
             if given, ``slopes``, ``num_samples``, ``scheme`` and ``generator`` are not used for sampling
             (``slopes``, if given, must equal ``partitions.slopes``).
         scheme: partition scheme when sampling: ``"discrete"`` (default, exactly unbiased and fastest),
-            ``"gamma"`` (the paper's), ``"fixed"`` (biased ablation).
+            ``"gamma"`` (the paper's), ``"fixed"`` (biased ablation), a variance-reduced scheme, or one added
+            with :func:`~positional_lsh.register_scheme` (see :func:`~positional_lsh.ops.schemes.scheme_names`).
         generator: CPU ``torch.Generator``, ``int`` seed, or ``None`` (torch's global RNG).
         scale: score scale, default ``1/sqrt(d)``.
         backend: ``"auto"`` (CPU: torch's fused flash op; other devices: ``"math"``), ``"flash"``, ``"math"``.
@@ -289,29 +345,46 @@ def plsh_attention(
         of the estimator for the sampled partitions). NaN in the inputs propagates to NaN in the rows it
         reaches; it never raises.
     """
-    _, hq, hkv, lq, lk, d = check_qkv(q, k, v)
-    scale_f = as_scale(scale, d)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    backend = resolve_backend(backend, q.device)
+    dims = check_qkv(q, k, v)
+    hq, lk = dims[1], dims[4]
     if partitions is None:
         partitions = sample_partitions(
             lk, as_slopes(slopes, hq), positive_int("num_samples", num_samples), scheme=scheme, generator=generator
         )
-    else:
-        if not isinstance(partitions, Partitions):
-            raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
-        if partitions.num_heads != hq:
-            raise ValueError(f"partitions were drawn for {partitions.num_heads} heads, but q has {hq} heads")
-        if partitions.seq_len != lk:
-            raise ValueError(
-                f"partitions were drawn for seq_len={partitions.seq_len}, but k has {lk} positions "
-                "(use partitions.with_seq_len(n) to reuse them at another length)"
-            )
-        if slopes is not None and not torch.allclose(as_slopes(slopes, hq), partitions.slopes):
+    elif slopes is not None and isinstance(partitions, Partitions) and partitions.num_heads == hq:
+        if not torch.allclose(as_slopes(slopes, hq), partitions.slopes):
             raise ValueError("slopes differ from partitions.slopes; pass one or the other")
+    return _plsh_checked(q, k, v, dims, partitions, causal=causal, scale=scale, backend=backend)
+
+
+def _plsh_checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dims: tuple[int, int, int, int, int, int],
+    partitions: object,
+    *,
+    causal: object,
+    scale: float | None,
+    backend: str,
+) -> torch.Tensor:
+    """:func:`plsh_attention` for ``q, k, v`` already checked by ``check_qkv`` (which returned ``dims``)."""
+    _, hq, hkv, lq, lk, d = dims
+    scale_f = as_scale(scale, d)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    backend = resolve_backend(backend, q.device)
+    if not isinstance(partitions, Partitions):
+        raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
+    if partitions.num_heads != hq:
+        raise ValueError(f"partitions were drawn for {partitions.num_heads} heads, but q has {hq} heads")
+    if partitions.seq_len != lk:
+        raise ValueError(
+            f"partitions were drawn for seq_len={partitions.seq_len}, but k has {lk} positions "
+            "(use partitions.with_seq_len(n) to reuse them at another length)"
+        )
     plan = _plan(partitions, hkv, lq, causal)
-    return _PositionalLSHFunction.apply(q, k, v, plan, causal, scale_f, backend)
+    return _PositionalLSHFunction.apply(q, k, v, plan, partitions, causal, scale_f, backend)
 
 
 class PositionalLSHAttention(nn.Module):
@@ -366,13 +439,6 @@ class PositionalLSHAttention(nn.Module):
         return sample_partitions(seq_len, self.slopes, self.num_samples, scheme=self.scheme, generator=gen)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        check_qkv(q, k, v)
-        return plsh_attention(
-            q,
-            k,
-            v,
-            partitions=self.sample(k.shape[-2]),
-            causal=self.causal,
-            scale=self.scale,
-            backend=self.backend,
-        )
+        dims = check_qkv(q, k, v)  # validated once, here; sampling needs the key length
+        partitions = self.sample(dims[4])
+        return _plsh_checked(q, k, v, dims, partitions, causal=self.causal, scale=self.scale, backend=self.backend)

@@ -11,13 +11,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from positional_lsh.ops._checks import SlopesLike, as_scale, as_slopes, as_window, check_qkv, positive_int
-from positional_lsh.ops._kernels import attend, attend_backward, resolve_backend
+from positional_lsh.ops._kernels import (
+    acc_dtype,
+    attend,
+    attend_backward,
+    kernel_layout,
+    nonfinite_keys,
+    resolve_backend,
+)
 from positional_lsh.ops._parallel import pool_size, run_all, work_items, workers_for
-from positional_lsh.ops.sampling import MAX_DENSE_ELEMENTS, Partitions
+from positional_lsh.ops.partitions import MAX_DENSE_ELEMENTS, Partitions
 
 __all__ = ["alibi_attention", "alibi_bias", "alibi_matrix", "dense_plsh_attention"]
 
@@ -120,7 +128,7 @@ def dense_plsh_attention(
         )
     _check_dense_size("dense_plsh_attention", b * hq * lq * lk)
     sc = as_scale(scale, d)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     mbar = partitions.mean_mask(device=q.device, dtype=acc)[:, lk - lq :, :]
     log_mbar = torch.log(mbar)  # log 0 = -inf: keys never in the query's block
     if causal:
@@ -202,6 +210,97 @@ def _head_items(q: torch.Tensor, k: torch.Tensor, window: torch.Tensor | None) -
     return work_items([(h, h // group, spans[h]) for h in range(q.shape[1])], q.shape[0], workers_for(q.device))
 
 
+def _rows_reaching(
+    bad: torch.Tensor, num_heads: int, q_len: int, window: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """``(B, Hq, Lq)`` bool: query rows whose kept keys (causal and window mask) include a ``bad`` key."""
+    b, hkv, lk = bad.shape
+    before = torch.nn.functional.pad(bad.long().cumsum(-1), (1, 0))  # before[..., j]: bad keys among 0..j-1
+    before = before.repeat_interleave(num_heads // hkv, dim=1)  # (B, Hq, Lk + 1)
+    pos = torch.arange(q_len, device=bad.device, dtype=torch.float64) + (lk - q_len)
+    reach = torch.full((num_heads, 1), float(lk), dtype=torch.float64, device=bad.device)
+    if window is not None:
+        reach = torch.floor(window.to(bad.device, torch.float64)).clamp_max(lk)[:, None]
+    lo = (pos - reach).clamp_min(0).long()  # (Hq, Lq): first kept key
+    hi = (pos if causal else (pos + reach).clamp_max(lk - 1)).long().expand(num_heads, q_len)  # last kept key
+    count = before.gather(-1, (hi + 1).expand(b, -1, -1)) - before.gather(-1, lo.expand(b, -1, -1))
+    return count > 0
+
+
+def _alibi_forward_item(
+    item: tuple[list[int], slice],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    slopes: torch.Tensor,
+    window: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> None:
+    """Exact ALiBi for one work item's heads and batch rows, chunk by chunk, into ``out`` and ``lse``."""
+    heads, b = item
+    group = q.shape[1] // k.shape[1]
+    bias_dtype = q.dtype if backend == "flash" else acc_dtype(q.dtype)
+    for h in heads:
+        hk = h // group
+        win = None if window is None else float(window[h])
+        plan = _HeadPlan(q.shape[2], k.shape[2], float(slopes[h]), win, causal, bias_dtype, q.device)
+        for c in plan.chunks:
+            o, l = attend(
+                q[b, h : h + 1, c.a : c.b],
+                k[b, hk : hk + 1, c.lo : c.hi],
+                v[b, hk : hk + 1, c.lo : c.hi],
+                causal=False,
+                scale=scale,
+                backend=backend,
+                bias=plan.bias(c)[None, None],
+            )
+            out[b, h, c.a : c.b] = o[:, 0]
+            lse[b, h, c.a : c.b] = l[:, 0]
+
+
+def _alibi_backward_item(
+    item: tuple[list[int], slice],
+    saved: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    window: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> None:
+    """Accumulate one work item's ``(dq, dk, dv)``, recomputing each chunk against the saved out/lse."""
+    q, k, v, out, lse, slopes = saved[:6]
+    dq, dk, dv = grads
+    heads, b = item
+    group = q.shape[1] // k.shape[1]
+    bias_dtype = q.dtype if backend == "flash" else acc_dtype(q.dtype)
+    for h in heads:
+        hk = h // group
+        win = None if window is None else float(window[h])
+        plan = _HeadPlan(q.shape[2], k.shape[2], float(slopes[h]), win, causal, bias_dtype, q.device)
+        for c in plan.chunks:
+            qs, ks = slice(c.a, c.b), slice(c.lo, c.hi)
+            gq, gk, gv = attend_backward(
+                dout[b, h : h + 1, qs],
+                q[b, h : h + 1, qs],
+                k[b, hk : hk + 1, ks],
+                v[b, hk : hk + 1, ks],
+                out[b, h : h + 1, qs],
+                lse[b, h : h + 1, qs],
+                causal=False,
+                scale=scale,
+                backend=backend,
+                bias=plan.bias(c)[None, None],
+            )
+            dq[b, h, qs] += gq[:, 0]
+            dk[b, hk, ks] += gk[:, 0]
+            dv[b, hk, ks] += gv[:, 0]
+
+
 class _AlibiFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -215,34 +314,31 @@ class _AlibiFunction(torch.autograd.Function):
         scale: float,
         backend: str,
     ) -> torch.Tensor:
-        lq, lk = q.shape[2], k.shape[2]
-        group = q.shape[1] // k.shape[1]
-        out = torch.empty_like(q)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
-        bias_dtype = q.dtype if backend == "flash" else acc
+        q, k, v = (kernel_layout(x, backend) for x in (q, k, v))  # once per call; chunks are views
+        bad = nonfinite_keys(k, v)  # zeroed here, and the rows that keep them set to NaN below
+        if bad is not None:
+            k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
         items = _head_items(q, k, window)
-
-        def run(item: tuple[list[int], slice]) -> None:
-            heads, b = item
-            for h in heads:
-                hk = h // group
-                win = None if window is None else float(window[h])
-                plan = _HeadPlan(lq, lk, float(slopes[h]), win, causal, bias_dtype, q.device)
-                for c in plan.chunks:
-                    o, l = attend(
-                        q[b, h : h + 1, c.a : c.b],
-                        k[b, hk : hk + 1, c.lo : c.hi],
-                        v[b, hk : hk + 1, c.lo : c.hi],
-                        causal=False,
-                        scale=scale,
-                        backend=backend,
-                        bias=plan.bias(c)[None, None],
-                    )
-                    out[b, h, c.a : c.b] = o[:, 0]
-                    lse[b, h, c.a : c.b] = l[:, 0]
-
+        run = partial(
+            _alibi_forward_item,
+            q=q,
+            k=k,
+            v=v,
+            out=out,
+            lse=lse,
+            slopes=slopes,
+            window=window,
+            causal=causal,
+            scale=scale,
+            backend=backend,
+        )
         run_all(run, items, pool_size(len(items), q.device))
+        if bad is not None:
+            reached = _rows_reaching(bad, q.shape[1], q.shape[2], window, causal)
+            out.masked_fill_(reached[..., None], float("nan"))
+            lse.masked_fill_(reached, float("nan"))
         ctx.save_for_backward(q, k, v, out, lse, slopes, window if window is not None else torch.empty(0))
         ctx.has_window, ctx.causal, ctx.scale, ctx.backend = window is not None, causal, scale, backend
         return out
@@ -252,43 +348,24 @@ class _AlibiFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, slopes, window = ctx.saved_tensors
-        window = window if ctx.has_window else None
-        lq, lk = q.shape[2], k.shape[2]
-        group = q.shape[1] // k.shape[1]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        bias_dtype = q.dtype if ctx.backend == "flash" else acc
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        saved = ctx.saved_tensors
+        q, k, v = saved[:3]
+        acc = acc_dtype(q.dtype)
+        grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+        window = saved[6] if ctx.has_window else None
         items = _head_items(q, k, window)
-
-        def run(item: tuple[list[int], slice]) -> None:
-            heads, b = item
-            for h in heads:
-                hk = h // group
-                win = None if window is None else float(window[h])
-                plan = _HeadPlan(lq, lk, float(slopes[h]), win, ctx.causal, bias_dtype, q.device)
-                for c in plan.chunks:
-                    qs, ks = slice(c.a, c.b), slice(c.lo, c.hi)
-                    gq, gk, gv = attend_backward(
-                        dout[b, h : h + 1, qs],
-                        q[b, h : h + 1, qs],
-                        k[b, hk : hk + 1, ks],
-                        v[b, hk : hk + 1, ks],
-                        out[b, h : h + 1, qs],
-                        lse[b, h : h + 1, qs],
-                        causal=False,
-                        scale=ctx.scale,
-                        backend=ctx.backend,
-                        bias=plan.bias(c)[None, None],
-                    )
-                    dq[b, h, qs] += gq[:, 0]
-                    dk[b, hk, ks] += gk[:, 0]
-                    dv[b, hk, ks] += gv[:, 0]
-
+        run = partial(
+            _alibi_backward_item,
+            saved=saved,
+            dout=dout.contiguous(),
+            grads=grads,
+            window=window,
+            causal=ctx.causal,
+            scale=ctx.scale,
+            backend=ctx.backend,
+        )
         run_all(run, items, pool_size(len(items), q.device))
+        dq, dk, dv = grads
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
@@ -315,11 +392,13 @@ def alibi_attention(
         causal: causal masking.
         window: ``None`` (exact), or the largest kept distance ``|i - j|``, one float or ``(Hq,)``.
         scale: score scale, default ``1/sqrt(d)``.
-        backend: ``"auto"``, ``"flash"`` (CPU fused op, float32/float64) or ``"math"``. Half types always
-            use ``"math"`` (float32 scores), so that the bias is not rounded to 8 bits.
+        backend: ``"auto"``, ``"flash"`` (CPU fused op, float32/float64) or ``"math"``. ``"auto"`` uses
+            ``"math"`` (float32 scores) for half types, so that the bias is not rounded to 8 bits; an explicit
+            ``"flash"`` with a half type is refused (``ValueError``).
 
     Returns:
-        ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd.
+        ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd. A NaN or inf in a key or value makes exactly
+        the rows that keep that key NaN; masked (causal or out-of-window) keys never reach a row.
     """
     _, hq, _, _, _, d = check_qkv(q, k, v)
     sc = as_scale(scale, d)
@@ -327,7 +406,13 @@ def alibi_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     m = as_slopes(slopes, hq)
     win = as_window(window, hq)
+    requested = backend
     backend = resolve_backend(backend, q.device)
     if q.dtype in (torch.float16, torch.bfloat16):
+        if requested == "flash":
+            raise ValueError(
+                f"backend='flash' is not supported for {q.dtype} in alibi_attention: the fused op would round the "
+                "ALiBi bias to the input precision. Use backend='math' or 'auto' (float32 scores)"
+            )
         backend = "math"
     return _AlibiFunction.apply(q, k, v, m, win, causal, sc, backend)

@@ -1,0 +1,297 @@
+"""Command-line parsers generated from dataclasses: every ``plsh`` command's settings are written once.
+
+A command's settings are a dataclass; each field that is a command-line option carries a :class:`Flag` in its
+metadata (written with :func:`option`): the help text, and where the field's name and type do not say it, the
+flag's name, a parser for its text and its choices. :func:`add_arguments` turns the dataclass into argparse
+arguments (the default, in the help, is the dataclass's), :func:`values_from_args` and :func:`config_from_args`
+turn the parsed namespace back into field values or an instance, and :func:`to_argv` writes the flags that
+reproduce an instance. Dataclasses owned elsewhere (``ModelConfig``) get their flags from a mapping
+``{field name: Flag}`` passed as ``flags=``.
+
+Conventions:
+
+* a ``bool`` field is a switch that sets the field to ``not default`` (``progress: bool = True`` with flag
+  ``--quiet`` or ``--no-progress``);
+* ``tuple[X, ...]`` fields are comma-separated lists (:func:`comma_list`);
+* ``X | None`` fields parse as ``X``;
+* ``none=`` names the word that means ``None`` (``--layers all``); ``"none"`` or ``""`` means an empty list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from positional_lsh.ops._checks import positive_int
+
+__all__ = [
+    "Flag",
+    "add_arguments",
+    "comma_list",
+    "config_from_args",
+    "option",
+    "positive_float_text",
+    "positive_int_text",
+    "to_argv",
+    "values_from_args",
+]
+
+_META = "cli"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one dataclass field appears on the command line.
+
+    Attributes:
+        help: the help text (the default is appended from the dataclass).
+        name: the flag (default ``--`` + the field name with ``-`` for ``_``); ``positional=True``: a positional.
+        parse: text -> value (default: from the field's type).
+        choices: allowed values (argparse ``choices``; for lists, checked per item).
+        none: the word that parses to ``None`` (e.g. ``"all"``).
+        group: argument group title (``None``: the parser itself).
+        dest: the namespace attribute (default: the field name).
+        positional: a positional argument taking any number of values (``nargs="*"``).
+        show_default: append the dataclass default to the help.
+    """
+
+    help: str
+    name: str | None = None
+    parse: Callable[[str], Any] | None = None
+    choices: Sequence[Any] | None = None
+    none: str | None = None
+    group: str | None = None
+    dest: str | None = None
+    positional: bool = False
+    show_default: bool = True
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    **flag: Any,
+) -> Any:
+    """A dataclass field with its command-line flag; ``flag`` holds :class:`Flag`'s other attributes.
+
+    Without ``default`` the field (and the flag) is required.
+    """
+    meta = {_META: Flag(help=help, **flag)}
+    if isinstance(default, list | dict | set):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsers of flag text
+# --------------------------------------------------------------------------------------------------
+
+
+def positive_int_text(text: str) -> int:
+    """``"3"`` -> ``3``; anything that is not an integer ``>= 1`` raises ``ValueError``."""
+    return positive_int("value", int(text))
+
+
+def positive_float_text(text: str) -> float:
+    """``"0.5"`` -> ``0.5``; anything that is not a number ``> 0`` raises ``ValueError``."""
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"value must be > 0, got {value}")
+    return value
+
+
+_ITEM_WORDS = {int: "integers", float: "numbers", str: "names", positive_int_text: "positive integers",
+               positive_float_text: "positive numbers"}  # fmt: skip
+
+
+def comma_list(
+    item: Callable[[str], Any] = str, *, choices: Sequence[Any] | None = None, none: str | None = None
+) -> Callable[[str], tuple[Any, ...] | None]:
+    """An argparse ``type``: ``"1,2,4"`` -> ``(1, 2, 4)`` with ``item`` parsing each element.
+
+    ``"none"`` or ``""`` gives ``()``; the word ``none`` (e.g. ``"all"``) gives ``None``. Bad items raise
+    ``argparse.ArgumentTypeError`` ("expected comma-separated ...").
+    """
+    what = _ITEM_WORDS.get(item, "values")
+
+    def parse(text: str) -> tuple[Any, ...] | None:
+        if none is not None and text.strip() == none:
+            return None
+        if text.strip() in ("", "none"):
+            return ()
+        try:
+            out = tuple(item(x.strip()) for x in text.split(",") if x.strip())
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r} ({exc})") from None
+        bad = [x for x in out if choices is not None and x not in choices]
+        if bad:
+            allowed = tuple(choices or ())
+            raise argparse.ArgumentTypeError(f"expected comma-separated values from {allowed}, got {text!r}")
+        return out
+
+    parse.__name__ = f"comma-separated {what}"  # argparse names the type in its messages
+    return parse
+
+
+# --------------------------------------------------------------------------------------------------
+# Dataclass -> argparse
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    field: dataclasses.Field[Any]
+    flag: Flag
+    kind: Any  # the field's type without None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.dest or self.field.name
+
+    @property
+    def name(self) -> str:
+        return self.flag.name or "--" + self.field.name.replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        f = self.field
+        if f.default is not dataclasses.MISSING:
+            return f.default
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        return dataclasses.MISSING
+
+    @property
+    def is_switch(self) -> bool:
+        return self.kind is bool
+
+    def parser(self) -> Callable[[str], Any]:
+        if self.flag.parse is not None:
+            return self.flag.parse
+        origin, args = typing.get_origin(self.kind), typing.get_args(self.kind)
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis and args[0] in (int, float, str):
+            return comma_list(args[0], choices=self.flag.choices, none=self.flag.none)
+        if self.kind in (int, float, str):
+            return self.kind
+        raise TypeError(f"field {self.field.name}: give Flag.parse for type {self.kind}")
+
+    def text(self, value: Any) -> str:
+        """The flag text that parses back to ``value``."""
+        if value is None:
+            return self.flag.none or ""
+        if isinstance(value, tuple | list):
+            return ",".join(map(str, value)) if value else "none"
+        return str(value)
+
+
+def _specs(cls: type, flags: Mapping[str, Flag] | None) -> list[_Spec]:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = list(flags) if flags is not None else [n for n, f in fields.items() if _META in f.metadata]
+    out = []
+    for name in names:
+        f = fields[name]
+        flag = flags[name] if flags is not None else f.metadata[_META]
+        kind = hints[name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            rest = [a for a in typing.get_args(kind) if a is not type(None)]
+            kind = rest[0] if len(rest) == 1 else kind
+        out.append(_Spec(f, flag, kind))
+    return out
+
+
+def _help(spec: _Spec) -> str:
+    text = spec.flag.help
+    default = spec.default
+    if (
+        spec.flag.show_default
+        and not spec.is_switch
+        and default is not dataclasses.MISSING
+        and (default is not None or spec.flag.none)
+    ):
+        text = f"{text} (default: {spec.text(default) or repr('')})" if text else f"default: {spec.text(default)}"
+    return text.replace("%", "%%")
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    flags: Mapping[str, Flag] | None = None,
+    groups: dict[str, argparse._ArgumentGroup] | None = None,
+    none_defaults: bool = False,
+) -> None:
+    """Add one argument per flagged field of dataclass ``cls`` (or per entry of ``flags``, in its order).
+
+    Args:
+        parser: where the arguments go.
+        cls: the dataclass.
+        flags: ``{field name: Flag}`` for a dataclass whose fields carry no :class:`Flag` (owned elsewhere).
+        groups: argument groups by title, created on first use (pass one dict to several calls to share them).
+        none_defaults: argparse defaults are ``None`` (the help still shows the dataclass's), so that the caller
+            can tell which flags were given (presets fill in the rest).
+    """
+    groups = {} if groups is None else groups
+    for spec in _specs(cls, flags):
+        target: Any = parser
+        if spec.flag.group is not None:
+            if spec.flag.group not in groups:
+                groups[spec.flag.group] = parser.add_argument_group(spec.flag.group)
+            target = groups[spec.flag.group]
+        default = None if none_defaults or spec.default is dataclasses.MISSING else spec.default
+        kw: dict[str, Any] = {"help": _help(spec), "default": default}
+        if spec.flag.positional:
+            item = spec.flag.parse or (typing.get_args(spec.kind) or (str,))[0]
+            target.add_argument(spec.dest, nargs="*", type=item, **kw)
+            continue
+        kw["dest"] = spec.dest
+        if spec.is_switch:
+            target.add_argument(spec.name, action="store_const", const=not spec.default, **kw)
+            continue
+        if spec.default is dataclasses.MISSING:
+            kw["required"] = True
+        kw["metavar"] = spec.name.lstrip("-").replace("-", "_").upper()
+        if spec.flag.choices is not None and typing.get_origin(spec.kind) is not tuple:
+            kw["choices"] = spec.flag.choices
+            kw["metavar"] = "{" + ",".join(map(str, spec.flag.choices)) + "}"
+        target.add_argument(spec.name, type=spec.parser(), **kw)
+
+
+def values_from_args(
+    args: argparse.Namespace, cls: type, *, flags: Mapping[str, Flag] | None = None, given_only: bool = False
+) -> dict[str, Any]:
+    """``{field name: value}`` of ``cls``'s flagged fields in ``args`` (``given_only``: only those not ``None``)."""
+    out = {}
+    for spec in _specs(cls, flags):
+        value = getattr(args, spec.dest)
+        if given_only and value is None:
+            continue
+        out[spec.field.name] = tuple(value) if spec.flag.positional else value
+    return out
+
+
+def config_from_args(args: argparse.Namespace, cls: type, **overrides: Any) -> Any:
+    """An instance of dataclass ``cls`` from its flags in ``args``; ``overrides`` set other fields."""
+    return cls(**{**values_from_args(args, cls), **overrides})
+
+
+def to_argv(cfg: Any, *, skip: Iterable[str] = ()) -> list[str]:
+    """The flags that rebuild ``cfg`` through its parser: required fields, then those not at their default."""
+    out: list[str] = []
+    positionals: list[str] = []
+    skip = set(skip)
+    for spec in _specs(type(cfg), None):
+        value = getattr(cfg, spec.field.name)
+        if spec.field.name in skip or (spec.default is not dataclasses.MISSING and value == spec.default):
+            continue
+        if spec.flag.positional:
+            positionals += [spec.text(v) for v in value]
+        elif spec.is_switch:
+            out.append(spec.name)
+        else:
+            out += [spec.name, spec.text(value)]
+    return out + positionals

@@ -1,0 +1,140 @@
+"""``plsh train``: the command line of :func:`positional_lsh.lm.train.train`.
+
+Its flags are generated from :class:`~positional_lsh.lm.train.TrainConfig`, from the fields of
+:class:`~positional_lsh.lm.config.ModelConfig` named in :data:`MODEL_FLAGS` and from :class:`TrainCommand`
+(``--quick``, ``--resume``). Every argparse default is ``None``: the dataclasses' defaults apply, after
+``--quick``'s preset, to what is not given. Under ``torchrun``: ``torchrun --nproc_per_node N -m positional_lsh.cli
+train ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from positional_lsh.cli.config import Flag, add_arguments, option, values_from_args
+from positional_lsh.lm.config import ALIBI_IMPLS, POSITIONS, ModelConfig
+from positional_lsh.lm.train import AUTOCAST_CHOICES, QUICK_PRESET, TrainConfig, train
+
+__all__ = ["MODEL_FLAGS", "TRAIN_FLAGS", "TrainCommand", "add_train_arguments", "configs_from_args", "main"]
+
+TRAIN_FLAGS = {
+    "out_dir": Flag("run directory (checkpoint, trainer state, log)", name="--out"),
+    "data": Flag("'default' (shipped corpus), hf:PATH[:NAME], a .jsonl[.xz] file, or text files/dir", group="data"),
+    "tokenizer": Flag("reuse this tokenizer.json (or a checkpoint directory) instead of training one", group="data"),
+    "vocab_size": Flag("BPE vocabulary when training a tokenizer", group="data"),
+    "cache_dir": Flag("token cache directory (default: $PLSH_CACHE_DIR or ~/.cache/positional_lsh; '' disables)",
+                      group="data"),
+    "batch_size": Flag("windows per micro-batch per process", group="optimization"),
+    "grad_accum": Flag("micro-batches per step", group="optimization"),
+    "steps": Flag("optimizer steps", group="optimization"),
+    "lr": Flag("peak learning rate", group="optimization"),
+    "min_lr": Flag("final learning rate", group="optimization"),
+    "warmup": Flag("warm-up steps", group="optimization"),
+    "weight_decay": Flag("AdamW weight decay on matrices", group="optimization"),
+    "beta1": Flag("AdamW beta1", group="optimization"),
+    "beta2": Flag("AdamW beta2", group="optimization"),
+    "grad_clip": Flag("gradient-norm clip, 0 disables", group="optimization"),
+    "eval_interval": Flag("validate every N steps", group="run"),
+    "eval_batches": Flag("validation batches", group="run"),
+    "ckpt_interval": Flag("resumable checkpoint every N steps", group="run"),
+    "seed": Flag("seed of init, data order and partitions", group="run"),
+    "autocast": Flag("mixed precision (auto: bf16 where native)", choices=AUTOCAST_CHOICES, group="run"),
+    "device": Flag("auto, cpu, cuda, cuda:1 ...", group="run"),
+    "threads": Flag("torch intra-op threads", group="run"),
+    "save_dtype": Flag("weights storage", choices=("float32", "float16", "bfloat16"), group="run"),
+    "stop_after": Flag("stop at this step with a resumable checkpoint", group="run"),
+    "progress": Flag("no progress bar", name="--no-progress", group="run"),
+}  # fmt: skip
+"""``plsh train``'s flags for :class:`~positional_lsh.lm.train.TrainConfig` (defaults: the dataclass's)."""
+
+MODEL_FLAGS = {
+    "position": Flag("attention position mode", choices=POSITIONS, group="model"),
+    "num_samples": Flag("positional-LSH samples T per step", group="model"),
+    "scheme": Flag("positional-LSH scheme: discrete, gamma, fixed, ...", group="model"),
+    "sigma": Flag("one constant sigma for every head (default: per-head ALiBi slopes)", group="model"),
+    "window": Flag("window-alibi: largest kept distance in tokens", parse=float, group="model"),
+    "window_factor": Flag("window-alibi: window = factor * sigma_h per head", group="model"),
+    "n_layer": Flag("layers", group="model"),
+    "n_head": Flag("attention heads", group="model"),
+    "d_model": Flag("width", group="model"),
+    "mlp_ratio": Flag("MLP width / d_model", group="model"),
+    "dropout": Flag("dropout", group="model"),
+    "seq_len": Flag("training context length", group="model"),
+    "rope_base": Flag("RoPE base", group="model"),
+    "alibi_impl": Flag("exact ALiBi kernel", choices=ALIBI_IMPLS, group="model"),
+    "attn_backend": Flag("plsh/alibi kernel backend", choices=("auto", "flash", "math"), group="model"),
+    "seed": Flag("seed of the positional-LSH training partitions (default: --seed)", name="--partition-seed",
+                 dest="partition_seed", group="model", show_default=False),
+    "attn_fp32": Flag("run attention in the autocast dtype too (default: float32 attention; see "
+                      "ModelConfig.attn_fp32)", name="--attn-low-precision", group="model"),
+}  # fmt: skip
+"""``plsh train``'s flags for :class:`~positional_lsh.lm.config.ModelConfig` fields (defaults: the dataclass's)."""
+
+
+@dataclass
+class TrainCommand:
+    """``plsh train``'s own switches (the settings are in ``TrainConfig`` and ``ModelConfig``)."""
+
+    quick: bool = option(False, f"tiny ~1-minute preset for smoke tests and CI: {QUICK_PRESET}")
+    resume: bool = option(False, "continue the run in --out from its trainer_state.pt")
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``plsh train``'s options to a parser (every default is ``None``: presets fill in what is not given)."""
+    add_arguments(p, TrainConfig, flags={"out_dir": TRAIN_FLAGS["out_dir"]}, none_defaults=True)
+    add_arguments(p, TrainCommand, none_defaults=True)
+    groups = {title: p.add_argument_group(title) for title in ("data", "model", "optimization", "run")}
+    rest = {k: v for k, v in TRAIN_FLAGS.items() if k != "out_dir"}
+    add_arguments(p, TrainConfig, flags={k: v for k, v in rest.items() if v.group == "data"}, groups=groups,
+                  none_defaults=True)  # fmt: skip
+    add_arguments(p, ModelConfig, flags=MODEL_FLAGS, groups=groups, none_defaults=True)
+    add_arguments(p, TrainConfig, flags={k: v for k, v in rest.items() if v.group != "data"}, groups=groups,
+                  none_defaults=True)  # fmt: skip
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
+    """Build the configs: defaults, then ``--quick``'s preset, then the flags given explicitly."""
+    preset = QUICK_PRESET if args.quick else {}
+    train_kw = {k: v for k, v in preset.items() if k in TRAIN_FLAGS}
+    train_kw.update(values_from_args(args, TrainConfig, flags=TRAIN_FLAGS, given_only=True))
+    cfg = TrainConfig(**train_kw)
+    model_kw = {k: v for k, v in preset.items() if k in MODEL_FLAGS}
+    model_kw.update(values_from_args(args, ModelConfig, flags=MODEL_FLAGS, given_only=True))
+    model_kw.setdefault("seed", cfg.seed)
+    return cfg, ModelConfig(**model_kw)
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        cfg, model_cfg = configs_from_args(args)
+        cfg.validate()
+    except (TypeError, ValueError) as exc:
+        print(f"plsh train: error: {exc}", file=sys.stderr)
+        return 2
+    result = train(cfg, model_cfg, resume=bool(args.resume), command=getattr(args, "command_line", None))
+    return 0 if result.step > 0 or result.finished else 1
+
+
+def register_cli(sub: argparse._SubParsersAction) -> None:
+    """Add ``plsh train`` to the ``plsh`` command line."""
+    p = sub.add_parser(
+        "train",
+        help="train a language model with alibi / plsh / window-alibi / rope / nope attention",
+        description="Train a decoder-only LM on the shipped corpus (or --data). Works under torchrun for "
+        "data-parallel training: torchrun --nproc_per_node N -m positional_lsh.cli train --out DIR ...",
+    )
+    add_train_arguments(p)
+    p.set_defaults(func=_main)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``plsh train ARGS`` as a function (``argv``: the arguments after ``train``; default ``sys.argv[1:]``)."""
+    parser = argparse.ArgumentParser(prog="plsh train")
+    add_train_arguments(parser)
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join(["plsh", "train", *(sys.argv[1:] if argv is None else argv)])
+    return _main(args)

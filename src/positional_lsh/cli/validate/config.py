@@ -1,0 +1,170 @@
+"""``plsh validate``'s settings: :class:`ValidateConfig` (its parser is generated from it), seeds, slope sets."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import shlex
+from dataclasses import dataclass
+
+from positional_lsh.cli.config import config_from_args as _from_args
+from positional_lsh.cli.config import option, to_argv
+from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops.schemes import get_scheme
+
+__all__ = [
+    "COMPARE_SCHEMES",
+    "DEFAULT_SAMPLES",
+    "DEFAULT_SCHEMES",
+    "SLOPE_RANGE",
+    "UNBIASED_TEST_SLOPES",
+    "ValidateConfig",
+    "command_line",
+    "config_from_args",
+    "derive_seed",
+    "parse_slope_mode",
+]
+
+DEFAULT_SAMPLES = (1, 10, 100, 1000, 10000)
+DEFAULT_SCHEMES = ("discrete", "discrete-strat")
+COMPARE_SCHEMES = ("discrete", "discrete-strat", "gamma", "gamma-strat", "discrete-antithetic")
+SLOPE_RANGE = (-0.6, -0.4)  # expected fitted slope of relative spectral error vs s (independent sampling)
+UNBIASED_TEST_SLOPES = (0.5, 0.05)
+
+
+@dataclass
+class ValidateConfig:
+    """Settings of one validation run (every field is recorded in ``config.json``).
+
+    Attributes:
+        out_dir: output directory (created).
+        source: ``"synthetic"`` (Gaussian Q/K/V), ``"checkpoint"`` (a local transformers model + ``text``)
+            or ``"shipped"`` (the project's own model and corpus, see :func:`load_shipped`).
+        checkpoint: checkpoint directory for ``source="checkpoint"``.
+        tokenizer: tokenizer directory (default: the checkpoint's).
+        text: text file to tokenize (``source="checkpoint"``; optional for ``"shipped"``).
+        seq_lens: context lengths ``n``.
+        num_inputs: contexts per length.
+        layers: layers to capture (negative counts from the end); ``None`` = all.
+        heads: query heads to measure; ``None`` = all.
+        slopes: slope sets: ``"standard"`` (the ALiBi schedule applied synthetically, as the paper),
+            ``"model"`` (the model's own ALiBi slopes) or ``"sigma=X"`` (one ``sigma = 1/slope`` for all
+            heads, as the paper's training used).
+        schemes: sampling schemes of the main sweep.
+        samples: sample counts ``s``.
+        repeats: independent draws per (n, slopes, scheme, s).
+        causal: causal masking in the output metrics.
+        seed: base seed; every draw's seed is :func:`derive_seed` of it and the draw's coordinates.
+        eps: target *relative* spectral error for the sample-count columns.
+        delta: failure probability of the tail bound's ``eps``.
+        tol: Lanczos tolerance of the spectral norms.
+        max_output_len: output metrics (``O(n^2)`` time) only up to this ``n``.
+        max_work: skip (n, s) pairs with ``n * s`` above this (the report lists them).
+        compare_samples: ``T`` of the scheme comparison (0 disables it).
+        compare_repeats: seeds per scheme in the comparison.
+        compare_schemes: schemes compared.
+        lengths: lengths of the error-vs-``n`` sweep (matrix-free; empty disables it).
+        length_samples: ``s`` of the error-vs-``n`` sweep.
+        unbiasedness_replicates: replicates of the unbiasedness test (0 disables it).
+        synthetic_layers, synthetic_heads, synthetic_head_dim: shape of the synthetic Q/K/V.
+        plots: write PNG plots.
+        progress: show progress bars.
+        threads: torch intra-op threads during the run (restored afterwards). 1 is fastest for the many
+            small operations here, and by far on a machine shared with other jobs.
+    """
+
+    out_dir: str = option(help="output directory", name="--out")
+    source: str = option(
+        "shipped",
+        "Q/K/V source: the project's shipped model, Gaussian, or a local transformers checkpoint",
+        choices=("shipped", "synthetic", "checkpoint"),
+    )
+    checkpoint: str | None = option(None, "local transformers checkpoint directory (--source checkpoint)")
+    tokenizer: str | None = option(None, "tokenizer directory (default: the checkpoint's)")
+    text: str | None = option(None, "text file to tokenize into contexts")
+    seq_lens: tuple[int, ...] = option((1024,), "context lengths n, comma-separated")
+    num_inputs: int = option(1, "contexts per length")
+    layers: tuple[int, ...] | None = option(None, "layers to capture ('all' or e.g. '0,-1')", none="all")
+    heads: tuple[int, ...] | None = option(None, "query heads to measure ('all' or e.g. '0,3')", none="all")
+    slopes: tuple[str, ...] = option(
+        ("standard",), "slope sets: 'standard' (ALiBi schedule), 'model' (the model's own), 'sigma=X' (constant)"
+    )
+    schemes: tuple[str, ...] = option(DEFAULT_SCHEMES, "schemes of the main sweep (see positional_lsh.ops.schemes)")
+    samples: tuple[int, ...] = option(DEFAULT_SAMPLES, "sample counts s")
+    repeats: int = option(1, "independent draws per (n, slopes, scheme, s)")
+    causal: bool = option(True, "no causal mask in the output metrics", name="--bidirectional")
+    seed: int = option(0, "base seed")
+    eps: float = option(0.1, "target relative spectral error (sample-count columns)")
+    delta: float = option(0.05, "failure probability of the tail bound")
+    tol: float = option(1e-6, "Lanczos tolerance (relative)")
+    max_output_len: int = option(8192, "output metrics only up to this n")
+    max_work: float = option(1e9, "skip (n, s) with n*s above this")
+    compare_samples: int = option(64, "T of the scheme comparison (0: skip)")
+    compare_repeats: int = option(10, "seeds per scheme in the comparison")
+    compare_schemes: tuple[str, ...] = option(COMPARE_SCHEMES, "schemes compared")
+    lengths: tuple[int, ...] = option((1024, 4096, 16384, 65536), "lengths of the error-vs-n sweep ('none': skip)")
+    length_samples: int = option(100, "s of the error-vs-n sweep")
+    unbiasedness_replicates: int = option(2000, "replicates of the test (0: skip)")
+    synthetic_layers: int = option(2, "layers of the synthetic Q/K/V")
+    synthetic_heads: int = option(8, "heads of the synthetic Q/K/V")
+    synthetic_head_dim: int = option(64, "head dimension of the synthetic Q/K/V")
+    plots: bool = option(True, "do not write PNG plots", name="--no-plots")
+    progress: bool = option(True, "no progress bar", name="--quiet")
+    threads: int = option(1, "torch threads during the run")
+
+    def __post_init__(self) -> None:
+        if self.source not in ("synthetic", "checkpoint", "shipped"):
+            raise ValueError(f"source must be 'synthetic', 'checkpoint' or 'shipped', got {self.source!r}")
+        if self.source == "checkpoint" and not self.checkpoint:
+            raise ValueError("source='checkpoint' needs checkpoint (a local transformers directory)")
+        if self.source == "checkpoint" and not self.text:
+            raise ValueError("source='checkpoint' needs text (a text file to tokenize)")
+        for name in ("seq_lens", "samples"):
+            vals = getattr(self, name)
+            if not vals:
+                raise ValueError(f"{name} must be a non-empty list of positive ints, got {vals}")
+            for v in vals:
+                positive_int(name, v)
+        if any(n < 2 for n in self.seq_lens) or any(n < 2 for n in self.lengths):
+            raise ValueError("sequence lengths must be >= 2")
+        for s in (*self.schemes, *self.compare_schemes):
+            get_scheme(s)  # ValueError naming the known schemes
+        for mode in self.slopes:
+            parse_slope_mode(mode)
+        if not 0 < self.eps < 1:
+            raise ValueError(f"eps must be in (0, 1), got {self.eps}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
+        for name in ("num_inputs", "repeats", "length_samples", "synthetic_layers", "synthetic_heads"):
+            positive_int(name, getattr(self, name))
+
+
+def derive_seed(base: int, *parts: object) -> int:
+    """A reproducible 62-bit seed from a base seed and the coordinates of a draw."""
+    h = hashlib.blake2b(repr((int(base), *parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 2
+
+
+def parse_slope_mode(mode: str) -> tuple[str, float | None]:
+    if mode in ("standard", "model"):
+        return mode, None
+    if mode.startswith("sigma="):
+        try:
+            sigma = float(mode[len("sigma=") :])
+        except ValueError:
+            raise ValueError(f"bad slope set {mode!r}: expected sigma=<positive float>") from None
+        if not sigma > 0 or not math.isfinite(sigma):
+            raise ValueError(f"bad slope set {mode!r}: sigma must be positive and finite")
+        return "sigma", sigma
+    raise ValueError(f"slope set must be 'standard', 'model' or 'sigma=X', got {mode!r}")
+
+
+def command_line(cfg: ValidateConfig) -> str:
+    """The ``plsh validate`` command that reproduces ``cfg`` (options at their defaults are omitted)."""
+    return shlex.join(["plsh", "validate", *to_argv(cfg, skip=("progress",))])
+
+
+def config_from_args(args: argparse.Namespace) -> ValidateConfig:
+    """Build a :class:`ValidateConfig` from ``plsh validate`` arguments."""
+    return _from_args(args, ValidateConfig)

@@ -1,0 +1,386 @@
+"""``plsh validate``'s outputs: the CSVs and ``report.md`` (findings, then the paper-shaped tables)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from positional_lsh.cli.validate.config import SLOPE_RANGE, ValidateConfig, command_line
+from positional_lsh.cli.validate.findings import base_scheme, mean, unique_mask_rows
+from positional_lsh.ops.schemes import get_scheme
+
+__all__ = ["ReportData", "report", "write_csv"]
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], fields: Sequence[str] | None = None) -> None:
+    """Write ``rows`` (floats in full precision) with ``fields`` (default: the first row's keys)."""
+    fields = list(fields) if fields is not None else (list(rows[0]) if rows else [])
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _fmt_csv(r.get(k, "")) for k in fields})
+
+
+def _fmt_csv(v: Any) -> Any:
+    if isinstance(v, float):
+        return repr(v)
+    return v
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    """A number for a Markdown table: 3 significant digits, scientific when tiny or huge, — for NaN/None."""
+    if x is None:
+        return "—"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, (int, np.integer)):
+        return str(int(x))
+    x = float(x)
+    if math.isnan(x):
+        return "—"
+    if math.isinf(x):
+        return "∞"
+    if x == 0:
+        return "0"
+    if abs(x) >= 1e5 or abs(x) < 1e-3:
+        return f"{x:.{digits - 1}e}"
+    return f"{x:.{digits}g}"
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table (strings as they are, numbers through :func:`_fmt`)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(x) if not isinstance(x, str) else x for x in r) + " |")
+    return "\n".join(lines)
+
+
+@dataclass
+class ReportData:
+    """Everything ``report.md`` is written from."""
+
+    cfg: ValidateConfig
+    desc: dict[str, Any]
+    rows: list[dict[str, Any]]
+    cmp_rows: list[dict[str, Any]]
+    len_rows: list[dict[str, Any]]
+    unb_rows: list[dict[str, Any]]
+    findings: dict[str, Any]
+    skipped: list[str]
+    plots: dict[str, Path]
+    elapsed: float
+
+
+def report(d: ReportData) -> str:
+    """``report.md``: one section after another."""
+    out: list[str] = []
+    for section in (_header_section, _findings_section, _samples_section, _lengths_section, _variance_section,
+                    _unbiasedness_section, _plots_section):  # fmt: skip
+        out += section(d)
+    return "\n".join(out) + "\n"
+
+
+def _header_section(d: ReportData) -> list[str]:
+    """Title, command, inputs and the bounds used."""
+    cfg, desc, elapsed = d.cfg, d.desc, d.elapsed
+    out = ["# Positional LSH: theory validation report", ""]
+    out.append(f"Command: `{command_line(cfg)}`  ")
+    src = ", ".join(f"{k}={v}" for k, v in desc.items())
+    out.append(
+        f"Inputs: {src}. Lengths {list(cfg.seq_lens)}, {cfg.num_inputs} input(s) per length, "
+        f"{'causal' if cfg.causal else 'bidirectional'} output metrics. Base seed {cfg.seed} "
+        f"(every draw's seed is in the CSVs). Run time {elapsed:.0f} s."
+    )
+    out.append("")
+    out.append(
+        "Errors are relative to ||A||_2 (exact) unless marked absolute. The bounds are the paper's "
+        "(authors' code): expectation bound Psi(sigma)(sqrt(log n/s) + log n/s), tail-bound eps at "
+        f"delta={cfg.delta}, suggested s = ceil(sigma^2 log n / eps^2) with eps = {cfg.eps} * ||A||_2; "
+        "Psi(sigma) = 1 + sigma + (e^(1/sigma)+1)/(e^(1/sigma)-1)."
+    )
+    return out
+
+
+def _findings_section(d: ReportData) -> list[str]:
+    """The findings as a bullet list."""
+    cfg, rows, findings, skipped = d.cfg, d.rows, d.findings, d.skipped
+    out: list[str] = []
+    out += ["", "## Findings", ""]
+    fits = findings.get("fits", [])
+    for x in fits:
+        if x["independent"]:
+            verdict = "within" if x["in_range"] else "OUTSIDE"
+            out.append(
+                f"- Fitted slope of the relative spectral error vs s, {x['scheme']} (independent), n={x['seq_len']}, "
+                f"slopes={x['slope_set']}: **{x['slope']:.3f}** ({verdict} [{SLOPE_RANGE[0]}, {SLOPE_RANGE[1]}]; "
+                f"per head {x['head_slope_min']:.3f} to {x['head_slope_max']:.3f}). Monte Carlo rate is -1/2."
+            )
+        else:
+            out.append(
+                f"- Fitted slope, {x['scheme']}, n={x['seq_len']}, slopes={x['slope_set']}: **{x['slope']:.3f}** "
+                f"(per head {x['head_slope_min']:.3f} to {x['head_slope_max']:.3f})."
+            )
+    if "under_expected_bound" in findings:
+        out.append(
+            "- Empirical ||Mbar - A||_2 under the expectation bound in "
+            f"**{100 * findings['under_expected_bound']:.1f}%** "
+            f"of {len(unique_mask_rows(rows))} mask measurements; the bound exceeds the error by a factor "
+            f"{findings['bound_over_error_min']:.1f} to {findings['bound_over_error_max']:.1f} "
+            f"(median {findings['bound_over_error_median']:.1f}). Under the tail-bound eps in "
+            f"{100 * findings['under_tail_eps']:.1f}% (eps / error median {findings['tail_over_error_median']:.1f})."
+        )
+    if "unbiased" in findings:
+        parts = []
+        for s, ok in findings["unbiased"].items():
+            expected = get_scheme(s).unbiased
+            parts.append(f"{s}: {'unbiased' if ok else 'bias detected'}{'' if ok == expected else ' (UNEXPECTED)'}")
+        out.append(
+            "- Unbiasedness test (every mask index, per pair, binomial z-scores, Bonferroni at level 1e-3): "
+            + "; ".join(parts)
+            + ". `fixed` is biased by design (negative control)."
+        )
+    if findings.get("variance_reduction_summary"):
+        t = cfg.compare_samples
+        for scheme, summ in findings["variance_reduction_summary"].items():
+            out.append(
+                f"- {scheme} vs {base_scheme(scheme)} at T={t} (error ratio, geometric mean over heads [min]): "
+                f"spectral {summ['relative_spectral']['geomean']:.2f}x [{summ['relative_spectral']['min']:.2f}], "
+                f"softmax output {summ['softmax_rel']['geomean']:.2f}x [{summ['softmax_rel']['min']:.2f}], "
+                f"max {summ['max_abs']['geomean']:.2f}x, exp-weighted {summ['exp_rel']['geomean']:.2f}x."
+            )
+    need = [x for x in fits if math.isfinite(x["samples_for_eps"])]
+    if need:
+        out.append(
+            f"- Samples needed for a relative spectral error of {cfg.eps} (from the fitted power law): "
+            + "; ".join(f"{x['scheme']} (n={x['seq_len']}, {x['slope_set']}): {x['samples_for_eps']:.0f}" for x in need)
+            + "."
+        )
+    if skipped:
+        out.append(f"- Skipped as too expensive: {', '.join(skipped)}.")
+    return out
+
+
+def _samples_section(d: ReportData) -> list[str]:
+    """Metrics vs samples per (n, slope set, scheme), and the relative spectral error per head."""
+    cfg, rows = d.cfg, d.rows
+    out: list[str] = []
+    out += ["", "## Metrics vs samples (mean over heads, inputs, layers and repeats)", ""]
+    mask_rows = unique_mask_rows(rows)
+    for n in cfg.seq_lens:
+        for mode in cfg.slopes:
+            for scheme in cfg.schemes:
+                sub = [r for r in rows if r["seq_len"] == n and r["slope_set"] == mode and r["scheme"] == scheme]
+                msub = [r for r in mask_rows if r["seq_len"] == n and r["slope_set"] == mode and r["scheme"] == scheme]
+                if not msub:
+                    continue
+                out += [f"### n={n}, slopes={mode}, scheme={scheme}", ""]
+                table = []
+                for s in sorted({r["samples"] for r in msub}):
+                    m = [r for r in msub if r["samples"] == s]
+                    o = [r for r in sub if r["samples"] == s]
+                    table.append(
+                        [
+                            s,
+                            mean(r["spectral"] for r in m),
+                            mean(r["relative_spectral"] for r in m),
+                            mean(r["max_abs"] for r in m),
+                            mean(r["bound_expected"] for r in m),
+                            mean(r["bound_expected_relative"] for r in m),
+                            mean(r["tail_eps_relative"] for r in m),
+                            mean(r["suggested_samples"] for r in m),
+                            mean(r["exp_rel"] for r in o),
+                            mean(r["softmax_rel"] for r in o),
+                            mean(r["row_median"] for r in o),
+                            mean(r["row_p90"] for r in o),
+                            mean(r["row_p99"] for r in o),
+                            mean(r["cosine_mean"] for r in o),
+                        ]
+                    )
+                out.append(
+                    _table(
+                        [
+                            "s",
+                            "‖M̄−A‖₂",
+                            "rel. spectral",
+                            "max abs",
+                            "E-bound (abs)",
+                            "E-bound (rel)",
+                            "tail eps (rel)",
+                            "suggested s",
+                            "exp-form rel",
+                            "softmax rel",
+                            "row median",
+                            "row p90",
+                            "row p99",
+                            "cosine",
+                        ],
+                        table,
+                    )
+                )
+                out.append("")
+                heads = sorted({r["head"] for r in msub})
+                slope_of = {r["head"]: r["slope"] for r in msub}
+                ss = sorted({r["samples"] for r in msub})
+                out.append("Relative spectral error per head:")
+                out.append("")
+                out.append(
+                    _table(
+                        [
+                            "s",
+                            *[f"h{h} (σ={1 / slope_of[h]:.3g})" if slope_of[h] > 0 else f"h{h} (σ=∞)" for h in heads],
+                        ],
+                        [
+                            [
+                                s,
+                                *[
+                                    mean(r["relative_spectral"] for r in msub if r["samples"] == s and r["head"] == h)
+                                    for h in heads
+                                ],
+                            ]
+                            for s in ss
+                        ],
+                    )
+                )
+                out.append("")
+    return out
+
+
+def _lengths_section(d: ReportData) -> list[str]:
+    """Error vs length at fixed s."""
+    cfg, len_rows = d.cfg, d.len_rows
+    out: list[str] = []
+    if len_rows:
+        out += [f"## Error vs length at s={cfg.length_samples} (matrix-free; mean over heads)", ""]
+        table = []
+        for n in sorted({r["seq_len"] for r in len_rows}):
+            for mode in cfg.slopes:
+                for scheme in cfg.schemes:
+                    m = [r for r in len_rows if r["seq_len"] == n and r["slope_set"] == mode and r["scheme"] == scheme]
+                    if m:
+                        table.append(
+                            [
+                                n,
+                                mode,
+                                scheme,
+                                mean(r["relative_spectral"] for r in m),
+                                mean(r["max_abs"] for r in m),
+                                mean(r["bound_expected_relative"] for r in m),
+                                mean(r["seconds"] for r in m),
+                            ]
+                        )
+        out.append(
+            _table(["n", "slopes", "scheme", "rel. spectral", "max abs", "E-bound (rel)", "seconds/head"], table)
+        )
+        out.append("")
+    return out
+
+
+def _variance_section(d: ReportData) -> list[str]:
+    """Variance reduction at equal T: per-head ratios and per-scheme means."""
+    cfg, cmp_rows, findings = d.cfg, d.cmp_rows, d.findings
+    out: list[str] = []
+    if findings.get("variance_reduction"):
+        out += [
+            f"## Variance reduction at T={cfg.compare_samples} ({cfg.compare_repeats} seeds, n={cfg.seq_lens[0]})",
+            "",
+            "Error ratio independent / coupled (higher is better), per head:",
+            "",
+        ]
+        slope_of = {r["head"]: r["slope"] for r in cmp_rows}
+        out.append(
+            _table(
+                ["scheme", "slopes", "head", "σ", "spectral", "softmax", "max", "exp-form"],
+                [
+                    [
+                        r["scheme"],
+                        r["slope_set"],
+                        r["head"],
+                        1 / slope_of[r["head"]] if slope_of[r["head"]] > 0 else math.inf,
+                        r["relative_spectral"],
+                        r["softmax_rel"],
+                        r["max_abs"],
+                        r["exp_rel"],
+                    ]
+                    for r in findings["variance_reduction"]
+                ],
+            )
+        )
+        out.append("")
+        out.append("Mean errors per scheme (over heads and seeds):")
+        out.append("")
+        table = []
+        for mode in cfg.slopes:
+            for scheme in cfg.compare_schemes:
+                m = [r for r in cmp_rows if r["scheme"] == scheme and r["slope_set"] == mode]
+                if m:
+                    table.append(
+                        [
+                            scheme,
+                            mode,
+                            mean(r["relative_spectral"] for r in m),
+                            mean(r["max_abs"] for r in m),
+                            mean(r["softmax_rel"] for r in m),
+                            mean(r["exp_rel"] for r in m),
+                        ]
+                    )
+        out.append(_table(["scheme", "slopes", "rel. spectral", "max abs", "softmax rel", "exp-form rel"], table))
+        out.append("")
+    return out
+
+
+def _unbiasedness_section(d: ReportData) -> list[str]:
+    """The unbiasedness test, one row per (scheme, slope)."""
+    unb_rows = d.unb_rows
+    out: list[str] = []
+    if unb_rows:
+        out += ["## Unbiasedness test", ""]
+        out.append(
+            _table(
+                [
+                    "scheme",
+                    "slope",
+                    "T",
+                    "replicates",
+                    "max |z| per mask",
+                    "max |z| of Mbar",
+                    "threshold",
+                    "passed",
+                    "declared unbiased",
+                ],
+                [
+                    [
+                        r["scheme"],
+                        r["slope"],
+                        r["num_samples"],
+                        r["replicates"],
+                        r["max_z"],
+                        r["mean_max_z"],
+                        r["threshold"],
+                        r["passed"],
+                        r["declared_unbiased"],
+                    ]
+                    for r in unb_rows
+                ],
+            )
+        )
+        out.append("")
+    return out
+
+
+def _plots_section(d: ReportData) -> list[str]:
+    """The PNG plots, inline."""
+    plots = d.plots
+    out: list[str] = []
+    if plots:
+        out += ["## Plots", ""]
+        for name, path in plots.items():
+            out.append(f"![{name}]({path.name})")
+            out.append("")
+    return out

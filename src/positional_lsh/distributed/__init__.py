@@ -1,0 +1,57 @@
+"""Context parallelism for positional-LSH attention over ``torch.distributed`` (halo-only exchange).
+
+The sequence is split into contiguous shards, one per rank of a process group. Because every sampled block
+is contiguous, a rank needs only the keys/values of the blocks that cross its shard boundaries (its *halo*),
+computed exactly from the partitions: see ``docs/distributed.md``.
+
+* :func:`context_parallel_plsh_attention`: this rank's shard of :func:`positional_lsh.plsh_attention` on the
+  whole sequence, with exact gradients (halo gradients are sent back to their owners).
+* :func:`halo_plan`, :func:`bytes_per_rank`, :func:`ring_attention_bytes`, :func:`allgather_bytes`: exact byte
+  accounting, no process group needed; :func:`comm_stats` counts what actually went through ``isend``.
+
+This room imports only the public op layer (``positional_lsh``); the op layer never imports it.
+"""
+
+from __future__ import annotations
+
+from positional_lsh.distributed.attention import context_parallel_plsh_attention
+from positional_lsh.distributed.context import (
+    context_parallel_attend,
+    init_context_groups,
+    set_context_group,
+    shard_lengths,
+    shard_sequence,
+)
+from positional_lsh.distributed.exchange import comm_stats, halo_exchange, reset_comm_stats
+from positional_lsh.distributed.halo import (
+    HaloPlan,
+    Transfer,
+    allgather_bytes,
+    block_extents,
+    bytes_per_rank,
+    crop_partitions,
+    halo_plan,
+    ring_attention_bytes,
+    shard_bounds,
+)
+
+__all__ = [
+    "HaloPlan",
+    "Transfer",
+    "allgather_bytes",
+    "block_extents",
+    "bytes_per_rank",
+    "comm_stats",
+    "context_parallel_attend",
+    "context_parallel_plsh_attention",
+    "crop_partitions",
+    "halo_exchange",
+    "halo_plan",
+    "init_context_groups",
+    "reset_comm_stats",
+    "ring_attention_bytes",
+    "set_context_group",
+    "shard_bounds",
+    "shard_lengths",
+    "shard_sequence",
+]

@@ -1,0 +1,52 @@
+"""BLOOM: the replacement ``BloomAttention.forward`` (the model's projections and KV cache, then the swap's attention).
+
+BLOOM adds ``m * j`` per key after scaling by ``1/sqrt(d)`` (equal to ``-m |i - j|`` up to a per-row constant), so
+its slopes are used as they are (:func:`positional_lsh.integrations.families.native_slopes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from positional_lsh.integrations.hf.masks import _key_valid
+from positional_lsh.integrations.hf.swap import _check_dropout, _check_no_attentions, _swap_of
+
+__all__ = ["bloom_forward"]
+
+
+def bloom_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    alibi: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    layer_past: Any = None,
+    use_cache: bool = False,
+    output_attentions: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    _check_no_attentions(output_attentions)
+    swap = _swap_of(self)
+    _check_dropout(self, self.attention_dropout.p)
+    b, lq, _ = hidden_states.shape
+    q, k, v = self._reshape(self.query_key_value(hidden_states))  # (B, H, L, d) each
+    if layer_past is not None:
+        k, v = layer_past.update(k, v, self.layer_idx)
+    ctx = swap.attend(
+        self.layer_idx, self.training, q, k, v, _key_valid(attention_mask, b, k.shape[-2]), self.inv_norm_factor
+    )
+    ctx = ctx.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim)
+    if self.pretraining_tp > 1 and self.slow_but_exact:
+        slices = self.hidden_size / self.pretraining_tp
+        out = torch.zeros_like(ctx)
+        for i in range(self.pretraining_tp):
+            a, z = int(i * slices), int((i + 1) * slices)
+            out = out + F.linear(ctx[:, :, a:z], self.dense.weight[:, a:z])
+    else:
+        out = self.dense(ctx)
+    out = residual + F.dropout(out, p=self.hidden_dropout, training=self.training)
+    return out, None

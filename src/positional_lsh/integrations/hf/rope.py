@@ -1,0 +1,96 @@
+"""The RoPE family (Llama, Mistral, Qwen2, Qwen3) in the paper's setup, through transformers' attention registry.
+
+The rotary embedding is neutralized (it returns ``cos = 1, sin = 0``, so ``apply_rotary_pos_emb`` is the
+identity) and :func:`_attention_function`, registered under ``"positional_lsh"`` in transformers'
+``AttentionInterface``, runs the swap's attention; :func:`install` selects it with
+``model.set_attn_implementation``.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, _key_valid
+from positional_lsh.integrations.hf.swap import _check_dropout, _check_no_attentions, _set_instance_attr, _swap_of
+
+__all__: list[str] = []
+
+
+def _attention_function(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention function registered as ``"positional_lsh"`` in transformers' ``AttentionInterface``.
+
+    ``query (B, Hq, Lq, d)``, ``key, value (B, Hkv, Lk, d)`` (after the model's — neutralized — rotary
+    embedding and KV cache); returns ``((B, Lq, Hq, d), None)``.
+    """
+    swap = _swap_of(module)
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        raise ValueError("positional_lsh attention is causal only; this module asked for non-causal attention")
+    if sliding_window is not None:
+        raise ValueError("sliding-window layers are not supported by positional_lsh attention")
+    if softcap is not None:
+        raise ValueError("attention logit soft-capping is not supported by positional_lsh attention")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("attention sinks are not supported by positional_lsh attention")
+    _check_no_attentions(kwargs.get("output_attentions", False))
+    if dropout:
+        _check_dropout(module, float(dropout))
+    b, lk = query.shape[0], key.shape[-2]
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = swap.attend(module.layer_idx, module.training, query, key, value, _key_valid(attention_mask, b, lk), scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _neutral_rotary(original: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., Any]:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = original(*args, **kwargs)
+        return torch.ones_like(cos), torch.zeros_like(sin)
+
+    return forward
+
+
+def _check_installable(model: nn.Module) -> list[nn.Module]:
+    """Refuse sliding-window layers; return the rotary embedding modules (checked before anything changes)."""
+    cfg = model.config
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+        raise ValueError(
+            "models with sliding-window layers (config.layer_types) are not supported; positional_lsh and "
+            "ALiBi attention need every layer to see (and cache) all keys"
+        )
+    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if not rotary:
+        raise ValueError(f"found no rotary embedding module in this {cfg.model_type} model")
+    return rotary
+
+
+def install(model: nn.Module, rotary: list[nn.Module], undo: list[Callable[[], None]]) -> None:
+    """Neutralize the rotary embeddings and select the registered attention, recording each change in ``undo``."""
+    cfg = model.config
+    if getattr(cfg, "sliding_window", None) is not None:
+        # Mistral: a full-attention cache and the plain causal mask (ALiBi/positional LSH replace it).
+        old_window = cfg.sliding_window
+        cfg.sliding_window = None
+        undo.append(lambda: setattr(cfg, "sliding_window", old_window))
+    for m in rotary:
+        _set_instance_attr(m, "forward", types.MethodType(_neutral_rotary(m.forward), m), undo)
+    old_impl = cfg._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    undo.append(lambda: model.set_attn_implementation(old_impl))
+    if cfg._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_IMPLEMENTATION!r}")

@@ -1,0 +1,182 @@
+"""The language model's configuration: :class:`ModelConfig`, the position modes and the argument checks.
+
+:class:`ModelConfig` holds every hyperparameter of :class:`~positional_lsh.lm.model.TransformerLM`,
+including the attention position mode (one of :data:`POSITIONS`) and its settings. It validates itself on
+construction, so a bad field fails here with a message that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops.schemes import scheme_names
+from positional_lsh.ops.slopes import alibi_slopes
+
+__all__ = ["ALIBI_IMPLS", "POSITIONS", "ModelConfig"]
+
+POSITIONS = ("alibi", "plsh", "window-alibi", "rope", "nope")
+"""The attention position modes."""
+
+ALIBI_IMPLS = ("auto", "sdpa", "chunked")
+"""How exact ALiBi is computed: chosen by length, torch SDPA with a prebuilt bias, or the chunked kernel."""
+
+
+def nonnegative_int(name: str, value: object) -> int:
+    """``value`` as an ``int >= 0``; ``TypeError``/``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def check_float(name: str, value: object, *, positive: bool = True, allow_zero: bool = False) -> float:
+    """``value`` as a finite float (positive, or non-negative with ``allow_zero``) naming ``name`` on error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v) or (positive and (v < 0 or (v == 0 and not allow_zero))):
+        raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} finite number, got {value}")
+    return v
+
+
+@dataclass
+class ModelConfig:
+    """Model hyperparameters, including the attention position mode.
+
+    Attributes:
+        vocab_size: number of token ids (the tokenizer's ``vocab_size``).
+        seq_len: the training context length. Not a hard limit: ALiBi, positional LSH and NoPE run at any
+            length, RoPE too (its extrapolation is what it is). Evaluation reports lengths as multiples of it.
+        n_layer, n_head, d_model: depth, heads, width (``d_model % n_head == 0``; head dim even for RoPE).
+        mlp_ratio: MLP hidden width as a multiple of ``d_model``.
+        dropout: dropout on attention outputs, MLP outputs and embeddings (0 disables).
+        position: ``"alibi"``, ``"plsh"``, ``"window-alibi"``, ``"rope"`` or ``"nope"``.
+        sigma: ``None`` for the standard per-head ALiBi slopes ``2^{-8h/H}``; otherwise one length scale for
+            every head (slope ``1/sigma``), as the paper used (``sigma = 256``). For alibi, plsh, window-alibi.
+            ``math.inf`` means slope 0: no positional bias (positional LSH is then exact causal attention).
+        num_samples: positional-LSH samples ``T`` per call (``plsh``).
+        scheme: positional-LSH partition scheme: any registered name (``"discrete"``, ``"gamma"``, ``"fixed"``,
+            the variance-reduced ones, or one added with :func:`~positional_lsh.ops.schemes.register_scheme`).
+        seed: seed of the training-time partition generators (one per layer, derived from it).
+        eval_seed: seed of the eval-mode partitions (one per layer, derived from it).
+        window: ``window-alibi``'s largest kept distance ``|i - j|``: ``None`` for ``window_factor * sigma_h``
+            per head, one number for every head, or a list with one number per head.
+        window_factor: per-head window in units of ``sigma_h = 1 / m_h`` when ``window`` is ``None``.
+        rope_base: RoPE frequency base.
+        alibi_impl: ``"auto"``, ``"sdpa"`` (torch SDPA with a ``(H, n, n)`` bias from ``alibi_bias``) or
+            ``"chunked"`` (``alibi_attention``, ``O(n)`` memory). Also used by ``window-alibi``.
+        attn_backend: kernel backend of ``plsh_attention``/``alibi_attention`` (``"auto"``, ``"flash"``,
+            ``"math"``).
+        attn_fp32: compute attention in float32 even under bf16/fp16 autocast (the projections and MLP stay
+            in low precision). Keeps the ALiBi bias unrounded, and on CPU torch's float32 flash kernel is faster
+            than its bf16 one on the many small blocks of positional LSH (docs/experiments.md).
+    """
+
+    vocab_size: int = 8192
+    seq_len: int = 256
+    n_layer: int = 4
+    n_head: int = 8
+    d_model: int = 256
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    position: str = "alibi"
+    sigma: float | None = None
+    num_samples: int = 1
+    scheme: str = "discrete"
+    seed: int = 0
+    eval_seed: int = 0
+    window: float | list[float] | None = None
+    window_factor: float = 12.0
+    rope_base: float = 10000.0
+    alibi_impl: str = "auto"
+    attn_backend: str = "auto"
+    attn_fp32: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the first bad field."""
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio", "num_samples"):
+            positive_int(name, getattr(self, name))
+        for name in ("seed", "eval_seed"):
+            nonnegative_int(name, getattr(self, name))
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
+        check_float("dropout", self.dropout, allow_zero=True)
+        if self.dropout >= 1:
+            raise ValueError(f"dropout must be < 1, got {self.dropout}")
+        if not isinstance(self.position, str) or self.position not in POSITIONS:
+            raise ValueError(f"position must be one of {POSITIONS}, got {self.position!r}")
+        if self.sigma is not None and not (isinstance(self.sigma, float) and self.sigma == math.inf):
+            check_float("sigma", self.sigma)
+        if not isinstance(self.scheme, str) or self.scheme not in scheme_names():
+            raise ValueError(f"scheme must be one of {scheme_names()}, got {self.scheme!r}")
+        if self.window is not None:
+            values = self.window if isinstance(self.window, list | tuple) else [self.window]
+            for w in values:
+                check_float("window", w, allow_zero=True)
+            if isinstance(self.window, list | tuple) and len(self.window) != self.n_head:
+                raise ValueError(f"window must have one entry per head ({self.n_head}), got {len(self.window)}")
+        check_float("window_factor", self.window_factor)
+        check_float("rope_base", self.rope_base)
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head dimension, got d_model/n_head = {self.head_dim}")
+        if self.alibi_impl not in ALIBI_IMPLS:
+            raise ValueError(f"alibi_impl must be one of {ALIBI_IMPLS}, got {self.alibi_impl!r}")
+        if not isinstance(self.attn_fp32, bool):
+            raise TypeError(f"attn_fp32 must be a bool, got {type(self.attn_fp32).__name__}")
+        if self.attn_backend not in ("auto", "flash", "math"):
+            raise ValueError(f"attn_backend must be 'auto', 'flash' or 'math', got {self.attn_backend!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def slopes(self) -> torch.Tensor:
+        """``(n_head,)`` float64 CPU ALiBi slopes: the standard schedule, or ``1/sigma`` for every head."""
+        if self.sigma is None:
+            return alibi_slopes(self.n_head).double()
+        return torch.full((self.n_head,), 1.0 / float(self.sigma), dtype=torch.float64)
+
+    def windows(self) -> torch.Tensor:
+        """``(n_head,)`` float64 window (largest kept ``|i - j|``) of ``window-alibi``."""
+        if self.window is None:
+            return (self.window_factor / self.slopes()).clamp(max=2.0**40)  # slope 0: no window
+        if isinstance(self.window, list | tuple):
+            return torch.tensor([float(w) for w in self.window], dtype=torch.float64)
+        return torch.full((self.n_head,), float(self.window), dtype=torch.float64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a dict (unknown keys are an error, so typos do not pass silently)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"config must be a dict, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys: {unknown}")
+        return cls(**d)
+
+    def describe(self) -> str:
+        """A short label such as ``plsh T=4 discrete`` or ``alibi``."""
+        sig = "" if self.sigma is None else f" sigma={self.sigma:g}"
+        if self.position == "plsh":
+            return f"plsh T={self.num_samples} {self.scheme}{sig}"
+        if self.position == "window-alibi":
+            w = f"{self.window_factor:g}σ" if self.window is None else "custom"
+            return f"window-alibi ({w}){sig}"
+        if self.position == "alibi":
+            return f"alibi{sig}"
+        return self.position

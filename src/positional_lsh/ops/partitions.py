@@ -1,0 +1,319 @@
+"""Sampled positional-LSH partitions (:class:`Partitions`) and the fast path's work lists (:class:`Segment`).
+
+A partition of positions ``0..n-1`` is a pitch ``b > 0`` and a shift ``xi`` in ``[0, b)`` per (sample, head):
+position ``i`` goes to block ``floor((i - xi) / b)`` (see :mod:`positional_lsh.ops.schemes` for the schemes
+that draw them). A slope of ``0`` means no positional bias: one block holding the whole sequence (pitch ``inf``).
+
+Randomness: partitions are always drawn on the CPU in float64 from a CPU ``torch.Generator`` (or an
+``int`` seed, or ``None`` for torch's global generator), so one seed gives the same partitions on every
+run and every device. Draws are laid out sample-major, so for an independent scheme the first ``T``
+samples of a draw with ``num_samples > T`` equal a draw with ``num_samples = T`` from the same seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
+from positional_lsh.ops.schemes import get_scheme
+
+__all__ = ["MAX_DENSE_ELEMENTS", "Partitions", "Segment", "sample_partitions"]
+
+# Dense validation helpers refuse to build more than this many mask entries.
+MAX_DENSE_ELEMENTS = 2**28
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``count`` equal-shape blocks of one (sample, head), processed by one kernel call.
+
+    Block ``c`` (``0 <= c < count``) pairs the query rows ``q_start + c*step + [0, q_len)`` with the key rows
+    ``k_start + c*step + [0, k_len)``, where ``step = stride or k_len`` (adjacent blocks by default). Query row
+    ``r`` sits at key position ``r + Lk - Lq``: queries are aligned to the last keys. ``q_len < k_len`` only
+    for the one block that the first query cuts (decoding, chunked prefill); its queries are the block's
+    *last* ``q_len`` positions. If ``index`` is given, it is a ``(count, k_len)`` tensor of the key positions
+    of non-adjacent blocks, and the rows are ``index + q_start`` for queries and ``index + k_start`` for keys.
+    ``masked`` says whether the causal mask applies inside the segment (``False`` for pieces whose keys all
+    precede their queries).
+    """
+
+    q_start: int
+    k_start: int
+    q_len: int
+    k_len: int
+    count: int
+    index: torch.Tensor | None = None
+    stride: int = 0
+    masked: bool = True
+
+    @property
+    def step(self) -> int:
+        return self.stride or self.k_len
+
+
+def _label_runs(pitch: float, shift: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block starts and sizes (int64) for positions ``0..n-1``."""
+    if math.isinf(pitch):
+        return torch.zeros(1, dtype=torch.long), torch.full((1,), n, dtype=torch.long)
+    if pitch <= 1.0:
+        # Boundaries are less than one position apart: every position is its own block.
+        return torch.arange(n, dtype=torch.long), torch.ones(n, dtype=torch.long)
+    labels = torch.floor((torch.arange(n, dtype=torch.float64) - shift) / pitch)
+    change = torch.ones(n, dtype=torch.bool)
+    change[1:] = labels[1:] != labels[:-1]
+    starts = torch.nonzero(change).flatten()
+    sizes = torch.diff(starts, append=torch.tensor([n]))
+    return starts, sizes
+
+
+@dataclass(frozen=True, eq=False)
+class Partitions:
+    """``T`` positional-LSH partitions for each of ``H`` heads of a length-``n`` sequence.
+
+    The ``T`` partitions of a head are independent draws for the ``"discrete"``, ``"gamma"`` and ``"fixed"``
+    schemes, and coupled (each one still marginally an exact draw) for the variance-reduced schemes.
+
+    Stores ``O(T*H)`` numbers (a pitch and a shift per sample and head), never ``O(n)`` labels. The same
+    partitions are used for every element of a batch.
+
+    Attributes:
+        seq_len: number of positions ``n`` (the key length).
+        slopes: ``(H,)`` float64 CPU tensor, the ALiBi slopes the partitions were drawn for.
+        pitch: ``(T, H)`` float64 CPU tensor, block pitch (``inf`` for slope 0).
+        shift: ``(T, H)`` float64 CPU tensor in ``[0, pitch)``.
+        scheme: name of the sampling scheme.
+        device: default device for :meth:`labels`, :meth:`dense_masks` and :meth:`mean_mask`.
+    """
+
+    seq_len: int
+    slopes: torch.Tensor
+    pitch: torch.Tensor
+    shift: torch.Tensor
+    scheme: str
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.pitch.shape[0])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.pitch.shape[1])
+
+    @property
+    def unbiased(self) -> bool:
+        """Whether each sampled mask has expectation exactly equal to the ALiBi matrix."""
+        return get_scheme(self.scheme).unbiased
+
+    def __repr__(self) -> str:
+        return (
+            f"Partitions(seq_len={self.seq_len}, num_samples={self.num_samples}, "
+            f"num_heads={self.num_heads}, scheme={self.scheme!r})"
+        )
+
+    def with_seq_len(self, seq_len: int) -> Partitions:
+        """The same partitions of the positions ``0..seq_len-1``.
+
+        The law of a partition does not depend on the length, so restricting (or extending) a sampled
+        partition to another length is again an exact sample. Used by decoding with a KV cache.
+        """
+        seq_len = positive_int("seq_len", seq_len)
+        return Partitions(seq_len, self.slopes, self.pitch, self.shift, self.scheme, self.device)
+
+    def select(self, samples: slice | list[int] | torch.Tensor) -> Partitions:
+        """A sub-collection of the samples (e.g. ``partitions.select(slice(0, 4))``)."""
+        return Partitions(self.seq_len, self.slopes, self.pitch[samples], self.shift[samples], self.scheme, self.device)
+
+    def labels(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Block label of every position: ``(T, H, n)`` int64, non-decreasing along positions."""
+        n = self.seq_len
+        pos = torch.arange(n, dtype=torch.float64)
+        pitch = self.pitch[..., None]
+        lab = torch.floor((pos - self.shift[..., None]) / pitch)
+        lab = torch.where(torch.isinf(pitch), torch.zeros_like(lab), lab)
+        # For pitch <= 1 several boundaries fall between two positions; floor() still separates them.
+        return lab.to(torch.long).to(device or self.device)
+
+    def blocks(self, sample: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block boundaries of one (sample, head): ``(starts, sizes)``, int64 tensors covering ``0..n-1``."""
+        return _label_runs(float(self.pitch[sample, head]), float(self.shift[sample, head]), self.seq_len)
+
+    def block_span(self, head: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each position ``j``, the union over samples of the blocks holding ``j``: ``[lo, hi)`` int64.
+
+        ``positions`` is a 1-D int64 CPU tensor; ``lo``/``hi`` have its shape. Positions outside that span never
+        share a block with ``j`` (``Mbar[i, j] = 0``), so they never see key ``j``.
+        """
+        pitch = self.pitch[:, head, None]  # (T, 1)
+        shift = self.shift[:, head, None]
+        pos = positions.to(torch.float64)[None, :]  # (1, J)
+        n = self.seq_len
+
+        def label(i: torch.Tensor) -> torch.Tensor:  # the block label of positions(s) i, as labels() computes it
+            return torch.floor((i - shift) / pitch)
+
+        lab = label(pos)
+        # First position of the block and one past its last, up to rounding.
+        lo = torch.ceil(shift + lab * pitch).clamp_min(0.0).minimum(pos)
+        hi = torch.ceil(shift + (lab + 1.0) * pitch).maximum(pos + 1.0).clamp_max(float(n))
+        for _ in range(2):  # exact: move the bounds until the labels agree with the floor formula
+            lo = torch.where((lo > 0) & (label(lo - 1.0) >= lab), lo - 1.0, lo)
+            lo = torch.where(label(lo) < lab, lo + 1.0, lo)
+            hi = torch.where((hi < n) & (label(hi) <= lab), hi + 1.0, hi)
+            hi = torch.where(label(hi - 1.0) > lab, hi - 1.0, hi)
+        one_block = torch.isinf(pitch).expand_as(lo)
+        single = (pitch <= 1.0).expand_as(lo)
+        lo = torch.where(one_block, 0.0, torch.where(single, pos.expand_as(lo), lo))
+        hi = torch.where(one_block, float(n), torch.where(single, pos.expand_as(hi) + 1.0, hi))
+        return lo.amin(0).long(), hi.amax(0).long()
+
+    def _check_dense(self, what: str, elements: int) -> None:
+        if elements > MAX_DENSE_ELEMENTS:
+            raise ValueError(
+                f"{what} would hold {elements:,} entries (more than {MAX_DENSE_ELEMENTS:,}); it is meant for "
+                f"validation at small seq_len. Use labels() or blocks(), or positional_lsh.theory for "
+                f"matrix-free error metrics at this size"
+            )
+
+    def dense_masks(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Binary block masks ``M[t, h, i, j] = [i, j in one block]``: ``(T, H, n, n)`` bool (small n only)."""
+        n = self.seq_len
+        self._check_dense("dense_masks()", self.num_samples * self.num_heads * n * n)
+        lab = self.labels(device)
+        return lab[..., :, None] == lab[..., None, :]
+
+    def mean_mask(self, device: torch.device | str | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``Mbar = (1/T) sum_t M_t``: ``(H, n, n)`` (float64 by default; small n only)."""
+        n = self.seq_len
+        self._check_dense("mean_mask()", self.num_heads * n * n)
+        lab = self.labels(device)
+        out = torch.zeros(self.num_heads, n, n, dtype=dtype, device=lab.device)
+        for t in range(self.num_samples):
+            out += (lab[t, :, :, None] == lab[t, :, None, :]).to(dtype)
+        return out / self.num_samples
+
+    def segments(self, sample: int, head: int, q_len: int | None = None) -> list[Segment]:
+        """Kernel work list for one (sample, head), for ``q_len`` queries aligned to the last keys."""
+        n = self.seq_len
+        q_len = n if q_len is None else q_len
+        q0 = n - q_len
+        pitch = float(self.pitch[sample, head])
+        shift = float(self.shift[sample, head])
+        if get_scheme(self.scheme).integer and math.isfinite(pitch):
+            return _integer_segments(int(pitch), int(shift), n, q0)
+        starts, sizes = _label_runs(pitch, shift, n)
+        return _generic_segments(starts, sizes, n, q0)
+
+    def iter_segments(self, q_len: int | None = None) -> Iterator[tuple[int, int, list[Segment]]]:
+        """``(head, sample, segments)`` for every head and sample, head-major."""
+        for h in range(self.num_heads):
+            for t in range(self.num_samples):
+                yield h, t, self.segments(t, h, q_len)
+
+
+def _cut_block(start: int, size: int, q0: int) -> Segment:
+    """A block that the first query position ``q0`` may cut: queries ``max(start, q0)..start+size``."""
+    qs = max(start, q0)
+    return Segment(q_start=qs - q0, k_start=start, q_len=start + size - qs, k_len=size, count=1)
+
+
+def _integer_segments(b: int, s: int, n: int, q0: int) -> list[Segment]:
+    """Blocks ``[0, s)`` (when ``s > 0``), then ``[s + k b, s + (k+1) b)`` clipped to ``n``."""
+    segs: list[Segment] = []
+    if s > 0 and min(s, n) > q0:
+        segs.append(_cut_block(0, min(s, n), q0))
+    if s >= n:
+        return segs
+    start = s + ((q0 - s) // b) * b if q0 > s else s  # the block holding q0, or the first after it
+    if start < q0:
+        end = min(start + b, n)
+        segs.append(_cut_block(start, end - start, q0))
+        start = end
+    full = max(0, (n - start) // b)
+    if full > 0:
+        segs.append(Segment(q_start=start - q0, k_start=start, q_len=b, k_len=b, count=full))
+    tail = start + full * b
+    if tail < n:
+        segs.append(_cut_block(tail, n - tail, q0))
+    return segs
+
+
+def _generic_segments(starts: torch.Tensor, sizes: torch.Tensor, n: int, q0: int) -> list[Segment]:
+    ends = starts + sizes
+    keep = ends > q0
+    starts, sizes = starts[keep], sizes[keep]
+    segs: list[Segment] = []
+    if starts.numel() and int(starts[0]) < q0:
+        segs.append(_cut_block(int(starts[0]), int(sizes[0]), q0))
+        starts, sizes = starts[1:], sizes[1:]
+    if starts.numel() == 0:
+        return segs
+    # Group the remaining (whole) blocks by size; one kernel call per size, gathering rows.
+    for size in torch.unique(sizes).tolist():
+        sel = starts[sizes == size]
+        count = sel.numel()
+        first = int(sel[0])
+        if count == 1 or bool((torch.diff(sel) == size).all()):
+            segs.append(Segment(q_start=first - q0, k_start=first, q_len=size, k_len=size, count=count))
+        else:
+            index = sel[:, None] + torch.arange(size)
+            segs.append(Segment(q_start=-q0, k_start=0, q_len=size, k_len=size, count=count, index=index))
+    return segs
+
+
+def sample_partitions(
+    seq_len: int,
+    slopes: SlopesLike,
+    num_samples: int,
+    *,
+    scheme: str = "discrete",
+    generator: GeneratorLike = None,
+    device: torch.device | str | None = None,
+    num_heads: int | None = None,
+) -> Partitions:
+    """Draw ``num_samples`` positional-LSH partitions per head.
+
+    Args:
+        seq_len: number of positions ``n >= 1``.
+        slopes: ``(H,)`` ALiBi slopes (``>= 0``, finite), a sequence, or one float for every head
+            (then ``num_heads`` is required). ``None`` means ``alibi_slopes(num_heads)``.
+        num_samples: ``T >= 1`` partitions per head.
+        scheme: ``"discrete"`` (exactly unbiased, integer blocks: fastest), ``"gamma"`` (the paper's
+            scheme, exactly unbiased), ``"fixed"`` (biased ablation), the variance-reduced
+            ``"discrete-strat"``, ``"gamma-strat"``, ``"discrete-antithetic"`` (coupled samples, each
+            marginally exact; see ``docs/theory.md``), or a scheme added with :func:`register_scheme`.
+        generator: a CPU ``torch.Generator``, an ``int`` seed, or ``None`` (torch's global generator).
+        device: default device of :meth:`Partitions.labels` and the dense masks.
+        num_heads: number of heads when ``slopes`` is ``None`` or a single float.
+
+    Returns:
+        :class:`Partitions` with ``pitch`` and ``shift`` of shape ``(T, H)``.
+    """
+    seq_len = positive_int("seq_len", seq_len)
+    num_samples = positive_int("num_samples", num_samples)
+    if not isinstance(scheme, str):
+        raise TypeError(f"scheme must be a str, got {type(scheme).__name__}")
+    sampler = get_scheme(scheme).sampler
+    if isinstance(slopes, torch.Tensor) and slopes.dim() == 1:
+        h = slopes.numel()
+    elif slopes is not None and not isinstance(slopes, (int, float, torch.Tensor)):
+        h = len(slopes)
+    else:
+        if num_heads is None:
+            raise ValueError("num_heads is required when slopes is None or a single number")
+        h = positive_int("num_heads", num_heads)
+    if num_heads is not None and positive_int("num_heads", num_heads) != h:
+        raise ValueError(f"num_heads={num_heads} but slopes has {h} entries")
+    m = as_slopes(slopes, h)
+    gen = as_generator(generator)
+    positive = m > 0
+    safe = torch.where(positive, m, torch.ones_like(m))
+    pitch, shift = sampler(safe, num_samples, gen)
+    pitch = torch.where(positive, pitch, torch.full_like(pitch, math.inf))
+    shift = torch.where(positive, shift, torch.zeros_like(shift))
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return Partitions(seq_len, m, pitch.contiguous(), shift.contiguous(), scheme, dev)
