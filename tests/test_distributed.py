@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -245,6 +247,56 @@ def _cases_lm(rank: int) -> dict[str, object]:
     return res
 
 
+def _cases_train(rank: int) -> dict[str, object]:
+    """The training path of ``plsh train --context-parallel 2`` (world 2: 1 x 2, world 4: data 2 x context 2).
+
+    One step of a tiny float32 plsh model through ``setup_context_parallel`` (groups, shards, DDP over the world)
+    against one process on the whole global batch. 95 tokens: unequal shards (48 + 47), so the loss factor is used.
+    """
+    from positional_lsh import ModelConfig, TransformerLM
+    from positional_lsh.distributed import init_context_groups
+    from positional_lsh.distributed.training import setup_context_parallel
+
+    world = dist.get_world_size()
+    res: dict[str, object] = {}
+    _, ctx_probe = init_context_groups(2)
+    res["ctx_ranks"] = dist.get_process_group_ranks(ctx_probe)
+    data_probe, _ = init_context_groups(2)
+    res["data_ranks"] = dist.get_process_group_ranks(data_probe)
+    res["err_divide"] = _expect_value_error(lambda: init_context_groups(3))
+
+    cfg = ModelConfig(vocab_size=97, seq_len=95, n_layer=2, n_head=4, d_model=32, position="plsh", sigma=40.0)
+    g = torch.Generator().manual_seed(0)
+    rows = 2 * (world // 2)  # batch 2 per data replica
+    idx = torch.randint(0, 97, (rows, 95), generator=g)
+    tgt = torch.randint(0, 97, (rows, 95), generator=g)
+    torch.manual_seed(0)
+    ref = TransformerLM(cfg).train()
+    _, loss_ref = ref(idx, tgt)
+    loss_ref.backward()
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).train()
+    cp, ddp = setup_context_parallel(2, model, 95, torch.device("cpu"))
+    res["shard"] = [cp.data_rank, cp.context_rank, cp.start, cp.end]
+    _, loss = ddp(cp.local(idx), cp.local(tgt))
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    total /= world
+    res["loss"] = abs(float(total - loss_ref.detach())) / float(loss_ref)
+    err = scale = 0.0
+    for p_ref, p in zip(ref.parameters(), model.parameters(), strict=True):
+        err = max(err, float((p.grad - p_ref.grad).abs().max()))
+        scale = max(scale, float(p_ref.grad.abs().max()))
+    res["grads"] = err / scale
+    # Every rank holds the same reduced gradients.
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    res["grads_equal"] = all(torch.equal(gathered[0], x) for x in gathered)
+    return res
+
+
 def _worker(rank: int, world: int, store: str, out_dir: str, cases: str) -> None:
     torch.set_num_threads(1)
     result: dict[str, object] = {}
@@ -302,6 +354,28 @@ def test_context_parallel_lm_step(tmp_path):
         assert res["loss"] < 1e-5 and res["grads"] < TOL, f"rank {r}: {res}"
 
 
+# float32 end to end: the reference and the shards sum the same terms in different orders and shapes (per-shard
+# loss means, DDP's all-reduce, attention on a halo window), so they agree only to float32 rounding (unit roundoff
+# 2**-24 ~ 6e-8). Measured: loss 0-1e-7 relative, gradients 3e-7 of the largest gradient entry (max abs difference
+# over all parameters / max abs gradient). 5e-6 (~80 ulps) allows for summation order; a real error (a wrong
+# shard, partition or token weighting) is >= 1e-3.
+FP32_REL_TOL = 5e-6
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_training_step(tmp_path, world):
+    """setup_context_parallel: one step on world = data x 2 ranks == one process on the whole global batch."""
+    results = _spawn(world, "_cases_train", tmp_path)
+    for r, res in enumerate(results):
+        block = r // 2
+        assert res["ctx_ranks"] == [2 * block, 2 * block + 1], res
+        assert res["data_ranks"] == list(range(r % 2, world, 2)), res
+        assert res["err_divide"].startswith("ValueError") and "divide" in res["err_divide"]
+        assert res["shard"] == [r // 2, r % 2, 0 if r % 2 == 0 else 48, 48 if r % 2 == 0 else 95]
+        assert res["loss"] < FP32_REL_TOL and res["grads"] < FP32_REL_TOL, f"rank {r}: {res}"
+        assert res["grads_equal"]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs at least two GPUs")
 def test_nccl_placeholder():  # pragma: no cover - exercised on GPU machines only
     pytest.skip("NCCL path is the same code with device tensors; not run on CPU CI")
@@ -309,3 +383,50 @@ def test_nccl_placeholder():  # pragma: no cover - exercised on GPU machines onl
 
 if os.environ.get("PLSH_DIST_DEBUG"):  # pragma: no cover
     torch.autograd.set_detect_anomaly(True)
+
+
+def test_plsh_train_context_parallel_cli(tmp_path):
+    """``torchrun --nproc_per_node 2 plsh train --context-parallel 2`` == one process (same batch, 2 steps)."""
+    from positional_lsh.cli import train as cli_train
+    from positional_lsh.lm import data as D
+    from positional_lsh.lm import load_checkpoint
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    docs = D.load_corpus()
+    for i, doc in enumerate(docs[:4] + docs[20:26]):
+        (texts / f"doc{i:02d}.txt").write_text(doc.text[:6000], encoding="utf-8")
+    tok = D.train_tokenizer(D.load_splits(str(texts))["train"], 300).save(tmp_path / "tokenizer.json")
+    # seq_len 33 over 2 ranks: unequal shards (17 + 16); sigma 12: blocks cross the shard boundary.
+    args = ["--data", str(texts), "--tokenizer", str(tok), "--cache-dir", "", "--seq-len", "33", "--n-layer", "2",
+            "--n-head", "2", "--d-model", "32", "--position", "plsh", "--num-samples", "2", "--sigma", "12",
+            "--batch-size", "2", "--steps", "2", "--warmup", "1", "--lr", "3e-3", "--eval-interval", "2",
+            "--eval-batches", "2", "--autocast", "float32", "--no-progress"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["-m", "positional_lsh.cli", "train", "--out", str(tmp_path / "cp"), "--context-parallel", "2", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cpu x 2 (data 1 x context 2)" in proc.stdout
+    assert cli_train.main(["--out", str(tmp_path / "1"), *args]) == 0
+    cp, single = load_checkpoint(tmp_path / "cp"), load_checkpoint(tmp_path / "1")
+    for (name, a), b in zip(cp.model.state_dict().items(), single.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    logs = [[json.loads(line) for line in (tmp_path / d / "log.jsonl").read_text().splitlines()] for d in ("cp", "1")]
+    for key in ("loss", "val_loss", "tokens"):
+        got, want = ([r[key] for r in log if key in r] for log in logs)
+        assert got == pytest.approx(want, rel=1e-5), key
+    assert cp.metadata["world_size"] == 2 and cp.metadata["train_config"]["context_parallel"] == 2
+
+
+def test_plsh_train_context_parallel_refusals(tmp_path, capsys, monkeypatch):
+    """One-line errors: a non-plsh position, and a context size that does not divide the world size."""
+    from positional_lsh.cli import train as cli_train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli_train.main(["--out", str(tmp_path / "a"), "--context-parallel", "2", "--position", "alibi"]) == 2
+    assert "needs --position plsh" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert cli_train.main(["--out", str(tmp_path / "b"), "--context-parallel", "2", "--position", "plsh"]) == 2
+    err = capsys.readouterr().err
+    assert "must divide the number of processes (3" in err and len(err.strip().splitlines()) == 1

@@ -30,17 +30,14 @@ V = 97
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _quiet_single_thread():
-    # Tiny models: one thread avoids OpenMP oversubscription on a shared machine (100x faster here).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _quiet_transformers():
+    # (conftest.py already runs the tests on one thread.)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
     transformers.logging.set_verbosity(verbosity)
-    torch.set_num_threads(threads)
 
 
 _ROPE_COMMON = dict(

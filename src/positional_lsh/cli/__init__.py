@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from positional_lsh.ops.errors import UserError
+
+__all__ = ["UserError", "build_parser", "guarded", "main"]
 
 # Modules that contribute subcommands, in the order they appear in --help.
 _COMMAND_MODULES = (
@@ -28,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="plsh",
         description="Positional LSH: ALiBi attention as an average of random contiguous block masks.",
     )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of errors (also: environment PLSH_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         module = importlib.import_module(name)
@@ -36,13 +44,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``plsh ARGV``; return the exit code."""
+    """Run ``plsh ARGV``; return the exit code.
+
+    A problem the user caused (:class:`~positional_lsh.ops.errors.UserError`, and ``ValueError``/``OSError``
+    from the commands) prints one line ``plsh <command>: error: <message>`` and returns 2; ``--debug`` (or
+    ``PLSH_DEBUG=1``) shows the traceback instead. Ctrl-C outside training returns 130 with one line.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    return guarded(f"plsh {args.command}", lambda: int(args.func(args) or 0), debug=bool(args.debug))
+
+
+def guarded(prog: str, call: Callable[[], int], *, debug: bool = False) -> int:
+    """Run ``call()`` and return its exit code; a user-caused error prints ``<prog>: error: <one line>`` and
+    returns 2, Ctrl-C prints one line and returns 130 (with ``debug`` or ``PLSH_DEBUG=1``: the traceback)."""
+    debug = debug or os.environ.get("PLSH_DEBUG", "") not in ("", "0")
+    try:
+        return call()
+    except (ValueError, OSError, FloatingPointError) as exc:  # UserError is a ValueError; TypeError = a bug
+        if debug:
+            raise
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line (an ``OSError`` with its file name)."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -37,6 +38,7 @@ __all__ = [
     "option",
     "positive_float_text",
     "positive_int_text",
+    "run_command",
     "to_argv",
     "values_from_args",
 ]
@@ -277,6 +279,18 @@ def values_from_args(
 def config_from_args(args: argparse.Namespace, cls: type, **overrides: Any) -> Any:
     """An instance of dataclass ``cls`` from its flags in ``args``; ``overrides`` set other fields."""
     return cls(**{**values_from_args(args, cls), **overrides})
+
+
+def run_command(command: str, args: argparse.Namespace, cls: type, run: Callable[[Any], object]) -> int:
+    """A ``plsh`` command's ``func``: ``run`` the ``cls`` settings read from ``args``; 0, or 2 when a setting is
+    refused (``TypeError``/``ValueError``, printed as ``plsh COMMAND: error: ...`` on stderr)."""
+    try:
+        cfg = config_from_args(args, cls)
+    except (TypeError, ValueError) as exc:
+        print(f"plsh {command}: error: {exc}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
 
 
 def to_argv(cfg: Any, *, skip: Iterable[str] = ()) -> list[str]:

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from positional_lsh.cli.config import add_arguments, comma_list, config_from_args, option, positive_int_text
+from positional_lsh.cli.config import add_arguments, comma_list, option, positive_int_text, run_command
 from positional_lsh.ops._checks import positive_int
 from positional_lsh.ops.attention import plsh_attention
 from positional_lsh.ops.partitions import sample_partitions
@@ -160,13 +159,7 @@ def run_demo(cfg: DemoConfig) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_from_args(args, DemoConfig)
-    except (TypeError, ValueError) as exc:
-        print(f"plsh demo: error: {exc}", file=sys.stderr)
-        return 2
-    run_demo(cfg)
-    return 0
+    return run_command("demo", args, DemoConfig, run_demo)
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from positional_lsh.cli import guarded
 from positional_lsh.cli.config import (
     add_arguments,
     comma_list,
@@ -25,8 +26,16 @@ from positional_lsh.cli.config import (
 )
 from positional_lsh.lm.eval_models import load_for_eval
 from positional_lsh.lm.eval_results import EvalRow, format_table, write_results
-from positional_lsh.lm.evaluate import DEFAULT_FACTORS, DEFAULT_SAMPLES, DEFAULT_SCHEMES, evaluate_model
+from positional_lsh.lm.evaluate import (
+    DEFAULT_FACTORS,
+    DEFAULT_SAMPLES,
+    DEFAULT_SCHEMES,
+    check_something_to_score,
+    evaluate_model,
+)
+from positional_lsh.lm.run_dir import check_output_dir
 from positional_lsh.lm.train import default_cache_dir
+from positional_lsh.lm.train_dist import check_device
 from positional_lsh.ops._checks import positive_int
 from positional_lsh.ops.schemes import get_scheme
 
@@ -96,14 +105,16 @@ class EvalConfig:
 
 def run_eval(cfg: EvalConfig) -> list[EvalRow]:
     """Evaluate every checkpoint of ``cfg``; print the rows as they come, then the table; write the results."""
+    out = Path(cfg.out) if cfg.out else None
+    if out is not None:
+        check_output_dir(out, "--out")  # before the work, not after it
+    device = check_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     cache = None if cfg.cache_dir == "" else Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     paths: list[str | None] = list(cfg.checkpoints) or [None]
     labels: Sequence[str | None] = cfg.labels if cfg.labels is not None else [None] * len(paths)
     rows: list[EvalRow] = []
-    out = Path(cfg.out) if cfg.out else None
 
     def on_row(r: EvalRow) -> None:
         rows.append(r)
@@ -120,6 +131,8 @@ def run_eval(cfg: EvalConfig) -> list[EvalRow]:
             path, label=label, data=cfg.data, split=cfg.split, train_len=cfg.train_len, tokenizer=cfg.tokenizer,
             cache_dir=cache, seed=cfg.eval_seed, device=device,
         )  # fmt: skip
+        check_something_to_score(adapter.train_len, cfg.factors, stream.numel(), cfg.max_tokens,
+                                 what=f"{cfg.split} split")  # fmt: skip
         evaluate_model(
             adapter, stream, factors=cfg.factors, stride=cfg.stride, max_tokens=cfg.max_tokens, samples=cfg.samples,
             schemes=cfg.schemes, sweep_factors=cfg.sweep_factors, equal_cost=cfg.equal_cost,
@@ -135,10 +148,11 @@ def run_eval(cfg: EvalConfig) -> list[EvalRow]:
 
 def _main(args: argparse.Namespace) -> int:
     try:
-        run_eval(config_from_args(args, EvalConfig))
-    except (TypeError, ValueError, FileNotFoundError) as exc:
+        cfg = config_from_args(args, EvalConfig)
+    except (TypeError, ValueError) as exc:
         print(f"plsh eval: error: {exc}", file=sys.stderr)
         return 2
+    run_eval(cfg)  # user-caused errors: one line and exit code 2 (positional_lsh.cli.guarded)
     return 0
 
 
@@ -157,4 +171,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``plsh eval ARGS`` as a function (``argv``: the arguments after ``eval``; default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(prog="plsh eval")
     add_arguments(parser, EvalConfig)
-    return _main(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return guarded("plsh eval", lambda: _main(args))

@@ -10,14 +10,21 @@ train ...``.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from positional_lsh.cli import guarded
 from positional_lsh.cli.config import Flag, add_arguments, option, values_from_args
 from positional_lsh.lm.config import ALIBI_IMPLS, POSITIONS, ModelConfig
+from positional_lsh.lm.run_dir import RESUME_MAY_CHANGE, read_train_config
 from positional_lsh.lm.train import AUTOCAST_CHOICES, QUICK_PRESET, TrainConfig, train
+from positional_lsh.ops.errors import UserError
 
 __all__ = ["MODEL_FLAGS", "TRAIN_FLAGS", "TrainCommand", "add_train_arguments", "configs_from_args", "main"]
 
@@ -48,6 +55,8 @@ TRAIN_FLAGS = {
     "save_dtype": Flag("weights storage", choices=("float32", "float16", "bfloat16"), group="run"),
     "stop_after": Flag("stop at this step with a resumable checkpoint", group="run"),
     "progress": Flag("no progress bar", name="--no-progress", group="run"),
+    "context_parallel": Flag("split each sequence over C consecutive ranks (under torchrun; --position plsh; C "
+                             "must divide the number of processes = data x C)", group="run"),
 }  # fmt: skip
 """``plsh train``'s flags for :class:`~positional_lsh.lm.train.TrainConfig` (defaults: the dataclass's)."""
 
@@ -80,7 +89,12 @@ class TrainCommand:
     """``plsh train``'s own switches (the settings are in ``TrainConfig`` and ``ModelConfig``)."""
 
     quick: bool = option(False, f"tiny ~1-minute preset for smoke tests and CI: {QUICK_PRESET}")
-    resume: bool = option(False, "continue the run in --out from its trainer_state.pt")
+    resume: bool = option(
+        False,
+        "continue the run in --out from its latest checkpoint (the run's settings are kept; "
+        "a conflicting flag is refused, more --steps are applied)",
+    )
+    overwrite: bool = option(False, "replace the previous run in --out (its log, checkpoints and trainer state)")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,11 +126,60 @@ def _main(args: argparse.Namespace) -> int:
     try:
         cfg, model_cfg = configs_from_args(args)
         cfg.validate()
+        if cfg.context_parallel > 1 and not args.resume:
+            from positional_lsh.distributed.training import check_context_parallel
+
+            check_context_parallel(cfg.context_parallel, model_cfg.position, int(os.environ.get("WORLD_SIZE", "1")))
     except (TypeError, ValueError) as exc:
-        print(f"plsh train: error: {exc}", file=sys.stderr)
+        print(f"plsh train: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    result = train(cfg, model_cfg, resume=bool(args.resume), command=getattr(args, "command_line", None))
+    changes: dict[str, Any] = {}
+    if args.resume:
+        if args.overwrite:
+            raise UserError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+        changes = resume_changes(args, Path(cfg.out_dir))
+    result = train(cfg, model_cfg, resume=bool(args.resume), overwrite=bool(args.overwrite), changes=changes,
+                   command=getattr(args, "command_line", None))  # fmt: skip
+    if result.interrupted is not None:
+        return 128 + int(getattr(signal, result.interrupted))
     return 0 if result.step > 0 or result.finished else 1
+
+
+def _flag(name: str, flags: dict[str, Flag]) -> str:
+    """The command-line flag of setting ``name``."""
+    flag = flags.get(name)
+    return flag.name if flag is not None and flag.name else "--" + name.replace("_", "-")
+
+
+def resume_changes(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Compare the flags given with ``--resume`` to the run's saved settings.
+
+    Per-job flags (``--stop-after``, ``--no-progress``, ``--device``) apply; a flag equal to the saved value is
+    fine; a changed setting of :data:`~positional_lsh.lm.run_dir.RESUME_MAY_CHANGE` (e.g. more ``--steps``) is
+    returned to be applied, and said on stderr; any other change raises ``UserError`` naming the flag and both
+    values.
+    """
+    saved = read_train_config(out)
+    if args.quick:
+        print("plsh train: --resume: --quick is ignored (the run keeps its own settings)", file=sys.stderr)
+    given = [("train", k, v, TRAIN_FLAGS) for k, v in values_from_args(args, TrainConfig, flags=TRAIN_FLAGS,
+                                                                        given_only=True).items()]  # fmt: skip
+    given += [("model", k, v, MODEL_FLAGS) for k, v in values_from_args(args, ModelConfig, flags=MODEL_FLAGS,
+                                                                         given_only=True).items()]  # fmt: skip
+    changes: dict[str, Any] = {}
+    for part, name, value, flags in given:
+        if part == "train" and name in ("out_dir", "stop_after", "progress", "device"):
+            continue
+        old = saved[part].get(name)
+        if value == old or (name == "threads" and old is None):
+            continue
+        if part == "train" and name in RESUME_MAY_CHANGE:
+            changes[name] = value
+            print(f"plsh train: --resume: {_flag(name, flags)} changes from {old} to {value}", file=sys.stderr)
+            continue
+        raise UserError(f"--resume: {_flag(name, flags)} {value} conflicts with the run's {old} (saved in "
+                        f"{out / 'train_config.json'}); drop the flag, or start a new run")  # fmt: skip
+    return changes
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:
@@ -125,16 +188,20 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a language model with alibi / plsh / window-alibi / rope / nope attention",
         description="Train a decoder-only LM on the shipped corpus (or --data). Works under torchrun for "
-        "data-parallel training: torchrun --nproc_per_node N -m positional_lsh.cli train --out DIR ...",
+        "data-parallel training: torchrun --nproc_per_node N -m positional_lsh.cli train --out DIR ... "
+        "(add --context-parallel C to also split each sequence over C ranks).",
     )
     add_train_arguments(p)
     p.set_defaults(func=_main)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``plsh train ARGS`` as a function (``argv``: the arguments after ``train``; default ``sys.argv[1:]``)."""
+    """``plsh train ARGS`` as a function (``argv``: the arguments after ``train``; default ``sys.argv[1:]``).
+
+    Errors are reported like ``plsh train``'s: one line and exit code 2 (see :func:`positional_lsh.cli.guarded`).
+    """
     parser = argparse.ArgumentParser(prog="plsh train")
     add_train_arguments(parser)
     args = parser.parse_args(argv)
     args.command_line = shlex.join(["plsh", "train", *(sys.argv[1:] if argv is None else argv)])
-    return _main(args)
+    return guarded("plsh train", lambda: _main(args))

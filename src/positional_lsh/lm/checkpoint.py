@@ -5,6 +5,11 @@ metadata), ``model.safetensors`` (float32, or float16/bfloat16 storage that load
 tokenizer is given, ``tokenizer.json``. :func:`save_checkpoint` writes one, :func:`load_checkpoint` reads one
 (optionally changing the position mode, e.g. to evaluate an ALiBi-trained model with positional LSH), and
 :func:`load_shipped_model` loads the ALiBi model in ``positional_lsh/lm/checkpoints/alibi-lm``.
+
+A ``plsh train`` run directory holds its checkpoints as whole sets: each in a step directory
+``steps/step-NNNNNNNN-XXXXXXXX`` that is written completely, then named by the pointer file ``LATEST``
+(replaced atomically), so a reader sees the old set or the new one (see docs/reliability.md).
+:func:`checkpoint_dir` follows the pointer; every function here accepts a run directory or a plain one.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,16 +26,21 @@ import torch
 from positional_lsh.lm.config import ModelConfig
 from positional_lsh.lm.data.tokenizer import BPETokenizer
 from positional_lsh.lm.model import TransformerLM
+from positional_lsh.ops.errors import UserError
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "CONFIG_FILE",
+    "POINTER_FILE",
     "TOKENIZER_FILE",
     "WEIGHTS_FILE",
     "Checkpoint",
+    "check_tokenizer_fingerprint",
+    "checkpoint_dir",
     "is_checkpoint",
     "load_checkpoint",
     "load_shipped_model",
+    "read_checkpoint_config",
     "save_checkpoint",
     "shipped_checkpoint_path",
 ]
@@ -38,6 +49,10 @@ CHECKPOINT_FORMAT = "positional-lsh-lm"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+POINTER_FILE = "LATEST"
+"""In a ``plsh train`` run directory: names the step directory (``steps/step-...``) of the latest checkpoint."""
+
+_POINTER_RE = re.compile(r"^steps/step-[0-9]{8}-[0-9a-f]{8}$")
 
 _SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -123,16 +138,101 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def is_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a directory holding one of this library's checkpoints."""
+def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
+    """The directory holding the checkpoint files of ``path``: the step directory named by a run directory's
+    ``LATEST`` pointer, or ``path`` itself (a plain checkpoint directory such as the shipped model)."""
     p = Path(path)
+    pointer = p / POINTER_FILE
+    if not pointer.is_file():
+        return p
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{pointer}: unreadable checkpoint pointer ({exc}); delete it to start over") from None
+    if not _POINTER_RE.match(name) or not (p / name).is_dir():
+        raise UserError(
+            f"{pointer} names {name[:80]!r}, which is not a step directory of {p}; restore it or start a new run"
+        )
+    return p / name
+
+
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a directory holding one of this library's checkpoints (or a run directory naming one)."""
+    try:
+        p = checkpoint_dir(path)
+    except UserError:
+        return True  # a run directory with a broken pointer: loading it says what is wrong
     cfg = p / CONFIG_FILE
     if not (cfg.is_file() and (p / WEIGHTS_FILE).is_file()):
         return False
     try:
-        return json.loads(cfg.read_text(encoding="utf-8")).get("format") == CHECKPOINT_FORMAT
+        config = json.loads(cfg.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
+        return True  # unreadable: loading it says what is wrong (a transformers config would be JSON)
+    return isinstance(config, dict) and config.get("format") == CHECKPOINT_FORMAT
+
+
+def read_checkpoint_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``config.json`` of checkpoint ``path`` (a checkpoint directory, or a run directory), checked.
+
+    Raises :class:`~positional_lsh.ops.errors.UserError` naming the file when it is missing, not JSON or lacks
+    the fields of a checkpoint config.
+    """
+    p = checkpoint_dir(_as_dir("path", path))
+    if not p.is_dir():
+        raise UserError(f"{p} is not a directory; name a checkpoint directory")
+    file = p / CONFIG_FILE
+    if not file.is_file() or not (p / WEIGHTS_FILE).is_file():
+        raise UserError(f"{p} is not a checkpoint directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{file} is not valid JSON ({exc}); restore it from a copy or retrain") from None
+    if not isinstance(config, dict) or config.get("format") != CHECKPOINT_FORMAT:
+        got = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise UserError(f"{file} is not a {CHECKPOINT_FORMAT} config (format={got!r})")
+    if not isinstance(config.get("model"), dict):
+        raise UserError(f"{file} has no 'model' object; restore it from a copy or retrain")
+    if not isinstance(config.get("metadata", {}) or {}, dict):
+        raise UserError(f"{file}: 'metadata' must be an object")
+    return config
+
+
+def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``model.safetensors`` as float32; a corrupt or truncated file is a ``UserError``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return {k: v.float() for k, v in load_file(str(file)).items()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise UserError(f"{file} is corrupt or truncated ({str(exc).splitlines()[0][:120]}); "
+                        "restore it from a copy or retrain") from None  # fmt: skip
+
+
+def _load_tokenizer_checked(p: Path, expected: str | None) -> BPETokenizer | None:
+    """The checkpoint's ``tokenizer.json`` (``None`` if absent), refused unless its fingerprint is ``expected``."""
+    file = p / TOKENIZER_FILE
+    if not file.is_file():
+        return None
+    try:
+        tok = BPETokenizer.load(file)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{file} is not a valid tokenizer ({str(exc).splitlines()[0][:120]})") from None
+    check_tokenizer_fingerprint(tok, expected, where=str(file))
+    return tok
+
+
+def check_tokenizer_fingerprint(tokenizer: BPETokenizer, expected: str | None, *, where: str) -> None:
+    """Refuse (``UserError`` with both fingerprints) a tokenizer other than the one a checkpoint was trained with.
+
+    ``expected``: the checkpoint's ``tokenizer_fingerprint`` (``None``: nothing recorded, nothing checked).
+    """
+    if expected is not None and tokenizer.fingerprint != expected:
+        raise UserError(
+            f"{where}: tokenizer fingerprint {tokenizer.fingerprint[:16]}... differs from the checkpoint's "
+            f"{expected[:16]}... (the model was trained with another tokenizer); use the checkpoint's tokenizer.json"
+        )
 
 
 def load_checkpoint(
@@ -140,30 +240,36 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Load a checkpoint written by :func:`save_checkpoint`: float32 model in eval mode, tokenizer, metadata.
 
+    ``path``: a checkpoint directory or a ``plsh train`` run directory (its latest complete checkpoint).
     ``overrides`` replace :class:`ModelConfig` fields (e.g. ``position="plsh", num_samples=16`` to evaluate
-    an ALiBi-trained model with positional LSH; only settings without weights can change).
+    an ALiBi-trained model with positional LSH; only settings without weights can change). A corrupt, truncated
+    or mismatched file, and a tokenizer whose fingerprint differs from the recorded one, raise
+    :class:`~positional_lsh.ops.errors.UserError` naming the file.
     """
-    from safetensors.torch import load_file
-
-    p = _as_dir("path", path)
-    if not p.is_dir():
-        raise ValueError(f"path {p} is not a directory")
-    if not (p / CONFIG_FILE).is_file() or not (p / WEIGHTS_FILE).is_file():
-        raise ValueError(f"path {p} is not a checkpoint directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = json.loads((p / CONFIG_FILE).read_text(encoding="utf-8"))
-    if config.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"path {p}: {CONFIG_FILE} is not a {CHECKPOINT_FORMAT} config (format={config.get('format')})")
+    config = read_checkpoint_config(path)
+    p = checkpoint_dir(path)
     model_cfg = dict(config["model"])
     model_cfg.update(overrides)
-    cfg = ModelConfig.from_dict(model_cfg)
+    try:
+        cfg = ModelConfig.from_dict(model_cfg)
+    except (TypeError, ValueError) as exc:
+        if overrides:
+            raise
+        raise UserError(f"{p / CONFIG_FILE}: bad 'model' settings ({exc})") from None
     model = TransformerLM(cfg)
-    state = {k: v.float() for k, v in load_file(str(p / WEIGHTS_FILE)).items()}
+    state = _read_weights(p / WEIGHTS_FILE)
+    if "embed.weight" not in state:
+        raise UserError(f"{p / WEIGHTS_FILE} holds no embed.weight; it is not this model's weights")
     state["head.weight"] = state["embed.weight"]
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise UserError(f"{p / WEIGHTS_FILE} does not match {p / CONFIG_FILE} "
+                        f"({' '.join(str(exc).split())[:160]})") from None  # fmt: skip
     if device is not None:
         model.to(device)
     model.eval()
-    tokenizer = BPETokenizer.load(p / TOKENIZER_FILE) if (p / TOKENIZER_FILE).is_file() else None
+    tokenizer = _load_tokenizer_checked(p, config.get("tokenizer_fingerprint"))
     meta = dict(config.get("metadata") or {})
     meta.update({"weights_dtype": config.get("weights_dtype"), "num_params": config.get("num_params")})
     return Checkpoint(model, tokenizer, meta)

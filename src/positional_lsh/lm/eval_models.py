@@ -16,7 +16,13 @@ from typing import Any
 import torch
 
 from positional_lsh.lm import data as D
-from positional_lsh.lm.checkpoint import is_checkpoint, load_checkpoint, shipped_checkpoint_path
+from positional_lsh.lm.checkpoint import (
+    check_tokenizer_fingerprint,
+    is_checkpoint,
+    load_checkpoint,
+    read_checkpoint_config,
+    shipped_checkpoint_path,
+)
 from positional_lsh.lm.model import TransformerLM
 
 __all__ = ["HFAdapter", "LMAdapter", "ModelAdapter", "load_for_eval"]
@@ -172,6 +178,8 @@ def load_for_eval(
     if is_checkpoint(p):
         ckpt = load_checkpoint(p, device=device, eval_seed=seed)
         tok = D.BPETokenizer.load(tokenizer) if tokenizer else ckpt.tokenizer
+        if tokenizer and tok is not None:
+            check_tokenizer_fingerprint(tok, read_checkpoint_config(p).get("tokenizer_fingerprint"), where=tokenizer)
         if tok is None:
             raise ValueError(f"checkpoint {p} has no tokenizer.json; pass --tokenizer")
         source = data if data is not None else ckpt.metadata.get("train_config", {}).get("data")

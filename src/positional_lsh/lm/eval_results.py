@@ -101,7 +101,15 @@ def plot_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str]) -> li
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    written = [_plot_extrapolation(plt, rows, out / "extrapolation.png")]
+    sweep = [r for r in rows if r.kind in ("plsh", "window")]
+    if sweep:
+        written.append(_plot_sweep(plt, rows, sweep, out / "sweep.png"))
+    return written
+
+
+def _plot_extrapolation(plt: Any, rows: Sequence[EvalRow], path: Path) -> Path:
+    """Perplexity vs evaluation length / training length, one line per (model, attention) outside the sweep."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     curves: dict[tuple[str, str], list[EvalRow]] = {}
     for r in rows:
@@ -110,54 +118,51 @@ def plot_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str]) -> li
     for (model, att), rs in curves.items():
         rs = sorted(rs, key=lambda r: r.factor)
         ax.plot([r.factor for r in rs], [r.ppl for r in rs], marker="o", label=f"{model} — {att}")
-    ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("evaluation length / training length")
-    ax.set_ylabel("perplexity (sliding window)")
-    ax.set_title("Length extrapolation")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "extrapolation.png", dpi=110)
-    plt.close(fig)
-    written.append(out / "extrapolation.png")
+    _style_axes(ax, "Length extrapolation", "evaluation length / training length", "perplexity (sliding window)", 7)
+    return _save(plt, fig, path)
 
-    sweep = [r for r in rows if r.kind in ("plsh", "window")]
-    if sweep:
-        models = list(dict.fromkeys(r.model for r in sweep))
-        lengths = sorted({r.eval_len for r in sweep})
-        fig, axes = plt.subplots(
-            len(models), len(lengths), figsize=(3.6 * len(lengths), 3.2 * len(models)), squeeze=False
-        )
-        for i, model in enumerate(models):
-            for j, length in enumerate(lengths):
-                ax = axes[i][j]
-                sub = [r for r in sweep if r.model == model and r.eval_len == length]
-                for scheme in dict.fromkeys(r.scheme for r in sub if r.kind == "plsh"):
-                    pts = sorted((r for r in sub if r.kind == "plsh" and r.scheme == scheme), key=lambda r: r.samples)
-                    ax.plot([r.samples for r in pts], [r.ppl for r in pts], marker="o", label=f"plsh {scheme}")
-                pts = sorted((r for r in sub if r.kind == "window"), key=lambda r: r.samples)
-                if pts:
-                    ax.plot(
-                        [r.samples for r in pts], [r.ppl for r in pts], marker="s", label="windowed ALiBi, equal cost"
-                    )
-                exact = [
-                    r
-                    for r in rows
-                    if r.model == model
-                    and r.eval_len == length
-                    and (r.kind == "alibi" or (r.kind == "own" and r.attention.startswith("own: alibi")))
-                ]
-                if exact:
-                    ax.axhline(exact[0].ppl, color="k", ls="--", lw=1, label="exact ALiBi")
-                ax.set_xscale("log", base=2)
-                ax.set_title(f"{model}, L={length}", fontsize=9)
-                ax.set_xlabel("T (windows: equal cost)")
-                ax.set_ylabel("perplexity")
-                ax.grid(True, which="both", alpha=0.3)
-                ax.legend(fontsize=6)
-        fig.tight_layout()
-        fig.savefig(out / "sweep.png", dpi=110)
-        plt.close(fig)
-        written.append(out / "sweep.png")
-    return written
+
+def _plot_sweep(plt: Any, rows: Sequence[EvalRow], sweep: list[EvalRow], path: Path) -> Path:
+    """One panel per (model, evaluation length): perplexity vs T per scheme, equal-cost windows, exact ALiBi."""
+    models = list(dict.fromkeys(r.model for r in sweep))
+    lengths = sorted({r.eval_len for r in sweep})
+    fig, axes = plt.subplots(len(models), len(lengths), figsize=(3.6 * len(lengths), 3.2 * len(models)), squeeze=False)
+    for i, model in enumerate(models):
+        for j, length in enumerate(lengths):
+            ax = axes[i][j]
+            sub = [r for r in sweep if r.model == model and r.eval_len == length]
+            for scheme in dict.fromkeys(r.scheme for r in sub if r.kind == "plsh"):
+                pts = sorted((r for r in sub if r.kind == "plsh" and r.scheme == scheme), key=lambda r: r.samples)
+                ax.plot([r.samples for r in pts], [r.ppl for r in pts], marker="o", label=f"plsh {scheme}")
+            pts = sorted((r for r in sub if r.kind == "window"), key=lambda r: r.samples)
+            if pts:
+                ax.plot([r.samples for r in pts], [r.ppl for r in pts], marker="s", label="windowed ALiBi, equal cost")
+            exact = [r for r in rows if r.model == model and r.eval_len == length and _is_exact_alibi(r)]
+            if exact:
+                ax.axhline(exact[0].ppl, color="k", ls="--", lw=1, label="exact ALiBi")
+            _style_axes(ax, f"{model}, L={length}", "T (windows: equal cost)", "perplexity", 6, title_size=9)
+    return _save(plt, fig, path)
+
+
+def _is_exact_alibi(r: EvalRow) -> bool:
+    return r.kind == "alibi" or (r.kind == "own" and r.attention.startswith("own: alibi"))
+
+
+def _style_axes(
+    ax: Any, title: str, xlabel: str, ylabel: str, legend_size: int, *, title_size: int | None = None
+) -> None:
+    """Log2 x axis, labels, grid and legend, as both plots draw them."""
+    ax.set_xscale("log", base=2)
+    ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))  # else the axes' title size
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

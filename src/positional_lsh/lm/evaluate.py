@@ -46,11 +46,13 @@ from positional_lsh.lm.checkpoint import load_checkpoint, shipped_checkpoint_pat
 from positional_lsh.lm.eval_models import ModelAdapter, load_for_eval
 from positional_lsh.lm.eval_results import EvalRow, format_table, plot_results, read_results, write_results
 from positional_lsh.ops import sample_partitions
+from positional_lsh.ops.errors import UserError
 
 __all__ = [
     "EvalRow",
     "ModelAdapter",
     "ShippedDemo",
+    "check_something_to_score",
     "equal_cost_window",
     "evaluate_model",
     "expected_plsh_cost",
@@ -214,6 +216,22 @@ def _mean_cost_per_query(per_head_cost: torch.Tensor, seq_len: int) -> float:
 
 def _lengths(train_len: int, factors: Sequence[float]) -> list[tuple[float, int]]:
     return [(f, max(1, round(train_len * f))) for f in factors]
+
+
+def check_something_to_score(
+    train_len: int, factors: Sequence[float], num_tokens: int, max_tokens: int | None = None, *, what: str = "stream"
+) -> None:
+    """Raise :class:`~positional_lsh.ops.errors.UserError` (saying why) when no length of ``factors`` fits the
+    ``num_tokens`` evaluation tokens (cut to ``max_tokens + 1``): the evaluation would score nothing."""
+    n = num_tokens if max_tokens is None else min(num_tokens, max_tokens + 1)
+    lengths = [length for _, length in _lengths(train_len, factors)]
+    if lengths and min(lengths) + 1 > n:
+        cut = f" (--max-tokens {max_tokens})" if max_tokens is not None and max_tokens + 1 < num_tokens else ""
+        raise UserError(
+            f"nothing to score: the {what} has {n} tokens{cut} but the shortest evaluation length is {min(lengths)} "
+            f"(training length {train_len} x --factors {min(factors):g}) and needs {min(lengths) + 1}; "
+            "raise --max-tokens or lower --factors"
+        )
 
 
 def evaluate_model(

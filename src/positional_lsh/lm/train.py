@@ -3,14 +3,17 @@
 AdamW (decoupled weight decay on matrices only) with linear warm-up and cosine decay to ``min_lr``, gradient
 clipping, optional bf16/fp16 autocast, gradient accumulation, a progress bar with loss and tokens/s,
 periodic validation on fixed held-out windows, checkpoints (``safetensors`` weights + JSON config + tokenizer,
-plus a ``trainer_state.pt`` with the optimizer and every random-number state) and exact resume: a run that is
-interrupted and resumed ends with the same weights as an uninterrupted one.
+plus a ``trainer_state.pt`` with the optimizer and every random-number state, written as one atomic set: see
+:mod:`positional_lsh.lm.run_dir`) and exact resume: a run that is interrupted (a kill, Ctrl-C, SIGTERM) and
+resumed ends with the same weights as an uninterrupted one. Settings: :mod:`positional_lsh.lm.train_config`.
 
 Data parallelism: launched with ``torchrun --nproc_per_node N`` the same command trains with
 ``torch.distributed`` (gloo on CPU, NCCL on GPU). Every process draws the same global batch of
 ``N * batch_size`` windows from the shared seed and trains on its own slice, and all processes use the same
 positional-LSH partitions, so ``N`` processes with ``batch_size`` B compute the same updates as one process
-with ``batch_size`` ``N * B`` (up to floating-point summation order).
+with ``batch_size`` ``N * B`` (up to floating-point summation order). ``context_parallel = C`` (positional LSH
+only) splits every sequence over ``C`` consecutive ranks, ``world = data x C``: the same updates as ``world / C``
+data-parallel processes (``positional_lsh.distributed.training``; ``docs/distributed.md``).
 
 Batches are random windows of ``seq_len + 1`` tokens from the training stream (documents joined by the
 end-of-document token); validation uses ``eval_batches`` fixed windows of the validation split.
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import shlex
@@ -36,13 +38,30 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from positional_lsh.lm import data as D
-from positional_lsh.lm.checkpoint import save_checkpoint
+from positional_lsh.lm import run_dir as R
 from positional_lsh.lm.config import ModelConfig
 from positional_lsh.lm.model import TransformerLM
-from positional_lsh.ops._checks import check_int, positive_int
+from positional_lsh.lm.run_dir import LOG_FILE, STATE_FILE, TRAIN_CONFIG_FILE
+from positional_lsh.lm.signals import StopOnSignal
+from positional_lsh.lm.train_config import (
+    AUTOCAST_CHOICES,
+    QUICK_PRESET,
+    TrainConfig,
+    default_cache_dir,
+    lr_at,
+    resolve_autocast_dtype,
+)
+from positional_lsh.lm.train_dist import Dist as _Dist
+from positional_lsh.lm.train_dist import check_device
+from positional_lsh.lm.train_dist import init_distributed as _init_distributed
+from positional_lsh.ops.errors import UserError
 
 __all__ = [
+    "AUTOCAST_CHOICES",
+    "LOG_FILE",
     "QUICK_PRESET",
+    "STATE_FILE",
+    "TRAIN_CONFIG_FILE",
     "TrainConfig",
     "TrainResult",
     "default_cache_dir",
@@ -50,156 +69,6 @@ __all__ = [
     "resolve_autocast_dtype",
     "train",
 ]
-
-STATE_FILE = "trainer_state.pt"
-TRAIN_CONFIG_FILE = "train_config.json"
-LOG_FILE = "log.jsonl"
-
-AUTOCAST_CHOICES = ("auto", "float32", "bfloat16", "float16")
-
-
-def default_cache_dir() -> Path:
-    """Where encoded token streams are cached: ``$PLSH_CACHE_DIR`` or ``~/.cache/positional_lsh``."""
-    env = os.environ.get("PLSH_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "positional_lsh"
-
-
-@dataclass
-class TrainConfig:
-    """Training hyperparameters (the model's are in :class:`~positional_lsh.lm.config.ModelConfig`).
-
-    Attributes:
-        out_dir: the run directory: checkpoint files, ``trainer_state.pt``, ``log.jsonl``, ``train_config.json``.
-        data: a ``positional_lsh.lm.data.load_splits`` source (``None``: the shipped corpus).
-        tokenizer: a ``tokenizer.json`` (or directory holding one) to reuse; ``None`` trains a byte-level BPE
-            with ``vocab_size`` on the training split.
-        cache_dir: where encoded token streams are cached (``None``: :func:`default_cache_dir`; ``""`` disables).
-        batch_size: windows per micro-batch per process.
-        grad_accum: micro-batches per optimizer step. Tokens per step:
-            ``batch_size * grad_accum * world_size * seq_len``.
-        steps: optimizer steps in the whole run.
-        lr, min_lr, warmup: peak learning rate, final learning rate, linear warm-up steps; cosine in between.
-        weight_decay, beta1, beta2: AdamW (weight decay on 2-D weights only).
-        grad_clip: global gradient-norm clip (0 disables).
-        eval_interval, eval_batches: validate every ``eval_interval`` steps on ``eval_batches`` fixed batches.
-        ckpt_interval: save a resumable checkpoint every this many steps (and at the end).
-        seed: seeds the model initialization, the data order and (unless the model config sets its own) the
-            positional-LSH training partitions.
-        autocast: ``"auto"`` (see :func:`resolve_autocast_dtype`), ``"float32"`` (off), ``"bfloat16"``, ``"float16"``.
-        device: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``...
-        threads: torch intra-op threads (``None``: torch's default).
-        save_dtype: storage dtype of the exported weights (``"float32"``, ``"float16"``, ``"bfloat16"``).
-        stop_after: stop (with a resumable checkpoint) once this step is reached, to split one run into several
-            jobs; the learning-rate schedule still follows ``steps``.
-        progress: show a progress bar.
-    """
-
-    out_dir: str
-    data: str | None = None
-    tokenizer: str | None = None
-    vocab_size: int = D.DEFAULT_VOCAB_SIZE
-    cache_dir: str | None = None
-    batch_size: int = 16
-    grad_accum: int = 1
-    steps: int = 2000
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    eval_interval: int = 250
-    eval_batches: int = 16
-    ckpt_interval: int = 500
-    seed: int = 0
-    autocast: str = "auto"
-    device: str = "auto"
-    threads: int | None = None
-    save_dtype: str = "float32"
-    stop_after: int | None = None
-    progress: bool = True
-
-    def validate(self) -> None:
-        """Raise ``TypeError``/``ValueError`` naming the first bad field."""
-        if not isinstance(self.out_dir, str | os.PathLike) or not str(self.out_dir):
-            raise TypeError("out_dir must be a non-empty path")
-        names = ("vocab_size", "batch_size", "grad_accum", "steps", "eval_interval", "eval_batches", "ckpt_interval")
-        for name in names:
-            positive_int(name, getattr(self, name))
-        for name in ("warmup", "seed"):
-            check_int(name, getattr(self, name), minimum=0)
-        for name in ("threads", "stop_after"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name))
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if not 0 <= v < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {v}")
-        if self.autocast not in AUTOCAST_CHOICES:
-            raise ValueError(f"autocast must be one of {AUTOCAST_CHOICES}, got {self.autocast!r}")
-        if self.save_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"save_dtype must be float32, float16 or bfloat16, got {self.save_dtype!r}")
-
-
-QUICK_PRESET: dict[str, Any] = {
-    # ~1 minute on 2 CPU cores: a tiny model on the shipped corpus, for smoke tests and CI.
-    "vocab_size": 2048,
-    "n_layer": 2,
-    "n_head": 4,
-    "d_model": 128,
-    "seq_len": 128,
-    "batch_size": 8,
-    "steps": 150,
-    "warmup": 15,
-    "lr": 2e-3,
-    "min_lr": 2e-4,
-    "eval_interval": 50,
-    "eval_batches": 4,
-    "ckpt_interval": 150,
-}
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then cosine decay to ``min_lr``."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    span = max(1, cfg.steps - cfg.warmup)
-    progress = min(1.0, (step - cfg.warmup) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def resolve_autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for ``choice`` on ``device`` (``None``: no autocast).
-
-    ``"auto"``: bfloat16 on CUDA devices that support it; on CPU, bfloat16 only when the CPU has native
-    bf16 matrix instructions (AMX / AVX512-BF16, as reported by oneDNN) — there, with attention kept in float32
-    (``ModelConfig.attn_fp32``), it was faster than float32 for the models of docs/experiments.md; without
-    them bf16 is emulated and slower. Otherwise float32.
-    """
-    if choice == "float32":
-        return None
-    if choice == "bfloat16":
-        return torch.bfloat16
-    if choice == "float16":
-        return torch.float16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    if device.type == "cpu":
-        try:
-            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            native = False
-        return torch.bfloat16 if native else None
-    return None
 
 
 @dataclass
@@ -213,52 +82,8 @@ class TrainResult:
     val_loss: float | None
     seconds: float
     finished: bool
-
-
-# --------------------------------------------------------------------------------------------------
-# Distributed helpers
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Dist:
-    """This process's place in the run; ``owns_group``: :func:`_init_distributed` created the process group."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    owns_group: bool = False
-
-    @property
-    def enabled(self) -> bool:
-        return self.world > 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
-
-
-def _init_distributed(device_choice: str) -> tuple[_Dist, torch.device]:
-    """Join (creating it under ``torchrun`` if needed) the process group and choose the device."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    want_cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
-    if world > 1:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if want_cuda:
-            torch.cuda.set_device(local_rank)
-        owns = not dist.is_initialized()
-        if owns:
-            dist.init_process_group(backend="nccl" if want_cuda else "gloo")
-        info = _Dist(dist.get_rank(), dist.get_world_size(), local_rank, owns)
-        device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
-        return info, device
-    if device_choice == "auto":
-        return _Dist(), torch.device("cuda" if want_cuda else "cpu")
-    return _Dist(), torch.device(device_choice)
+    interrupted: str | None = None
+    """The signal (``"SIGINT"``, ``"SIGTERM"``) that stopped the run early, after saving a checkpoint."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,15 +91,20 @@ def _init_distributed(device_choice: str) -> tuple[_Dist, torch.device]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _prepare_data(cfg: TrainConfig, out: Path, info: _Dist) -> tuple[D.BPETokenizer, dict[str, torch.Tensor]]:
-    """Tokenizer (reused, or trained on the training split by rank 0) and the encoded train/validation streams."""
+def _prepare_data(
+    cfg: TrainConfig, out: Path, info: _Dist, resumed: D.BPETokenizer | None
+) -> tuple[D.BPETokenizer, dict[str, torch.Tensor]]:
+    """Tokenizer (``resumed``: the checkpoint's; else reused, or trained on the training split by rank 0) and the
+    encoded train/validation streams."""
     cache = None if cfg.cache_dir == "" else Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     saved_tok = out / "tokenizer.json"
     tok: D.BPETokenizer | None = None
     splits = None
     if info.main:
         splits = D.load_splits(cfg.data)
-        if cfg.tokenizer:
+        if resumed is not None:
+            tok = resumed
+        elif cfg.tokenizer:
             tok = D.BPETokenizer.load(cfg.tokenizer)
         elif saved_tok.is_file():
             tok = D.BPETokenizer.load(saved_tok)  # resume, or a run directory prepared in advance
@@ -322,14 +152,15 @@ def _validate(
     info: _Dist,
     device: torch.device,
     amp: torch.dtype | None,
+    cp: Any = None,
 ) -> float:
-    """Mean loss over the fixed validation batches (each process takes its rows, then all-reduce)."""
+    """Mean loss over the fixed validation batches (each process takes its rows, ``cp``: its shard; all-reduce)."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in batches:
         rows = slice(info.rank * x.shape[0] // info.world, (info.rank + 1) * x.shape[0] // info.world)
-        x, y = x[rows], y[rows]
+        x, y = (x[rows], y[rows]) if cp is None else (cp.local(x), cp.local(y))
         with _autocast(device, amp):
             _, loss = model(x.to(device), y.to(device))
         total[0] += float(loss) * y.numel()
@@ -362,28 +193,11 @@ def _save_state(run: _Run) -> None:
         "command": run.command,
         "torch": torch.__version__,
     }
-    save_checkpoint(run.out, run.model, run.tok, dtype=cfg.save_dtype, metadata=meta)
-    state = {
-        "step": run.step,
-        "tokens": run.tokens,
-        "elapsed": run.elapsed,
-        "val_loss": run.val_loss,
-        "model": {k: v.detach().cpu() for k, v in run.model.state_dict().items()},
-        "optimizer": run.opt.state_dict(),
-        "data_generator": run.data_gen.get_state(),
-        "partition_generators": run.model.rng_state(),
-        "torch_rng": torch.get_rng_state(),
-        "world_size": info.world,
-    }
-    tmp = run.out / (STATE_FILE + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, run.out / STATE_FILE)
-
-
-def _log(out: Path, record: dict[str, Any]) -> None:
-    """Append one JSON record to the run's ``log.jsonl``."""
-    with open(out / LOG_FILE, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    counters = {"step": run.step, "tokens": run.tokens, "elapsed": run.elapsed, "val_loss": run.val_loss}
+    state = R.trainer_state(run.model, run.opt, run.data_gen, counters)
+    state.update(world_size=info.world, tokenizer_fingerprint=run.tok.fingerprint)
+    R.save_run_checkpoint(run.out, run.model, run.tok, dtype=cfg.save_dtype, metadata=meta, state=state)
+    run.saved_step = run.step
 
 
 @dataclass
@@ -410,6 +224,8 @@ class _Run:
     elapsed: float = 0.0
     val_loss: float | None = None
     last_loss: float = float("nan")
+    saved_step: int = -1
+    cp: Any = None  # positional_lsh.distributed.training.ContextParallel of a context-parallel run
 
 
 def train(
@@ -417,6 +233,8 @@ def train(
     model_cfg: ModelConfig | None = None,
     *,
     resume: bool = False,
+    overwrite: bool = False,
+    changes: dict[str, Any] | None = None,
     command: str | None = None,
 ) -> TrainResult:
     """Train a language model; see the module docstring.
@@ -424,8 +242,13 @@ def train(
     Args:
         cfg: training settings; ``cfg.out_dir`` receives the checkpoint.
         model_cfg: the model (its ``vocab_size`` is replaced by the tokenizer's). Default ``ModelConfig()``.
-        resume: continue the run in ``cfg.out_dir`` from its ``trainer_state.pt``. The saved training and model
-            settings are used; of ``cfg`` only ``stop_after``, ``progress``, ``threads`` and ``device`` apply.
+        resume: continue the run in ``cfg.out_dir`` from its latest checkpoint. The saved training and model
+            settings are used (the thread count included, unless ``cfg.threads`` is set); of ``cfg`` only
+            ``stop_after``, ``progress``, ``threads`` and ``device`` apply. ``log.jsonl`` is cut back to the
+            checkpoint's step.
+        overwrite: a new run may replace a previous run in ``cfg.out_dir`` (default: ``UserError``).
+        changes: on resume, saved training settings to change (:data:`~positional_lsh.lm.run_dir.RESUME_MAY_CHANGE`,
+            e.g. more ``steps``).
         command: the command line to record in the checkpoint (default: ``sys.argv``).
 
     Returns:
@@ -436,9 +259,13 @@ def train(
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
     if model_cfg is not None and not isinstance(model_cfg, ModelConfig):
         raise TypeError(f"model_cfg must be a ModelConfig or None, got {type(model_cfg).__name__}")
-    cfg, model_cfg, state = _resolve_configs(cfg, model_cfg, resume)
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
+    check_device(cfg.device)  # before anything on disk changes
+    cfg, model_cfg, state = _resolve_configs(cfg, model_cfg, resume, overwrite, changes or {})
+    if cfg.context_parallel > 1:
+        from positional_lsh.distributed.training import check_context_parallel  # lazily: lm never needs it
+
+        check_context_parallel(cfg.context_parallel, model_cfg.position, int(os.environ.get("WORLD_SIZE", "1")))
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
     command = command if command is not None else shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
     info, device = _init_distributed(cfg.device)
     try:
@@ -451,20 +278,29 @@ def train(
 
 
 def _resolve_configs(
-    cfg: TrainConfig, model_cfg: ModelConfig | None, resume: bool
+    cfg: TrainConfig, model_cfg: ModelConfig | None, resume: bool, overwrite: bool, changes: dict[str, Any]
 ) -> tuple[TrainConfig, ModelConfig, dict[str, Any] | None]:
-    """The run's configs (on resume: the saved ones, with ``cfg``'s per-job settings) and the saved state."""
+    """The run's configs (on resume: the saved ones, with ``cfg``'s per-job settings and ``changes``) and the saved
+    state (with the checkpoint's tokenizer under ``"tokenizer"``); a new run checks (or clears) ``out_dir``."""
     out = Path(cfg.out_dir)
     state: dict[str, Any] | None = None
     if resume:
-        if not (out / STATE_FILE).is_file() or not (out / TRAIN_CONFIG_FILE).is_file():
-            raise ValueError(f"resume: {out} holds no {STATE_FILE} / {TRAIN_CONFIG_FILE} to resume from")
-        saved = json.loads((out / TRAIN_CONFIG_FILE).read_text(encoding="utf-8"))
-        keep = {k: getattr(cfg, k) for k in ("out_dir", "stop_after", "progress", "threads", "device")}
-        cfg = dataclasses.replace(TrainConfig(**saved["train"]), **keep)
-        model_cfg = ModelConfig.from_dict(saved["model"])
-        state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=False)
-    cfg.validate()
+        saved, state = R.load_run(out)
+        keep = {k: getattr(cfg, k) for k in ("out_dir", "stop_after", "progress", "device")}
+        keep["threads"] = cfg.threads or saved["train"].get("threads")
+        try:
+            cfg = dataclasses.replace(TrainConfig(**saved["train"]), **keep, **R.check_changes(changes))
+            cfg.validate()
+            model_cfg = ModelConfig.from_dict(saved["model"])
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"{out / TRAIN_CONFIG_FILE}: bad settings ({exc}); the run cannot be resumed") from None
+        if cfg.steps < state["step"]:
+            raise UserError(f"--resume: --steps {cfg.steps} is below the checkpoint's step {state['step']}")
+    else:
+        cfg.validate()
+        cfg = dataclasses.replace(cfg, threads=cfg.threads or torch.get_num_threads())  # recorded for resume
+        if not overwrite or int(os.environ.get("RANK", "0")) == 0:
+            R.prepare_new_run(out, overwrite=overwrite)
     return cfg, model_cfg if model_cfg is not None else ModelConfig(seed=cfg.seed), state
 
 
@@ -481,20 +317,28 @@ def _setup(
     if info.main:
         out.mkdir(parents=True, exist_ok=True)
     info.barrier()
-    tok, streams = _prepare_data(cfg, out, info)
+    tok, streams = _prepare_data(cfg, out, info, state["tokenizer"] if state is not None else None)
     model_cfg = dataclasses.replace(model_cfg, vocab_size=tok.vocab_size)
     if info.main and state is None:
         record = {"train": dataclasses.asdict(cfg), "model": model_cfg.to_dict(), "command": command}
-        (out / TRAIN_CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        R.write_train_config(out, record)
         (out / LOG_FILE).write_text("", encoding="utf-8")
+    elif info.main and state is not None:
+        R.truncate_log(out, state["step"])
+        R.clean_stale(out)
     torch.manual_seed(cfg.seed)
     model = TransformerLM(model_cfg).to(device)
     opt = _optimizer(model, cfg, device)
     data_gen = torch.Generator().manual_seed(cfg.seed)
-    counters = _restore(state, model, opt, data_gen, info) if state is not None else {}
+    counters = R.restore_trainer_state(state, model, opt, data_gen, info.world) if state is not None else {}
     model.train()
     ddp_model: torch.nn.Module = model
-    if info.enabled:
+    cp: Any = None
+    if cfg.context_parallel > 1:  # world = data x context: shards of every sequence, DDP over the whole world
+        from positional_lsh.distributed.training import setup_context_parallel
+
+        cp, ddp_model = setup_context_parallel(cfg.context_parallel, model, model_cfg.seq_len, device)
+    elif info.enabled:
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
@@ -503,43 +347,31 @@ def _setup(
     run = _Run(
         cfg, model_cfg, out, info, device, command, tok, model, ddp_model, opt, data_gen,
         amp=resolve_autocast_dtype(cfg.autocast, device),
-        batches=_train_batches(streams["train"], seq_len, cfg.batch_size, info, data_gen),
+        batches=_train_batches(streams["train"], seq_len, cfg.batch_size, info, data_gen) if cp is None else
+        cp.shard_batches(_train_batches(streams["train"], seq_len, cfg.batch_size * cp.data_world, _Dist(), data_gen)),
         val_batches=[
-            D.random_batch(streams["validation"], seq_len, cfg.batch_size * info.world, generator=val_gen)
+            D.random_batch(streams["validation"], seq_len, cfg.batch_size * (info.world // cfg.context_parallel),
+                           generator=val_gen)
             for _ in range(cfg.eval_batches)
         ],
-        tokens_per_step=cfg.batch_size * cfg.grad_accum * info.world * seq_len,
+        tokens_per_step=cfg.batch_size * cfg.grad_accum * (info.world // cfg.context_parallel) * seq_len,
+        cp=cp,
         **counters,
     )  # fmt: skip
     if info.main:
         print(
             f"plsh train: {model_cfg.describe()} | {model.num_params() / 1e6:.2f} M params | seq_len {seq_len} | "
-            f"{run.tokens_per_step} tokens/step x {cfg.steps} steps | device {device} x {info.world} | "
+            f"{run.tokens_per_step} tokens/step x {cfg.steps} steps | device {device} x {info.world}"
+            f"{f' ({cp.describe()})' if cp is not None else ''} | "
             f"autocast {run.amp or 'off'} | train {streams['train'].numel():,} tokens",
             flush=True,
         )
     return run
 
 
-def _restore(
-    state: dict[str, Any], model: TransformerLM, opt: torch.optim.Optimizer, data_gen: torch.Generator, info: _Dist
-) -> dict[str, Any]:
-    """Load a saved ``trainer_state.pt`` into the model, optimizer and generators; return the run's counters."""
-    if state["world_size"] != info.world:
-        raise ValueError(
-            f"resume: the run was saved with {state['world_size']} processes; resume it with the same number "
-            f"(got {info.world}) so that the batches stay the same"
-        )
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    data_gen.set_state(state["data_generator"])
-    model.set_rng_state(state["partition_generators"])
-    torch.set_rng_state(state["torch_rng"])
-    return {k: state[k] for k in ("step", "tokens", "elapsed", "val_loss")}
-
-
 def _loop(run: _Run) -> TrainResult:
-    """Optimizer steps until ``steps`` (or ``stop_after``), with logging, validation and checkpoints."""
+    """Optimizer steps until ``steps`` (or ``stop_after``, or SIGINT/SIGTERM), with logging, validation and
+    checkpoints."""
     cfg, info = run.cfg, run.info
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
     bar = tqdm(
@@ -547,38 +379,59 @@ def _loop(run: _Run) -> TrainResult:
     )
     t_start = time.perf_counter() - run.elapsed
     window_t, window_tokens = time.perf_counter(), 0
-    while run.step < stop:
-        lr = _optimizer_step(run)
-        window_tokens += run.tokens_per_step
-        now = time.perf_counter()
-        tps = window_tokens / max(1e-9, now - window_t)
-        if now - window_t > 30:
-            window_t, window_tokens = now, 0
-        bar.update(1)
-        bar.set_postfix(loss=f"{run.last_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-        if info.main:
-            _log(run.out, {"step": run.step, "loss": run.last_loss, "lr": lr, "tokens": run.tokens,
-                           "tok_s": round(tps, 1), "elapsed": round(now - t_start, 2)})  # fmt: skip
-        if run.step % cfg.eval_interval == 0 or run.step == cfg.steps:
-            run.val_loss = _validate(run.model, run.val_batches, info, run.device, run.amp)
+    with StopOnSignal() as stopper:
+        while run.step < stop:
+            lr = _optimizer_step(run)
+            window_tokens += run.tokens_per_step
+            now = time.perf_counter()
+            tps = window_tokens / max(1e-9, now - window_t)
+            if now - window_t > 30:
+                window_t, window_tokens = now, 0
+            bar.update(1)
+            bar.set_postfix(loss=f"{run.last_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
             if info.main:
-                _log(run.out, {"step": run.step, "val_loss": run.val_loss, "val_ppl": math.exp(run.val_loss)})
-                bar.write(
-                    f"step {run.step}: train loss {run.last_loss:.4f}, val loss {run.val_loss:.4f} "
-                    f"(ppl {math.exp(run.val_loss):.2f})"
-                )
-        if run.step % cfg.ckpt_interval == 0 or run.step == stop:
-            run.elapsed = time.perf_counter() - t_start
-            if info.main:
-                _save_state(run)
-            info.barrier()
+                R.append_log(run.out, {"step": run.step, "loss": run.last_loss, "lr": lr, "tokens": run.tokens,
+                                       "tok_s": round(tps, 1), "elapsed": round(now - t_start, 2)})  # fmt: skip
+            if run.step % cfg.eval_interval == 0 or run.step == cfg.steps:
+                _validate_and_log(run, bar)
+            interrupted = _stop_requested(stopper, info, run.device)
+            if run.step % cfg.ckpt_interval == 0 or run.step == stop or interrupted:
+                run.elapsed = time.perf_counter() - t_start
+                if info.main:
+                    _save_state(run)
+                info.barrier()
+            if interrupted:
+                break
     bar.close()
     seconds = time.perf_counter() - t_start
     if info.main:
         status = "finished" if run.step >= cfg.steps else f"stopped at step {run.step} (resume with --resume)"
-        print(f"plsh train: {status}; {run.tokens:,} tokens in {seconds:.0f} s; checkpoint in {run.out}", flush=True)
+        if stopper.signal is not None:
+            status = f"interrupted by {stopper.signal} at step {run.step}; checkpoint saved (resume with --resume)"
+        print(f"plsh train: {status}; {run.tokens:,} tokens in {seconds:.0f} s; checkpoint in {run.out}",
+              file=sys.stderr if stopper.signal else sys.stdout, flush=True)  # fmt: skip
     finished = run.step >= cfg.steps
-    return TrainResult(run.out, run.step, run.tokens, run.last_loss, run.val_loss, seconds, finished)
+    return TrainResult(run.out, run.step, run.tokens, run.last_loss, run.val_loss, seconds, finished, stopper.signal)
+
+
+def _validate_and_log(run: _Run, bar: Any) -> None:
+    """Validate, and on rank 0 log and print the validation loss."""
+    run.val_loss = _validate(run.model, run.val_batches, run.info, run.device, run.amp, run.cp)
+    if run.info.main:
+        R.append_log(run.out, {"step": run.step, "val_loss": run.val_loss, "val_ppl": math.exp(run.val_loss)})
+        bar.write(
+            f"step {run.step}: train loss {run.last_loss:.4f}, val loss {run.val_loss:.4f} "
+            f"(ppl {math.exp(run.val_loss):.2f})"
+        )
+
+
+def _stop_requested(stopper: StopOnSignal, info: _Dist, device: torch.device) -> bool:
+    """Whether a process received SIGINT/SIGTERM (all processes agree, so that they stop at the same step)."""
+    if not info.enabled:
+        return stopper.signal is not None
+    flag = torch.tensor([1.0 if stopper.signal is not None else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 def _optimizer_step(run: _Run) -> float:

@@ -13,8 +13,8 @@ samples of a draw with ``num_samples > T`` equal a draw with ``num_samples = T``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -87,6 +87,13 @@ class Partitions:
         shift: ``(T, H)`` float64 CPU tensor in ``[0, pitch)``.
         scheme: name of the sampling scheme.
         device: default device for :meth:`labels`, :meth:`dense_masks` and :meth:`mean_mask`.
+        decays: for partitions drawn with ``sample_partitions(..., decay=...)``, one
+            :class:`~positional_lsh.ops.decays.Decay` per head (then ``slopes`` is NaN: there is no ALiBi slope);
+            ``None`` for ALiBi partitions.
+        decay_len: the length whose exact (truncated) pitch law the decay partitions were drawn from; they
+            are exact samples for every length up to it and are not extended beyond it.
+        max_block: the pitch cap the partitions were drawn with (``sample_partitions(max_block=...)``), or
+            ``None``. Capped partitions are biased (far entries shrink; ``positional_lsh.theory.blocks``).
     """
 
     seq_len: int
@@ -95,6 +102,9 @@ class Partitions:
     shift: torch.Tensor
     scheme: str
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    decays: tuple | None = None
+    decay_len: int | None = None
+    max_block: int | None = None
 
     @property
     def num_samples(self) -> int:
@@ -106,8 +116,9 @@ class Partitions:
 
     @property
     def unbiased(self) -> bool:
-        """Whether each sampled mask has expectation exactly equal to the ALiBi matrix."""
-        return get_scheme(self.scheme).unbiased
+        """Whether each sampled mask has expectation exactly the target: the ALiBi matrix, or for decay
+        partitions ``K[i, j] = k(|i - j|)``. Never for capped partitions (``max_block``)."""
+        return get_scheme(self.scheme).unbiased and self.max_block is None
 
     def __repr__(self) -> str:
         return (
@@ -122,11 +133,16 @@ class Partitions:
         partition to another length is again an exact sample. Used by decoding with a KV cache.
         """
         seq_len = positive_int("seq_len", seq_len)
-        return Partitions(seq_len, self.slopes, self.pitch, self.shift, self.scheme, self.device)
+        if self.decay_len is not None and seq_len > self.decay_len:
+            raise ValueError(
+                f"decay partitions drawn for seq_len={self.decay_len} are exact only up to that length; draw them "
+                f"for the longest length needed (got seq_len={seq_len})"
+            )
+        return replace(self, seq_len=seq_len)
 
     def select(self, samples: slice | list[int] | torch.Tensor) -> Partitions:
         """A sub-collection of the samples (e.g. ``partitions.select(slice(0, 4))``)."""
-        return Partitions(self.seq_len, self.slopes, self.pitch[samples], self.shift[samples], self.scheme, self.device)
+        return replace(self, pitch=self.pitch[samples], shift=self.shift[samples])
 
     def labels(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Block label of every position: ``(T, H, n)`` int64, non-decreasing along positions."""
@@ -274,6 +290,8 @@ def sample_partitions(
     generator: GeneratorLike = None,
     device: torch.device | str | None = None,
     num_heads: int | None = None,
+    decay: object | Sequence[object] | None = None,
+    max_block: int | None = None,
 ) -> Partitions:
     """Draw ``num_samples`` positional-LSH partitions per head.
 
@@ -289,6 +307,17 @@ def sample_partitions(
         generator: a CPU ``torch.Generator``, an ``int`` seed, or ``None`` (torch's global generator).
         device: default device of :meth:`Partitions.labels` and the dense masks.
         num_heads: number of heads when ``slopes`` is ``None`` or a single float.
+        decay: instead of ALiBi, a positional decay ``k(|i - j|)`` (convex, decreasing, ``k(0) = 1``): one
+            :class:`~positional_lsh.ops.decays.Decay` (a callable on int64 distances, or tabulated values) for
+            every head (with ``num_heads``), or a sequence of them, one per head. Needs ``slopes=None`` and
+            ``scheme="discrete"`` (its general form: ``P(B = b) = b (k(b-1) - 2 k(b) + k(b+1))``, truncated
+            exactly at ``seq_len``; see :mod:`positional_lsh.ops.decays`).
+        max_block: cap every pitch at this many positions (``inf`` pitches included): a capped pitch gets a
+            fresh shift, uniform on ``[0, max_block)`` (integers for integer schemes). No block is then longer
+            than ``max_block``, but the partitions are **biased**: pairs at distance ``d`` share a block with
+            probability ``E[(1 - d/min(B, cap))_+] <= A``, so far entries shrink (the exact bias is
+            ``positional_lsh.theory.blocks.capped_bias``). With a cap, the first ``T`` samples of a larger
+            draw are no longer a ``T``-sample draw.
 
     Returns:
         :class:`Partitions` with ``pitch`` and ``shift`` of shape ``(T, H)``.
@@ -297,6 +326,19 @@ def sample_partitions(
     num_samples = positive_int("num_samples", num_samples)
     if not isinstance(scheme, str):
         raise TypeError(f"scheme must be a str, got {type(scheme).__name__}")
+    cap = None if max_block is None else positive_int("max_block", max_block)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if decay is not None:
+        from positional_lsh.ops.decays import sample_decay_pitches
+
+        if slopes is not None:
+            raise ValueError("pass slopes or decay, not both")
+        if scheme != "discrete":
+            raise ValueError(f"decay= samples the general 'discrete' scheme; got scheme={scheme!r}")
+        heads, pitch, shift = sample_decay_pitches(decay, seq_len, num_samples, generator, num_heads=num_heads)
+        nan = torch.full((len(heads),), math.nan, dtype=torch.float64)
+        pitch, shift = _cap(pitch, shift, cap, True, as_generator(generator) if cap else None)
+        return Partitions(seq_len, nan, pitch.contiguous(), shift.contiguous(), scheme, dev, tuple(heads), seq_len, cap)
     sampler = get_scheme(scheme).sampler
     if isinstance(slopes, torch.Tensor) and slopes.dim() == 1:
         h = slopes.numel()
@@ -315,5 +357,17 @@ def sample_partitions(
     pitch, shift = sampler(safe, num_samples, gen)
     pitch = torch.where(positive, pitch, torch.full_like(pitch, math.inf))
     shift = torch.where(positive, shift, torch.zeros_like(shift))
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    return Partitions(seq_len, m, pitch.contiguous(), shift.contiguous(), scheme, dev)
+    pitch, shift = _cap(pitch, shift, cap, get_scheme(scheme).integer, gen)
+    return Partitions(seq_len, m, pitch.contiguous(), shift.contiguous(), scheme, dev, max_block=cap)
+
+
+def _cap(
+    pitch: torch.Tensor, shift: torch.Tensor, cap: int | None, integer: bool, gen: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pitches above ``cap`` set to ``cap`` with a fresh uniform shift (drawn after the main draw)."""
+    if cap is None:
+        return pitch, shift
+    over = pitch > cap
+    u = torch.rand(pitch.shape, generator=gen, dtype=torch.float64)
+    fresh = torch.floor(u * cap).clamp_max(cap - 1.0) if integer else u * cap
+    return torch.where(over, float(cap), pitch), torch.where(over, fresh, shift)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -227,6 +228,28 @@ def _rows_reaching(
     return count > 0
 
 
+def _head_chunks(
+    heads: list[int],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    slopes: torch.Tensor,
+    window: torch.Tensor | None,
+    causal: bool,
+    backend: str,
+) -> Iterator[tuple[int, int, _Chunk, torch.Tensor]]:
+    """``(query head, key head, chunk, its bias (1, 1, rows, keys))`` for every query chunk of ``heads``, in order.
+
+    The forward and the recomputing backward walk the same chunks with the same bias (one plan per head).
+    """
+    group = q.shape[1] // k.shape[1]
+    bias_dtype = q.dtype if backend == "flash" else acc_dtype(q.dtype)
+    for h in heads:
+        win = None if window is None else float(window[h])
+        plan = _HeadPlan(q.shape[2], k.shape[2], float(slopes[h]), win, causal, bias_dtype, q.device)
+        for c in plan.chunks:
+            yield h, h // group, c, plan.bias(c)[None, None]
+
+
 def _alibi_forward_item(
     item: tuple[list[int], slice],
     q: torch.Tensor,
@@ -242,24 +265,18 @@ def _alibi_forward_item(
 ) -> None:
     """Exact ALiBi for one work item's heads and batch rows, chunk by chunk, into ``out`` and ``lse``."""
     heads, b = item
-    group = q.shape[1] // k.shape[1]
-    bias_dtype = q.dtype if backend == "flash" else acc_dtype(q.dtype)
-    for h in heads:
-        hk = h // group
-        win = None if window is None else float(window[h])
-        plan = _HeadPlan(q.shape[2], k.shape[2], float(slopes[h]), win, causal, bias_dtype, q.device)
-        for c in plan.chunks:
-            o, l = attend(
-                q[b, h : h + 1, c.a : c.b],
-                k[b, hk : hk + 1, c.lo : c.hi],
-                v[b, hk : hk + 1, c.lo : c.hi],
-                causal=False,
-                scale=scale,
-                backend=backend,
-                bias=plan.bias(c)[None, None],
-            )
-            out[b, h, c.a : c.b] = o[:, 0]
-            lse[b, h, c.a : c.b] = l[:, 0]
+    for h, hk, c, bias in _head_chunks(heads, q, k, slopes, window, causal, backend):
+        o, l = attend(
+            q[b, h : h + 1, c.a : c.b],
+            k[b, hk : hk + 1, c.lo : c.hi],
+            v[b, hk : hk + 1, c.lo : c.hi],
+            causal=False,
+            scale=scale,
+            backend=backend,
+            bias=bias,
+        )
+        out[b, h, c.a : c.b] = o[:, 0]
+        lse[b, h, c.a : c.b] = l[:, 0]
 
 
 def _alibi_backward_item(
@@ -276,29 +293,23 @@ def _alibi_backward_item(
     q, k, v, out, lse, slopes = saved[:6]
     dq, dk, dv = grads
     heads, b = item
-    group = q.shape[1] // k.shape[1]
-    bias_dtype = q.dtype if backend == "flash" else acc_dtype(q.dtype)
-    for h in heads:
-        hk = h // group
-        win = None if window is None else float(window[h])
-        plan = _HeadPlan(q.shape[2], k.shape[2], float(slopes[h]), win, causal, bias_dtype, q.device)
-        for c in plan.chunks:
-            qs, ks = slice(c.a, c.b), slice(c.lo, c.hi)
-            gq, gk, gv = attend_backward(
-                dout[b, h : h + 1, qs],
-                q[b, h : h + 1, qs],
-                k[b, hk : hk + 1, ks],
-                v[b, hk : hk + 1, ks],
-                out[b, h : h + 1, qs],
-                lse[b, h : h + 1, qs],
-                causal=False,
-                scale=scale,
-                backend=backend,
-                bias=plan.bias(c)[None, None],
-            )
-            dq[b, h, qs] += gq[:, 0]
-            dk[b, hk, ks] += gk[:, 0]
-            dv[b, hk, ks] += gv[:, 0]
+    for h, hk, c, bias in _head_chunks(heads, q, k, slopes, window, causal, backend):
+        qs, ks = slice(c.a, c.b), slice(c.lo, c.hi)
+        gq, gk, gv = attend_backward(
+            dout[b, h : h + 1, qs],
+            q[b, h : h + 1, qs],
+            k[b, hk : hk + 1, ks],
+            v[b, hk : hk + 1, ks],
+            out[b, h : h + 1, qs],
+            lse[b, h : h + 1, qs],
+            causal=False,
+            scale=scale,
+            backend=backend,
+            bias=bias,
+        )
+        dq[b, h, qs] += gq[:, 0]
+        dk[b, hk, ks] += gk[:, 0]
+        dv[b, hk, ks] += gv[:, 0]
 
 
 class _AlibiFunction(torch.autograd.Function):

@@ -117,42 +117,54 @@ def capture_qkv(
     points = capture_points(model)
     wanted = _wanted_layers(sorted({p.layer for p in points}), layers)
     store: dict[int, dict[str, torch.Tensor]] = {li: {} for li in wanted}
-    last = max(wanted)
-    handles = []
-
-    def make_hook(point: CapturePoint) -> Callable[..., None]:
-        def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
-            x = out[0] if isinstance(out, (tuple, list)) else out
-            parts = point.split(x.detach())
-            if point.role == "qkv":
-                q, k, v = parts
-                store[point.layer].update(q=q, k=k, v=v)
-            else:
-                store[point.layer][point.role] = parts
-            for key in list(store[point.layer]):
-                store[point.layer][key] = store[point.layer][key].to("cpu", dtype).contiguous()
-            if stop_early and point.layer == last and len(store[last]) == 3:
-                raise _StopForward
-
-        return hook
-
-    for point in points:
-        if point.layer in wanted:
-            handles.append(point.module.register_forward_hook(make_hook(point)))
+    stop_at = max(wanted) if stop_early else None
+    handles = [
+        p.module.register_forward_hook(_capture_hook(p, store, dtype, stop_at)) for p in points if p.layer in wanted
+    ]
     try:
-        with torch.no_grad():
-            if forward is not None:
-                forward(model, input_ids)
-            elif _is_transformers_model(model):
-                model(input_ids, use_cache=False)
-            else:
-                model(input_ids)
+        _run_forward(model, input_ids, forward)
     except _StopForward:
         pass
     finally:
         for handle in handles:
             handle.remove()
     return [_layer_qkv(li, store[li]) for li in sorted(wanted)]
+
+
+def _capture_hook(
+    point: CapturePoint, store: dict[int, dict[str, torch.Tensor]], dtype: torch.dtype, stop_at: int | None
+) -> Callable[..., None]:
+    """A forward hook storing ``point``'s split output as CPU ``dtype`` tensors in ``store[point.layer]``; raises
+    :class:`_StopForward` once layer ``stop_at`` has its ``q``, ``k`` and ``v``."""
+
+    def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
+        x = out[0] if isinstance(out, (tuple, list)) else out
+        parts = point.split(x.detach())
+        got = store[point.layer]
+        if point.role == "qkv":
+            q, k, v = parts
+            got.update(q=q, k=k, v=v)
+        else:
+            got[point.role] = parts
+        for key in list(got):
+            got[key] = got[key].to("cpu", dtype).contiguous()
+        if point.layer == stop_at and len(got) == 3:
+            raise _StopForward
+
+    return hook
+
+
+def _run_forward(
+    model: nn.Module, input_ids: torch.Tensor, forward: Callable[[nn.Module, torch.Tensor], Any] | None
+) -> None:
+    """``forward(model, input_ids)``, else ``model(input_ids)`` (``use_cache=False`` for transformers models)."""
+    with torch.no_grad():
+        if forward is not None:
+            forward(model, input_ids)
+        elif _is_transformers_model(model):
+            model(input_ids, use_cache=False)
+        else:
+            model(input_ids)
 
 
 def _wanted_layers(all_layers: list[int], layers: Sequence[int] | None) -> set[int]:

@@ -99,6 +99,14 @@ def _run(cfg: ValidateConfig) -> ValidationResult:
     t_start = time.perf_counter()
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.adversarial:
+        from positional_lsh.cli.validate.adversarial import run_adversarial
+
+        files, found = run_adversarial(cfg, out)
+        meta = _meta(cfg, {"source": "adversarial inputs"}, found, time.perf_counter() - t_start)
+        files["config"] = out / "config.json"
+        files["config"].write_text(json.dumps(meta, indent=2, default=_json_default))
+        return ValidationResult(out, files, found, [], [], [], [])
     contexts, model_slopes, scale, desc = load_contexts(cfg)
     num_heads = contexts[0].layers[0].num_heads
     heads = list(range(num_heads)) if cfg.heads is None else list(cfg.heads)

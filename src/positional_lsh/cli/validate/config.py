@@ -68,6 +68,11 @@ class ValidateConfig:
         length_samples: ``s`` of the error-vs-``n`` sweep.
         unbiasedness_replicates: replicates of the unbiasedness test (0 disables it).
         synthetic_layers, synthetic_heads, synthetic_head_dim: shape of the synthetic Q/K/V.
+        adversarial: run only the adversarial study of the uniform theorem (``cli/validate/adversarial.py``):
+            for each ``n`` in ``adversarial_lengths`` and ``T`` in ``adversarial_samples``, one head with
+            ``sigma = adversarial_sigma``, inputs with ``|scale q.k| <= adversarial_score_bound``, ``|v| <= 1``.
+        adversarial_lengths, adversarial_samples, adversarial_sigma, adversarial_score_bound,
+            adversarial_head_dim, adversarial_rows, adversarial_pgd_max_len: its settings.
         plots: write PNG plots.
         progress: show progress bars.
         threads: torch intra-op threads during the run (restored afterwards). 1 is fastest for the many
@@ -112,6 +117,14 @@ class ValidateConfig:
     plots: bool = option(True, "do not write PNG plots", name="--no-plots")
     progress: bool = option(True, "no progress bar", name="--quiet")
     threads: int = option(1, "torch threads during the run")
+    adversarial: bool = option(False, "run only the adversarial study of the uniform theorem (adversarial.*)")
+    adversarial_lengths: tuple[int, ...] = option((256, 1024, 4096), "lengths n of the adversarial study")
+    adversarial_samples: tuple[int, ...] = option((1, 4, 16, 64), "sample counts T of the adversarial study")
+    adversarial_sigma: float = option(16.0, "length scale sigma = 1/slope of the adversarial study's head")
+    adversarial_score_bound: float = option(1.0, "c = scale R^2: the bound on |scale q.k| of the constraint set")
+    adversarial_head_dim: int = option(16, "head dimension of the adversarial inputs")
+    adversarial_rows: int = option(4, "query rows attacked (those with the largest bound)")
+    adversarial_pgd_max_len: int = option(1024, "full (q, k, v) gradient ascent only up to this n")
 
     def __post_init__(self) -> None:
         if self.source not in ("synthetic", "checkpoint", "shipped"):
@@ -138,6 +151,14 @@ class ValidateConfig:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
         for name in ("num_inputs", "repeats", "length_samples", "synthetic_layers", "synthetic_heads"):
             positive_int(name, getattr(self, name))
+        for name in ("adversarial_lengths", "adversarial_samples"):
+            for v in getattr(self, name):
+                positive_int(name, v)
+        if any(n > 4096 for n in self.adversarial_lengths):
+            raise ValueError("adversarial_lengths must be <= 4096 (dense float64 references)")
+        for name in ("adversarial_sigma", "adversarial_score_bound"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 def derive_seed(base: int, *parts: object) -> int:

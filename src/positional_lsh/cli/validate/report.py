@@ -167,89 +167,72 @@ def _findings_section(d: ReportData) -> list[str]:
     return out
 
 
+# Columns of the metrics-vs-samples table: (header, row field), mask metrics then output metrics.
+_MASK_COLUMNS = (
+    ("‖M̄−A‖₂", "spectral"),
+    ("rel. spectral", "relative_spectral"),
+    ("max abs", "max_abs"),
+    ("E-bound (abs)", "bound_expected"),
+    ("E-bound (rel)", "bound_expected_relative"),
+    ("tail eps (rel)", "tail_eps_relative"),
+    ("suggested s", "suggested_samples"),
+)
+_OUTPUT_COLUMNS = (
+    ("exp-form rel", "exp_rel"),
+    ("softmax rel", "softmax_rel"),
+    ("row median", "row_median"),
+    ("row p90", "row_p90"),
+    ("row p99", "row_p99"),
+    ("cosine", "cosine_mean"),
+)
+
+
+def _column_means(rows: Sequence[dict[str, Any]], fields: Iterable[str]) -> list[float]:
+    """The mean of each field over ``rows`` (finite values only)."""
+    return [mean(r[f] for r in rows) for f in fields]
+
+
 def _samples_section(d: ReportData) -> list[str]:
     """Metrics vs samples per (n, slope set, scheme), and the relative spectral error per head."""
     cfg, rows = d.cfg, d.rows
-    out: list[str] = []
-    out += ["", "## Metrics vs samples (mean over heads, inputs, layers and repeats)", ""]
+    out = ["", "## Metrics vs samples (mean over heads, inputs, layers and repeats)", ""]
     mask_rows = unique_mask_rows(rows)
     for n in cfg.seq_lens:
         for mode in cfg.slopes:
             for scheme in cfg.schemes:
-                sub = [r for r in rows if r["seq_len"] == n and r["slope_set"] == mode and r["scheme"] == scheme]
-                msub = [r for r in mask_rows if r["seq_len"] == n and r["slope_set"] == mode and r["scheme"] == scheme]
+                key = (n, mode, scheme)
+                msub = [r for r in mask_rows if (r["seq_len"], r["slope_set"], r["scheme"]) == key]
                 if not msub:
                     continue
+                sub = [r for r in rows if (r["seq_len"], r["slope_set"], r["scheme"]) == key]
                 out += [f"### n={n}, slopes={mode}, scheme={scheme}", ""]
-                table = []
-                for s in sorted({r["samples"] for r in msub}):
-                    m = [r for r in msub if r["samples"] == s]
-                    o = [r for r in sub if r["samples"] == s]
-                    table.append(
-                        [
-                            s,
-                            mean(r["spectral"] for r in m),
-                            mean(r["relative_spectral"] for r in m),
-                            mean(r["max_abs"] for r in m),
-                            mean(r["bound_expected"] for r in m),
-                            mean(r["bound_expected_relative"] for r in m),
-                            mean(r["tail_eps_relative"] for r in m),
-                            mean(r["suggested_samples"] for r in m),
-                            mean(r["exp_rel"] for r in o),
-                            mean(r["softmax_rel"] for r in o),
-                            mean(r["row_median"] for r in o),
-                            mean(r["row_p90"] for r in o),
-                            mean(r["row_p99"] for r in o),
-                            mean(r["cosine_mean"] for r in o),
-                        ]
-                    )
-                out.append(
-                    _table(
-                        [
-                            "s",
-                            "‖M̄−A‖₂",
-                            "rel. spectral",
-                            "max abs",
-                            "E-bound (abs)",
-                            "E-bound (rel)",
-                            "tail eps (rel)",
-                            "suggested s",
-                            "exp-form rel",
-                            "softmax rel",
-                            "row median",
-                            "row p90",
-                            "row p99",
-                            "cosine",
-                        ],
-                        table,
-                    )
-                )
-                out.append("")
-                heads = sorted({r["head"] for r in msub})
-                slope_of = {r["head"]: r["slope"] for r in msub}
-                ss = sorted({r["samples"] for r in msub})
-                out.append("Relative spectral error per head:")
-                out.append("")
-                out.append(
-                    _table(
-                        [
-                            "s",
-                            *[f"h{h} (σ={1 / slope_of[h]:.3g})" if slope_of[h] > 0 else f"h{h} (σ=∞)" for h in heads],
-                        ],
-                        [
-                            [
-                                s,
-                                *[
-                                    mean(r["relative_spectral"] for r in msub if r["samples"] == s and r["head"] == h)
-                                    for h in heads
-                                ],
-                            ]
-                            for s in ss
-                        ],
-                    )
-                )
-                out.append("")
+                out += [_samples_table(msub, sub), ""]
+                out += ["Relative spectral error per head:", "", _per_head_table(msub), ""]
     return out
+
+
+def _samples_table(mask_rows: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+    """One row per number of samples: the mask metrics' means, then the output metrics' means."""
+    table = []
+    for s in sorted({r["samples"] for r in mask_rows}):
+        m = [r for r in mask_rows if r["samples"] == s]
+        o = [r for r in rows if r["samples"] == s]
+        table.append(
+            [s, *_column_means(m, (f for _, f in _MASK_COLUMNS)), *_column_means(o, (f for _, f in _OUTPUT_COLUMNS))]
+        )
+    return _table(["s", *(h for h, _ in _MASK_COLUMNS + _OUTPUT_COLUMNS)], table)
+
+
+def _per_head_table(mask_rows: list[dict[str, Any]]) -> str:
+    """The relative spectral error per number of samples (rows) and head (columns, with the head's σ)."""
+    heads = sorted({r["head"] for r in mask_rows})
+    slope_of = {r["head"]: r["slope"] for r in mask_rows}
+    header = ["s", *[f"h{h} (σ={1 / slope_of[h]:.3g})" if slope_of[h] > 0 else f"h{h} (σ=∞)" for h in heads]]
+    table = [
+        [s, *[mean(r["relative_spectral"] for r in mask_rows if r["samples"] == s and r["head"] == h) for h in heads]]
+        for s in sorted({r["samples"] for r in mask_rows})
+    ]
+    return _table(header, table)
 
 
 def _lengths_section(d: ReportData) -> list[str]:
@@ -258,23 +241,14 @@ def _lengths_section(d: ReportData) -> list[str]:
     out: list[str] = []
     if len_rows:
         out += [f"## Error vs length at s={cfg.length_samples} (matrix-free; mean over heads)", ""]
+        fields = ("relative_spectral", "max_abs", "bound_expected_relative", "seconds")
         table = []
         for n in sorted({r["seq_len"] for r in len_rows}):
             for mode in cfg.slopes:
                 for scheme in cfg.schemes:
                     m = [r for r in len_rows if r["seq_len"] == n and r["slope_set"] == mode and r["scheme"] == scheme]
                     if m:
-                        table.append(
-                            [
-                                n,
-                                mode,
-                                scheme,
-                                mean(r["relative_spectral"] for r in m),
-                                mean(r["max_abs"] for r in m),
-                                mean(r["bound_expected_relative"] for r in m),
-                                mean(r["seconds"] for r in m),
-                            ]
-                        )
+                        table.append([n, mode, scheme, *_column_means(m, fields)])
         out.append(
             _table(["n", "slopes", "scheme", "rel. spectral", "max abs", "E-bound (rel)", "seconds/head"], table)
         )
@@ -315,24 +289,30 @@ def _variance_section(d: ReportData) -> list[str]:
         out.append("")
         out.append("Mean errors per scheme (over heads and seeds):")
         out.append("")
+        fields = ("relative_spectral", "max_abs", "softmax_rel", "exp_rel")
         table = []
         for mode in cfg.slopes:
             for scheme in cfg.compare_schemes:
                 m = [r for r in cmp_rows if r["scheme"] == scheme and r["slope_set"] == mode]
                 if m:
-                    table.append(
-                        [
-                            scheme,
-                            mode,
-                            mean(r["relative_spectral"] for r in m),
-                            mean(r["max_abs"] for r in m),
-                            mean(r["softmax_rel"] for r in m),
-                            mean(r["exp_rel"] for r in m),
-                        ]
-                    )
+                    table.append([scheme, mode, *_column_means(m, fields)])
         out.append(_table(["scheme", "slopes", "rel. spectral", "max abs", "softmax rel", "exp-form rel"], table))
         out.append("")
     return out
+
+
+# Columns of the unbiasedness table: (header, row field).
+_UNBIASEDNESS_COLUMNS = (
+    ("scheme", "scheme"),
+    ("slope", "slope"),
+    ("T", "num_samples"),
+    ("replicates", "replicates"),
+    ("max |z| per mask", "max_z"),
+    ("max |z| of Mbar", "mean_max_z"),
+    ("threshold", "threshold"),
+    ("passed", "passed"),
+    ("declared unbiased", "declared_unbiased"),
+)
 
 
 def _unbiasedness_section(d: ReportData) -> list[str]:
@@ -341,35 +321,8 @@ def _unbiasedness_section(d: ReportData) -> list[str]:
     out: list[str] = []
     if unb_rows:
         out += ["## Unbiasedness test", ""]
-        out.append(
-            _table(
-                [
-                    "scheme",
-                    "slope",
-                    "T",
-                    "replicates",
-                    "max |z| per mask",
-                    "max |z| of Mbar",
-                    "threshold",
-                    "passed",
-                    "declared unbiased",
-                ],
-                [
-                    [
-                        r["scheme"],
-                        r["slope"],
-                        r["num_samples"],
-                        r["replicates"],
-                        r["max_z"],
-                        r["mean_max_z"],
-                        r["threshold"],
-                        r["passed"],
-                        r["declared_unbiased"],
-                    ]
-                    for r in unb_rows
-                ],
-            )
-        )
+        header = [h for h, _ in _UNBIASEDNESS_COLUMNS]
+        out.append(_table(header, [[r[f] for _, f in _UNBIASEDNESS_COLUMNS] for r in unb_rows]))
         out.append("")
     return out
 

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from positional_lsh.integrations.hf.masks import _key_valid
-from positional_lsh.integrations.hf.swap import _check_dropout, _check_no_attentions, _swap_of
+from positional_lsh.integrations.hf.swap import _attend_native, _check_dropout, _check_no_attentions, _swap_of
 
 __all__ = ["bloom_forward"]
 
@@ -32,14 +31,10 @@ def bloom_forward(
     _check_no_attentions(output_attentions)
     swap = _swap_of(self)
     _check_dropout(self, self.attention_dropout.p)
-    b, lq, _ = hidden_states.shape
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # (B, H, L, d) each
     if layer_past is not None:
         k, v = layer_past.update(k, v, self.layer_idx)
-    ctx = swap.attend(
-        self.layer_idx, self.training, q, k, v, _key_valid(attention_mask, b, k.shape[-2]), self.inv_norm_factor
-    )
-    ctx = ctx.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim)
+    ctx = _attend_native(self, swap, q, k, v, attention_mask, self.inv_norm_factor)  # (B, L, H * d)
     if self.pretraining_tp > 1 and self.slow_but_exact:
         slices = self.hidden_size / self.pretraining_tp
         out = torch.zeros_like(ctx)

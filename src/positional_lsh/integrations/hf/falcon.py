@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.masks import _key_valid
-from positional_lsh.integrations.hf.swap import _check_dropout, _check_no_attentions, _swap_of
+from positional_lsh.integrations.hf.swap import _attend_native, _check_dropout, _check_no_attentions, _swap_of
 
 __all__ = ["falcon_forward"]
 
@@ -42,8 +41,4 @@ def falcon_forward(
     v = v.transpose(1, 2).reshape(b, num_kv_heads, lq, self.head_dim)
     if layer_past is not None:
         k, v = layer_past.update(k, v, self.layer_idx)
-    ctx = swap.attend(
-        self.layer_idx, self.training, q, k, v, _key_valid(attention_mask, b, k.shape[-2]), self.inv_norm_factor
-    )
-    ctx = ctx.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim)
-    return self.dense(ctx), None
+    return self.dense(_attend_native(self, swap, q, k, v, attention_mask, self.inv_norm_factor)), None

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.masks import _key_valid
-from positional_lsh.integrations.hf.swap import _check_dropout, _swap_of
+from positional_lsh.integrations.hf.swap import _attend_native, _check_dropout, _swap_of
 
 __all__ = ["mpt_forward"]
 
@@ -33,8 +32,4 @@ def mpt_forward(
     q, k, v = (x.reshape(b, lq, self.n_heads, self.head_dim).transpose(1, 2) for x in mixed.chunk(3, dim=2))
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-    ctx = swap.attend(
-        self.layer_idx, self.training, q, k, v, _key_valid(attention_mask, b, k.shape[-2]), self.softmax_scale
-    )
-    ctx = ctx.transpose(1, 2).reshape(b, lq, -1)
-    return self.out_proj(ctx), None
+    return self.out_proj(_attend_native(self, swap, q, k, v, attention_mask, self.softmax_scale)), None

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from positional_lsh.integrations.families import FAMILIES, Family, attention_modules, family_of, native_slopes
-from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, _row_ranges
+from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, _key_valid, _row_ranges
 from positional_lsh.ops._checks import as_slopes, as_window, positive_int
 from positional_lsh.ops._kernels import BACKENDS
 from positional_lsh.ops._seeds import layer_seed
@@ -249,6 +249,21 @@ def _swap_of(module: nn.Module) -> AttentionSwap:
             "positional_lsh.integrations.hf.use_positional_lsh or use_alibi"
         )
     return swap
+
+
+def _attend_native(
+    module: nn.Module,
+    swap: AttentionSwap,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """A native forward's attention: ``q (B, Hq, Lq, d)`` on the cached ``k, v``, heads merged: ``(B, Lq, Hq * d)``."""
+    b, lq = q.shape[0], q.shape[-2]
+    ctx = swap.attend(module.layer_idx, module.training, q, k, v, _key_valid(attention_mask, b, k.shape[-2]), scale)
+    return ctx.transpose(1, 2).reshape(b, lq, -1)
 
 
 def _check_dropout(module: nn.Module, p: float) -> None:

@@ -1,0 +1,343 @@
+"""The files of a ``plsh train`` run directory, written so that nothing is silently lost or mixed.
+
+A run directory holds:
+
+* ``train_config.json``: the training and model settings of the run (written once, when it starts);
+* ``log.jsonl``: one JSON record per step and per validation;
+* ``steps/step-NNNNNNNN-XXXXXXXX/``: the latest checkpoint as one set — ``config.json``, ``model.safetensors``,
+  ``tokenizer.json`` and ``trainer_state.pt`` (optimizer and every random-number state);
+* ``LATEST``: names that step directory.
+
+A checkpoint set is written into a temporary directory, flushed to disk, renamed to its step directory, and only
+then named by ``LATEST`` (replaced atomically); older step directories are removed afterwards. A process killed
+at any point leaves ``LATEST`` naming a complete set, the old one or the new one. On resume, ``log.jsonl`` is cut
+back to the checkpoint's step so the steps redone after a kill are not logged twice.
+
+Runs written before step directories existed (the checkpoint files directly in the run directory) still load
+and resume. Problems with these files raise :class:`~positional_lsh.ops.errors.UserError` naming the file.
+
+Testing hook: ``PLSH_FAULT_PAUSE=SECONDS`` makes the checkpoint writer sleep between its files, so that tests
+can kill a run in the middle of writing one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from positional_lsh.lm.checkpoint import (
+    CONFIG_FILE,
+    POINTER_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    checkpoint_dir,
+    read_checkpoint_config,
+    save_checkpoint,
+)
+from positional_lsh.lm.data.tokenizer import BPETokenizer
+from positional_lsh.lm.model import TransformerLM
+from positional_lsh.ops.errors import UserError
+
+__all__ = [
+    "LOG_FILE",
+    "RESUME_MAY_CHANGE",
+    "STATE_FILE",
+    "STEPS_DIR",
+    "TRAIN_CONFIG_FILE",
+    "append_log",
+    "check_changes",
+    "check_output_dir",
+    "clean_stale",
+    "load_run",
+    "load_trainer_state",
+    "prepare_new_run",
+    "read_train_config",
+    "restore_trainer_state",
+    "run_files",
+    "save_run_checkpoint",
+    "trainer_state",
+    "truncate_log",
+    "write_train_config",
+]
+
+STATE_FILE = "trainer_state.pt"
+TRAIN_CONFIG_FILE = "train_config.json"
+LOG_FILE = "log.jsonl"
+STEPS_DIR = "steps"
+RESUME_MAY_CHANGE = ("steps", "eval_interval", "eval_batches", "ckpt_interval", "cache_dir")
+"""Training settings a resumed run may change (the others define the run and must stay)."""
+
+_RUN_FILES = (TRAIN_CONFIG_FILE, LOG_FILE, POINTER_FILE, STEPS_DIR, STATE_FILE, CONFIG_FILE, WEIGHTS_FILE)
+_STATE_KEYS = ("step", "tokens", "elapsed", "val_loss", "model", "optimizer", "data_generator",
+               "partition_generators", "torch_rng", "world_size")  # fmt: skip
+
+
+def _fault_pause() -> None:
+    """Sleep ``$PLSH_FAULT_PAUSE`` seconds (a testing hook: lets a test kill the writer between two files)."""
+    pause = os.environ.get("PLSH_FAULT_PAUSE")
+    if pause:
+        time.sleep(float(pause))
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or, where the system allows, a directory entry) to disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # directories cannot be fsync'ed on every system
+    finally:
+        os.close(fd)
+
+
+def run_files(out: Path) -> list[Path]:
+    """The files and directories of a previous run in ``out`` (empty for a new or unrelated directory)."""
+    return [out / name for name in _RUN_FILES if (out / name).exists()]
+
+
+def check_output_dir(path: Path, flag: str) -> None:
+    """Check, without creating anything, that directory ``path`` exists or can be created, and is writable.
+
+    Raises :class:`UserError` naming ``flag`` when ``path`` (or a directory above it) is a file, or when the
+    nearest existing directory is not writable — before any work is done.
+    """
+    path = Path(path)
+    for parent in (path, *path.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{flag} {path}: {parent} is a file, not a directory; choose another {flag}")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UserError(f"{flag} {path}: {parent} is not writable; choose another {flag}")
+            return
+
+
+def prepare_new_run(out: Path, *, overwrite: bool) -> None:
+    """Check that ``out`` may receive a new run; with ``overwrite``, remove a previous run's files first.
+
+    Raises :class:`UserError` when ``out`` is a file, lies under a file, or holds a previous run and
+    ``overwrite`` is false. Nothing is changed on disk before the checks pass.
+    """
+    check_output_dir(out, "--out")
+    old = run_files(out)
+    if not old:
+        return
+    if not overwrite:
+        raise UserError(
+            f"--out {out} already holds a run ({', '.join(p.name for p in old)}); "
+            "pass --resume to continue it or --overwrite to replace it"
+        )
+    if (out / TRAIN_CONFIG_FILE).exists() and (out / TOKENIZER_FILE).exists():
+        old.append(out / TOKENIZER_FILE)  # the old run's tokenizer, not one prepared for this run
+    for p in old:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def save_run_checkpoint(
+    out: Path,
+    model: TransformerLM,
+    tokenizer: BPETokenizer,
+    *,
+    dtype: str,
+    metadata: dict[str, Any],
+    state: dict[str, Any],
+) -> Path:
+    """Write one checkpoint set (weights, config, tokenizer, trainer state) and point ``LATEST`` at it.
+
+    Returns the step directory. See the module docstring for why a reader never sees a mixed set.
+    """
+    steps = out / STEPS_DIR
+    steps.mkdir(parents=True, exist_ok=True)
+    name = f"step-{int(state['step']):08d}-{uuid.uuid4().hex[:8]}"
+    tmp = steps / f".tmp-{name}"
+    save_checkpoint(tmp, model, tokenizer, dtype=dtype, metadata=metadata)
+    _fault_pause()
+    torch.save(state, tmp / STATE_FILE)
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fault_pause()
+    final = steps / name
+    os.rename(tmp, final)
+    _fsync(steps)
+    _fault_pause()
+    pointer_tmp = out / f".{POINTER_FILE}.tmp"
+    with open(pointer_tmp, "w", encoding="utf-8") as f:
+        f.write(f"{STEPS_DIR}/{name}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer_tmp, out / POINTER_FILE)
+    _fsync(out)
+    clean_stale(out)
+    return final
+
+
+def clean_stale(out: Path) -> None:
+    """Remove step directories ``LATEST`` does not name (older sets, half-written ones) and pre-step-directory
+    checkpoint files superseded by a step directory."""
+    steps = out / STEPS_DIR
+    if not (out / POINTER_FILE).is_file() or not steps.is_dir():
+        return
+    keep = checkpoint_dir(out)
+    for p in steps.iterdir():
+        if p != keep:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    for legacy in (STATE_FILE, CONFIG_FILE, WEIGHTS_FILE):
+        (out / legacy).unlink(missing_ok=True)
+
+
+def write_train_config(out: Path, record: dict[str, Any]) -> None:
+    """Write ``train_config.json`` (through a temporary name)."""
+    tmp = out / (TRAIN_CONFIG_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / TRAIN_CONFIG_FILE)
+
+
+def read_train_config(out: Path) -> dict[str, Any]:
+    """The run's ``train_config.json`` (``{"train": ..., "model": ...}``); ``UserError`` naming it if unusable."""
+    file = out / TRAIN_CONFIG_FILE
+    if not file.is_file():
+        raise UserError(f"--resume: {out} holds no {TRAIN_CONFIG_FILE}; it is not a run directory to resume")
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{file} is not valid JSON ({exc}); the run cannot be resumed") from None
+    if (
+        not isinstance(saved, dict)
+        or not isinstance(saved.get("train"), dict)
+        or not isinstance(saved.get("model"), dict)
+    ):
+        raise UserError(f"{file} lacks its 'train' and 'model' objects; the run cannot be resumed")
+    return saved
+
+
+def load_trainer_state(out: Path) -> tuple[dict[str, Any], Path]:
+    """The trainer state of the run's latest checkpoint and that checkpoint's directory, checked for consistency.
+
+    Raises :class:`UserError` naming the file when it is missing, unreadable, lacks fields, or belongs to another
+    step than the checkpoint's ``config.json``.
+    """
+    ckpt = checkpoint_dir(out)
+    file = ckpt / STATE_FILE
+    if not file.is_file():
+        raise UserError(f"--resume: {out} holds no checkpoint with a {STATE_FILE} to resume from")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many kinds for a damaged pickle/zip
+        msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{file} is corrupt or truncated ({msg}); the run cannot be resumed") from None
+    if not isinstance(state, Mapping) or any(k not in state for k in _STATE_KEYS):
+        raise UserError(f"{file} is not a trainer state of plsh train (missing fields); the run cannot be resumed")
+    meta_step = read_checkpoint_config(ckpt).get("metadata", {}).get("step")
+    if meta_step is not None and meta_step != state["step"]:
+        raise UserError(f"{file} is at step {state['step']} but {ckpt / CONFIG_FILE} at step {meta_step}; "
+                        "the checkpoint is inconsistent")  # fmt: skip
+    return dict(state), ckpt
+
+
+def append_log(out: Path, record: dict[str, Any]) -> None:
+    """Append one JSON record to the run's ``log.jsonl``."""
+    with open(out / LOG_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def truncate_log(out: Path, step: int) -> int:
+    """Drop the records of ``log.jsonl`` after ``step`` (and a torn last line); return how many were dropped."""
+    file = out / LOG_FILE
+    if not file.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in file.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = file.with_name(file.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, file)
+    return dropped
+
+
+def load_run(out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What resuming the run in ``out`` needs: its ``train_config.json`` record and the trainer state of its latest
+    checkpoint, with that checkpoint's tokenizer under ``"tokenizer"``.
+
+    The tokenizer must have the fingerprint recorded in the checkpoint (and the run directory's own
+    ``tokenizer.json``, if any, the same): else :class:`UserError` with both fingerprints.
+    """
+    from positional_lsh.lm.checkpoint import check_tokenizer_fingerprint
+
+    saved = read_train_config(out)
+    state, ckpt = load_trainer_state(out)
+    expected = read_checkpoint_config(ckpt).get("tokenizer_fingerprint") or state.get("tokenizer_fingerprint")
+    files = [f for f in (ckpt / TOKENIZER_FILE, out / TOKENIZER_FILE) if f.is_file()]
+    if not files:
+        raise UserError(f"--resume: {ckpt} holds no {TOKENIZER_FILE}; the run cannot be resumed")
+    for f in dict.fromkeys(files):
+        try:
+            tok = BPETokenizer.load(f)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{f} is not a valid tokenizer ({str(exc).splitlines()[0][:120]})") from None
+        check_tokenizer_fingerprint(tok, expected, where=str(f))
+        state.setdefault("tokenizer", tok)
+    return saved, state
+
+
+def check_changes(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``changes`` if every key is in :data:`RESUME_MAY_CHANGE`; else ``UserError`` naming the first other."""
+    for name in changes:
+        if name not in RESUME_MAY_CHANGE:
+            raise UserError(f"--resume: {name} defines the run and cannot change (only {', '.join(RESUME_MAY_CHANGE)})")
+    return dict(changes)
+
+
+def trainer_state(
+    model: TransformerLM, opt: torch.optim.Optimizer, data_gen: torch.Generator, counters: dict[str, Any]
+) -> dict[str, Any]:
+    """The exact resume state: ``counters`` (step, tokens, ...), weights, optimizer and every random-number state."""
+    return {
+        **counters,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "data_generator": data_gen.get_state(),
+        "partition_generators": model.rng_state(),
+        "torch_rng": torch.get_rng_state(),
+    }
+
+
+def restore_trainer_state(
+    state: dict[str, Any], model: TransformerLM, opt: torch.optim.Optimizer, data_gen: torch.Generator, world: int
+) -> dict[str, Any]:
+    """Load a :func:`trainer_state` into the model, optimizer and generators; return the run's counters."""
+    if state["world_size"] != world:
+        raise UserError(
+            f"--resume: the run was saved with {state['world_size']} processes; resume it with the same number "
+            f"(got {world}) so that the batches stay the same"
+        )
+    try:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        data_gen.set_state(state["data_generator"])
+        model.set_rng_state(state["partition_generators"])
+        torch.set_rng_state(state["torch_rng"])
+    except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"{STATE_FILE} does not fit the run's model ({' '.join(str(exc).split())[:160]})") from None
+    return {k: state[k] for k in ("step", "tokens", "elapsed", "val_loss")} | {"saved_step": state["step"]}
