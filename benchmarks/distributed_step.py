@@ -37,14 +37,16 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _step(n_local: int, seed: int) -> None:
+def _step(n_local: int, seed: int, head_chunk: int | None = None) -> None:
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, H, n_local, D, generator=g).requires_grad_() for _ in range(3))
-    out = context_parallel_plsh_attention(q, k, v, num_samples=T, generator=0, causal=True)
+    out = context_parallel_plsh_attention(q, k, v, num_samples=T, generator=0, causal=True, head_chunk=head_chunk)
     out.square().sum().backward()
 
 
-def _worker(rank: int, world: int, store: str, n: int, repeats: int, threads: int, out: str) -> None:
+def _worker(
+    rank: int, world: int, store: str, n: int, repeats: int, threads: int, out: str, head_chunk: int | None
+) -> None:
     torch.set_num_threads(threads)
     if world > 1:
         dist.init_process_group(
@@ -53,17 +55,17 @@ def _worker(rank: int, world: int, store: str, n: int, repeats: int, threads: in
     n_local = n // world
     # One tiny warm-up step loads the kernels' libraries and workspaces (a fixed ~50 MiB, whatever n is),
     # then the peak of one full step.
-    _step(256, rank)
+    _step(256, rank, head_chunk)
     Path("/proc/self/clear_refs").write_text("5")
     base = _status_kib("VmRSS")
-    _step(n_local, rank)
+    _step(n_local, rank, head_chunk)
     peak = _status_kib("VmHWM") - base
     times = []
     for _ in range(repeats):
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
-        _step(n_local, rank)
+        _step(n_local, rank, head_chunk)
         if world > 1:
             dist.barrier()
         times.append(time.perf_counter() - t0)
@@ -78,9 +80,17 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--head-chunk",
+        type=int,
+        default=None,
+        help="P > 1: key/value heads per chunk, recomputed in the backward (context_parallel_plsh_attention's "
+        "head_chunk; P = 1 is always plain plsh_attention)",
+    )
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     print(f"n = {args.n:,}, H = {H}, T = {T}, d = {D}, fp32, causal, batch 1; {cores} cores; torch {torch.__version__}")
+    print(f"head_chunk (P > 1): {args.head_chunk}")
     print("\n| P | threads/process | step time (median of repeats) | speed-up | peak MiB/process (max rank) | vs P=1 |")
     print("|---:|---:|---:|---:|---:|---:|")
     base_t = base_m = None
@@ -89,7 +99,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             mp.start_processes(
                 _worker,
-                args=(world, os.path.join(tmp, "store"), args.n, args.repeats, threads, tmp),
+                args=(world, os.path.join(tmp, "store"), args.n, args.repeats, threads, tmp, args.head_chunk),
                 nprocs=world,
             )
             res = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(world)]

@@ -81,3 +81,34 @@ def test_adversarial_search_small():
     assert not res.violation and res.worst <= res.bound_tight <= res.bound_simple
     assert res.worst >= 3 * res.gaussian
     assert set(res.found) == {"equal keys", "aligned key", "bound vertex", "row PGD", "full PGD"}
+
+
+def test_validate_adversarial_writes_table_csv_and_plot(tmp_path):
+    from positional_lsh.cli.validate import ValidateConfig, run_validation
+
+    cfg = ValidateConfig(out_dir=str(tmp_path), adversarial=True, adversarial_lengths=(64,),
+                         adversarial_samples=(1, 8), adversarial_rows=1, progress=False)  # fmt: skip
+    res = run_validation(cfg)
+    for name in ("adversarial.md", "adversarial.csv", "adversarial.png", "config.json"):
+        assert (tmp_path / name).exists()
+    assert res.findings["adversarial_violations"] == 0
+    text = (tmp_path / "adversarial.md").read_text()
+    assert "| 64 | 8 |" in text and "No input above the bound." in text
+
+
+def test_row_vertex_error_is_the_vertex_inputs_error():
+    from positional_lsh.theory.adversarial import _row_weights
+
+    n, c = 80, 1.0
+    parts = sample_partitions(n, [1 / 8], 4, generator=5)
+    b = uniform_error_bound(parts, 0, c)
+    mbar = parts.mean_mask()[0]
+    for row in (0, 7, 40, n - 1):
+        keys = row + 1
+        a = torch.exp(-(row - torch.arange(keys, dtype=torch.float64)).abs() / 8)
+        ratio = (mbar[row, :keys] - a).abs() / a
+        s = torch.full((keys,), -c, dtype=torch.float64)
+        s[torch.argsort(ratio, descending=True)[: int(b.vertex[row])]] = c
+        w, wt = _row_weights(s, torch.log(mbar[row, :keys]), torch.log(a))
+        assert b.row_vertex_error[row] == pytest.approx(float((w - wt).abs().sum()), rel=1e-10, abs=1e-14)
+    assert (b.row_vertex_error <= np.minimum(2.0, b.row_tight) + 1e-12).all()

@@ -198,3 +198,22 @@ def test_autocast_resolution() -> None:
     assert T.resolve_autocast_dtype("float32", cpu) is None
     assert T.resolve_autocast_dtype("bfloat16", cpu) is torch.bfloat16
     assert T.resolve_autocast_dtype("auto", cpu) in (None, torch.bfloat16)
+
+
+def test_memory_estimate_counts_a_ranks_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --context-parallel C a rank holds ceil(seq_len / C) positions: a run that fits when split is not
+    refused, the same run unsplit is."""
+    from positional_lsh.ops import errors
+
+    model_cfg = ModelConfig(seq_len=4096, n_layer=4, n_head=4, d_model=256, position="plsh", num_samples=8)
+    one = T.TrainConfig(out_dir=str(tmp_path / "one"), batch_size=8)
+    split = dataclasses.replace(one, out_dir=str(tmp_path / "split"), context_parallel=4)
+    whole, quarter = T.estimate_step_bytes(one, model_cfg), T.estimate_step_bytes(split, model_cfg)
+    assert quarter == pytest.approx(whole / 4)
+    odd = dataclasses.replace(model_cfg, seq_len=4095)  # unequal shards: the largest one (1024 positions) counts
+    assert T.estimate_step_bytes(split, odd) == quarter
+    monkeypatch.setattr(errors, "memory_bytes", lambda: int(whole / 2))
+    with pytest.raises(errors.UserError, match="of memory"):
+        T._resolve_configs(one, model_cfg, resume=False, overwrite=False, changes={})
+    cfg, _, _ = T._resolve_configs(split, model_cfg, resume=False, overwrite=False, changes={})
+    assert cfg.context_parallel == 4

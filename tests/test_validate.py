@@ -274,6 +274,8 @@ def _small(out, **kw) -> ValidateConfig:
         lengths=(128, 4096),
         length_samples=20,
         unbiasedness_replicates=400,
+        report_adversarial_lengths=(64,),
+        report_adversarial_samples=(4,),
         progress=False,
     )
     base.update(kw)
@@ -323,6 +325,59 @@ def test_validate_synthetic_run_and_findings(tmp_path):
     assert meta["config"]["seed"] == 0 and meta["command"].startswith("plsh validate --out")
     lengths = _read(res.files["lengths"])
     assert {int(r["seq_len"]) for r in lengths} == {128, 4096}
+
+
+def test_validate_block_and_adversarial_sections(tmp_path):
+    """The report's block-size and adversarial sections, checked against independent computations."""
+    import math
+    import re
+
+    from positional_lsh import sample_partitions
+    from positional_lsh.ops.reference import alibi_matrix
+    from positional_lsh.theory.adversarial import uniform_error_bound
+
+    n, heads = 96, 4
+    cfg = _small(tmp_path, seq_lens=(n,), samples=(1, 10, 100), compare_samples=0, lengths=(),
+                 unbiasedness_replicates=0, plots=False, report_adversarial_samples=(4, 16))  # fmt: skip
+    res = run_validation(cfg)
+    slopes = alibi_slopes(heads).double()
+    report = res.files["report"].read_text()
+    assert "## Block sizes" in report and "## Adversarial inputs vs the uniform bound" in report
+    blocks = res.blocks
+    assert len(blocks) == 2 * 3 * 2 * heads and _read(res.files["blocks"])[0]["largest"] == str(blocks[0]["largest"])
+    for r in blocks:
+        parts = sample_partitions(n, slopes, r["samples"], scheme=r["scheme"], generator=r["seed"])
+        lab = parts.labels()[:, r["head"]]  # (s, n)
+        sizes = [torch.unique_consecutive(row, return_counts=True)[1] for row in lab]
+        assert r["largest"] == max(int(c.max()) for c in sizes)
+        assert r["work"] == sum(float((c.double() ** 2).sum()) for c in sizes)
+        # the bound: smallest L with 1 - (1 - P[B > L])^s <= delta, P[B > L] = x^L (1 + L (1 - x)), by a scan
+        x = math.exp(-r["slope"])
+        tail = [x**L * (1 + L * (1 - x)) for L in range(n)]
+        want = next((L for L in range(n) if 1 - (1 - tail[L]) ** r["samples"] <= 0.01), n)
+        assert r["bound"] == want
+        assert r["within_bound"] == (r["largest"] <= want)
+    f = res.findings
+    assert f["blocks_within_bound"] == sum(r["largest"] <= r["bound"] for r in blocks) / len(blocks)
+    assert f["largest_block"] == max(r["largest"] for r in blocks)
+    one = next(r for r in blocks if r["scheme"] == "discrete" and r["samples"] == 10 and r["head"] == 1)
+    largest = max(r["largest"] for r in blocks if (r["scheme"], r["samples"], r["head"]) == ("discrete", 10, 1))
+    section = report.split("scheme=discrete: largest block / bound")[1].split("###")[0]
+    assert re.search(rf"\| 1 \| 16 \| [^|]+ \| {largest} / {int(one['bound'])} \|", section)  # the s=10 column
+    # adversarial: one row per distinct slope and T; the bounds recomputed, no input above them
+    adv = res.adversarial
+    assert len(adv) == heads * 2 and f["adversarial_violations"] == 0
+    c = 1.0
+    for r in adv:
+        parts = sample_partitions(64, [r["slope"]], r["T"], generator=r["seed"])
+        assert r["bound_tight"] == pytest.approx(uniform_error_bound(parts, 0, c).tight, rel=1e-12)
+        mbar, a = parts.mean_mask()[0], alibi_matrix(64, torch.tensor([r["slope"]]))[0]
+        keep = torch.tril(torch.ones(64, 64, dtype=torch.bool))
+        simple = 2 * math.exp(2 * c) * float(((mbar - a).abs() * keep).sum(1).div((a * keep).sum(1)).max())
+        assert r["bound_simple"] == pytest.approx(simple, rel=1e-10)
+        assert r["gaussian"] <= r["worst"] <= r["bound_tight"] * (1 + 1e-9) <= r["bound_simple"]
+        assert f"| {r['heads']} | " in report.split("## Adversarial inputs")[1]
+    assert "No input above the bound." in report
 
 
 def test_validate_is_reproducible(tmp_path):

@@ -56,6 +56,7 @@ from positional_lsh.cli.bench_peers import (
 from positional_lsh.cli.config import add_arguments, comma_list, config_from_args, option, positive_int_text
 from positional_lsh.ops import alibi_slopes
 from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops.errors import check_memory
 
 __all__ = [
     "ALL_METHODS",
@@ -374,6 +375,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name in ("heads", "head_dim", "repeats", "backward_max_len"):
             positive_int(name, getattr(self, name))
+        if self.lengths:  # q, k, v, gradients and outputs in float32, O(n) kernels
+            check_memory(64.0 * self.heads * self.head_dim * max(self.lengths), f"--lengths {max(self.lengths)}")
         unknown = set(self.methods) - set(ALL_METHODS)
         if unknown:
             raise ValueError(f"unknown methods {sorted(unknown)}; expected some of {ALL_METHODS}")

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from positional_lsh.cli.config import add_arguments, comma_list, option, positive_int_text, run_command
 from positional_lsh.ops._checks import positive_int
 from positional_lsh.ops.attention import plsh_attention
+from positional_lsh.ops.errors import check_memory
 from positional_lsh.ops.partitions import sample_partitions
 from positional_lsh.ops.reference import alibi_attention, alibi_matrix
 from positional_lsh.ops.slopes import alibi_slopes
@@ -124,6 +125,9 @@ class DemoConfig:
             raise ValueError("lengths must not be empty")
         for n in self.lengths:
             positive_int("lengths", n)
+        check_memory(32.0 * self.mask_len**2, f"--mask-len {self.mask_len}")  # n x n float64 matrices
+        n = max(self.lengths)
+        check_memory(64.0 * 8 * 64 * n, f"--lengths {n}")  # q, k, v, outputs: 8 heads x 64 dims, O(n) kernels
 
 
 def run_demo(cfg: DemoConfig) -> None:

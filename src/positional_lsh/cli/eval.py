@@ -8,7 +8,6 @@ and writes ``results.csv``, ``results.md`` and the plots into ``--out``.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +18,10 @@ from positional_lsh.cli import guarded
 from positional_lsh.cli.config import (
     add_arguments,
     comma_list,
-    config_from_args,
     option,
     positive_float_text,
     positive_int_text,
+    run_command,
 )
 from positional_lsh.lm.eval_models import load_for_eval
 from positional_lsh.lm.eval_results import EvalRow, format_table, write_results
@@ -147,13 +146,8 @@ def run_eval(cfg: EvalConfig) -> list[EvalRow]:
 
 
 def _main(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_from_args(args, EvalConfig)
-    except (TypeError, ValueError) as exc:
-        print(f"plsh eval: error: {exc}", file=sys.stderr)
-        return 2
-    run_eval(cfg)  # user-caused errors: one line and exit code 2 (positional_lsh.cli.guarded)
-    return 0
+    # Refused settings and user-caused errors: one line and exit code 2 (run_command, positional_lsh.cli.guarded).
+    return run_command("eval", args, EvalConfig, run_eval)
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:

@@ -30,7 +30,8 @@ __all__ = ["MODEL_FLAGS", "TRAIN_FLAGS", "TrainCommand", "add_train_arguments", 
 
 TRAIN_FLAGS = {
     "out_dir": Flag("run directory (checkpoint, trainer state, log)", name="--out"),
-    "data": Flag("'default' (shipped corpus), hf:PATH[:NAME], a .jsonl[.xz] file, or text files/dir", group="data"),
+    "data": Flag("'default' (shipped corpus), hf:PATH[:NAME], a .jsonl[.xz] file, or text files/dir (split by "
+                 "document; under 3 documents, e.g. one file: by position, 90/5/5%)", group="data"),
     "tokenizer": Flag("reuse this tokenizer.json (or a checkpoint directory) instead of training one", group="data"),
     "vocab_size": Flag("BPE vocabulary when training a tokenizer", group="data"),
     "cache_dir": Flag("token cache directory (default: $PLSH_CACHE_DIR or ~/.cache/positional_lsh; '' disables)",

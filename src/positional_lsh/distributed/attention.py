@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from positional_lsh import Partitions, alibi_slopes, plsh_attention, sample_partitions
+from positional_lsh.distributed.chunked import ChunkedWindowAttention
 from positional_lsh.distributed.exchange import halo_exchange
-from positional_lsh.distributed.halo import crop_partitions, halo_plan
+from positional_lsh.distributed.halo import HaloPlan, crop_partitions, halo_plan
 
 __all__ = ["context_parallel_plsh_attention"]
 
@@ -39,7 +40,8 @@ def _digest(*parts: object) -> int:
 
 
 def _partitions_digest(p: Partitions) -> int:
-    return _digest("partitions", p.seq_len, p.scheme, p.slopes, p.pitch, p.shift)
+    decays = None if p.decays is None else [repr(x) for x in p.decays]
+    return _digest("partitions", p.seq_len, p.scheme, p.slopes, p.pitch, p.shift, decays, p.decay_len, p.max_block)
 
 
 def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -77,6 +79,7 @@ def _check_lengths(shard_lengths: Sequence[int], world: int) -> list[int]:
     return out
 
 
+# Long only for its signature and docstring (the public reference); the body is a few step calls.
 def context_parallel_plsh_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,6 +94,7 @@ def context_parallel_plsh_attention(
     scale: float | None = None,
     group: Any = None,
     shard_lengths: Sequence[int] | None = None,
+    head_chunk: int | None = None,
 ) -> torch.Tensor:
     """Positional-LSH attention over a sequence split across the ranks of a process group.
 
@@ -120,18 +124,16 @@ def context_parallel_plsh_attention(
         shard_lengths: ``(P,)`` positions per rank; default: each rank's ``n_local``, exchanged in the one small
             ``all_gather`` that every call makes (it also checks shapes, dtypes, options and the partitions'
             checksum, raising ``ValueError`` on every rank when they disagree).
+        head_chunk: ``None`` (default): one ``plsh_attention`` call on the joined key/value window, which it keeps
+            for the backward. An int: compute ``head_chunk`` key/value heads at a time and recompute them in the
+            backward (:class:`~positional_lsh.distributed.chunked.ChunkedWindowAttention`): only ``q, k, v`` and
+            the small halo are kept, no joined window or output — lower peak memory for one more forward's time.
 
     Returns:
         ``(B, Hq, n_local, d)`` in ``q``'s dtype, differentiable w.r.t. ``q``, ``k``, ``v``. Every rank of
         the group must call it (and run the backward) in the same order.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if partitions is not None and not isinstance(partitions, Partitions):
-        raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
+    head_chunk = _check_args(q, k, v, causal, partitions, head_chunk)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         if shard_lengths is not None and (
             isinstance(shard_lengths, (str, bytes))
@@ -139,31 +141,71 @@ def context_parallel_plsh_attention(
             or [int(x) for x in shard_lengths] != [q.shape[-2]]
         ):
             raise ValueError(f"shard_lengths={shard_lengths!r} for one rank holding {q.shape[-2]} positions")
-        return plsh_attention(
-            q,
-            k,
-            v,
-            slopes,
-            num_samples=num_samples,
-            causal=causal,
-            partitions=partitions,
-            scheme=scheme,
-            generator=generator,
-            scale=scale,
+        opts = {"num_samples": num_samples, "scheme": scheme, "generator": generator}
+        return plsh_attention(q, k, v, slopes, causal=causal, partitions=partitions, scale=scale, **opts)
+    # Validation, one all_gather (every rank raises alike), planning, then the exchange and the local compute.
+    world = dist.get_world_size(group)
+    lengths = None if shard_lengths is None else _check_lengths(shard_lengths, world)
+    parts_key = _sampling_key(partitions, slopes, num_samples, scheme, generator)
+    table = _gather_meta(q, k, v, causal, scale, lengths, parts_key, world, group)
+    lengths = _agreed_lengths(table, _local_error(q, k, v), lengths)
+    hq = q.shape[1]
+    if partitions is None:
+        slopes = alibi_slopes(hq) if slopes is None else slopes
+        partitions = sample_partitions(
+            sum(lengths), slopes, num_samples, scheme=scheme, generator=generator, num_heads=hq
         )
-    if partitions is None and (isinstance(generator, bool) or not isinstance(generator, numbers.Integral)):
+    else:
+        _check_whole_partitions(partitions, slopes, sum(lengths), hq)
+    plan = halo_plan(partitions, lengths, causal=causal)
+    return _local_attention(q, k, v, plan, dist.get_rank(group), group, partitions, causal, scale, head_chunk)
+
+
+def _sampling_key(partitions: Partitions | None, slopes: Any, num_samples: int, scheme: str, generator: Any) -> int:
+    """Checksum of the partitions (or of how they are drawn), compared across ranks; the seed must be an int."""
+    if partitions is not None:
+        return _partitions_digest(partitions)
+    if isinstance(generator, bool) or not isinstance(generator, numbers.Integral):
         raise ValueError(
             "context parallelism needs the same partitions on every rank: pass an int seed as generator, or "
             f"partitions (got generator={type(generator).__name__}, whose state may differ across ranks)"
         )
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    lengths = None if shard_lengths is None else _check_lengths(shard_lengths, world)
+    slopes_key = slopes if not isinstance(slopes, torch.Tensor) else slopes.detach().double().cpu()
+    return _digest("sample", num_samples, scheme, int(generator), slopes_key)
 
-    # One small all_gather: shapes, options and checksums of every rank.
-    err = _local_error(q, k, v)
+
+def _check_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, partitions: Partitions | None, head_chunk: Any
+) -> int | None:
+    """Type checks of the arguments (before any communication); returns ``head_chunk`` as an int or ``None``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if partitions is not None and not isinstance(partitions, Partitions):
+        raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
+    if head_chunk is None:
+        return None
+    if isinstance(head_chunk, bool) or not isinstance(head_chunk, numbers.Integral) or head_chunk < 1:
+        raise ValueError(f"head_chunk must be an int >= 1 or None, got {head_chunk!r}")
+    return int(head_chunk)
+
+
+def _gather_meta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    lengths: list[int] | None,
+    parts_key: int,
+    world: int,
+    group: Any,
+) -> torch.Tensor:
+    """One small all_gather: every rank's shapes, options and checksums, ``(world, 11)`` int64."""
     meta = torch.zeros(11, dtype=torch.int64)
-    if err is not None:
+    if _local_error(q, k, v) is not None:
         meta[_ERR] = 1
     else:
         b, hq, n_local, d = q.shape
@@ -172,15 +214,14 @@ def context_parallel_plsh_attention(
     meta[_CAUSAL] = int(causal)
     meta[_SCALE] = _digest(scale)
     meta[_LENGTHS] = _digest(lengths)
-    if partitions is not None:
-        meta[_PARTS] = _partitions_digest(partitions)
-    else:
-        slopes_key = slopes if not isinstance(slopes, torch.Tensor) else slopes.detach().double().cpu()
-        meta[_PARTS] = _digest("sample", num_samples, scheme, int(generator), slopes_key)  # type: ignore[arg-type]
+    meta[_PARTS] = parts_key
     gathered = [torch.empty_like(meta) for _ in range(world)]
     dist.all_gather(gathered, meta, group=group)
-    table = torch.stack(gathered)
+    return torch.stack(gathered)
 
+
+def _agreed_lengths(table: torch.Tensor, err: str | None, lengths: list[int] | None) -> list[int]:
+    """Raise ``ValueError`` (on every rank alike) unless all ranks agree; return the shard lengths."""
     bad = table[:, _ERR].nonzero().flatten().tolist()
     if bad:
         raise ValueError(err if err is not None else f"invalid input on rank(s) {bad} of the context-parallel group")
@@ -203,36 +244,52 @@ def context_parallel_plsh_attention(
             "rank must use the partitions of the whole sequence drawn from one seed"
         )
     local = table[:, _LEN].tolist()
-    if lengths is None:
-        lengths = local
-    elif lengths != local:
+    if lengths is not None and lengths != local:
         raise ValueError(f"shard_lengths={lengths} but the ranks hold {local} positions")
+    return local
 
+
+def _check_whole_partitions(partitions: Partitions, slopes: Any, n: int, hq: int) -> None:
+    """Given partitions must be those of the whole sequence, for ``hq`` heads, with the given slopes."""
+    if partitions.seq_len != n:
+        raise ValueError(
+            f"partitions must be those of the whole sequence: seq_len={partitions.seq_len}, but the shards "
+            f"hold {n} positions"
+        )
+    if partitions.num_heads != hq:
+        raise ValueError(f"partitions were drawn for {partitions.num_heads} heads, but q has {hq} heads")
+    if slopes is not None:
+        given = torch.as_tensor(slopes, dtype=torch.float64).expand(hq)
+        if not torch.allclose(given, partitions.slopes):
+            raise ValueError("slopes differ from partitions.slopes; pass one or the other")
+
+
+def _local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: HaloPlan,
+    rank: int,
+    group: Any,
+    partitions: Partitions,
+    causal: bool,
+    scale: float | None,
+    head_chunk: int | None,
+) -> torch.Tensor:
+    """Exchange the halo and run ``plsh_attention`` on this rank's key window (whole or in head chunks)."""
     b, hq, n_local, d = q.shape
-    n = sum(lengths)
-    if partitions is None:
-        if slopes is None:
-            slopes = alibi_slopes(hq)
-        partitions = sample_partitions(n, slopes, num_samples, scheme=scheme, generator=generator, num_heads=hq)
-    else:
-        if partitions.seq_len != n:
-            raise ValueError(
-                f"partitions must be those of the whole sequence: seq_len={partitions.seq_len}, but the shards "
-                f"hold {n} positions"
-            )
-        if partitions.num_heads != hq:
-            raise ValueError(f"partitions were drawn for {partitions.num_heads} heads, but q has {hq} heads")
-        if slopes is not None:
-            given = torch.as_tensor(slopes, dtype=torch.float64).expand(hq)
-            if not torch.allclose(given, partitions.slopes):
-                raise ValueError("slopes differ from partitions.slopes; pass one or the other")
-
-    plan = halo_plan(partitions, lengths, causal=causal)
+    left, end, right = plan.left[rank], plan.ends[rank], plan.right[rank]
+    if head_chunk is not None and n_local > 0:
+        local_parts = crop_partitions(partitions, left, right)
+        exchange_group = dist.group.WORLD if group is None else group
+        out: torch.Tensor = ChunkedWindowAttention.apply(
+            q, k, v, plan, rank, exchange_group, local_parts, causal, scale, head_chunk
+        )
+        return out
     k_win, v_win = halo_exchange(k, v, plan, rank, group)
     if n_local == 0:
         # Nothing to compute; keep k and v in the graph so that their (empty) gradients are zeros, not None.
         return q * 0.0 + (k_win.sum() + v_win.sum()) * 0.0
-    left, end, right = plan.left[rank], plan.ends[rank], plan.right[rank]
     local_parts = crop_partitions(partitions, left, right)
     if causal or right == end:
         return plsh_attention(q, k_win, v_win, partitions=local_parts, causal=causal, scale=scale)

@@ -66,10 +66,14 @@ def init_context_groups(context_parallel: int) -> tuple[Any, Any]:
     return data_group, ctx_group
 
 
-def set_context_group(model: nn.Module, group: Any, shard_lengths: Sequence[int] | None = None) -> None:
+def set_context_group(
+    model: nn.Module, group: Any, shard_lengths: Sequence[int] | None = None, head_chunk: int | None = None
+) -> None:
     """Make the positional-LSH attention layers of ``model`` context-parallel over ``group`` (``None``: off).
 
     ``shard_lengths`` (optional) are the per-rank sequence lengths; by default every rank holds ``L / P``.
+    ``head_chunk``: see :func:`~positional_lsh.distributed.context_parallel_plsh_attention` (heads in chunks,
+    recomputed in the backward: less memory per layer, one more attention forward).
     """
     for module in model.modules():
         if hasattr(module, "attend") and hasattr(module, "partitions"):
@@ -77,6 +81,7 @@ def set_context_group(model: nn.Module, group: Any, shard_lengths: Sequence[int]
                 raise ValueError(f"context parallelism supports position='plsh' only, got {module.position!r}")
             module.context_group = group
             module.context_shard_lengths = None if shard_lengths is None else list(shard_lengths)
+            module.context_head_chunk = head_chunk
 
 
 def context_parallel_attend(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -97,4 +102,5 @@ def context_parallel_attend(module: nn.Module, q: torch.Tensor, k: torch.Tensor,
         causal=True,
         group=group,
         shard_lengths=lengths,
+        head_chunk=getattr(module, "context_head_chunk", None),
     )

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from positional_lsh.distributed.halo import HaloPlan, Transfer
 
-__all__ = ["comm_stats", "halo_exchange", "reset_comm_stats"]
+__all__ = ["comm_stats", "halo_exchange", "receive_halo", "reset_comm_stats", "return_halo_grads"]
 
 _STATS: dict[str, int] = {"forward_bytes": 0, "backward_bytes": 0, "forward_messages": 0, "backward_messages": 0}
 
@@ -57,6 +57,45 @@ def _pieces(k: torch.Tensor, v: torch.Tensor, offset: int, transfers: list[Trans
     ]
 
 
+def receive_halo(
+    k: torch.Tensor, v: torch.Tensor, plan: HaloPlan, rank: int, group: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Send this rank's outgoing pieces and receive its halo (no autograd): ``(left, right)`` lists of
+    ``(2, B, Hkv, len, d)`` key/value buffers, each in position order (left of the shard, right of it)."""
+    start, end = plan.starts[rank], plan.ends[rank]
+    incoming = sorted(plan.incoming(rank), key=lambda tr: tr.start)
+    outgoing = plan.outgoing(rank)
+    b, h, _, d = k.shape
+    bufs = [torch.empty((2, b, h, tr.length, d), dtype=k.dtype, device=k.device) for tr in incoming]
+    works = [_recv(buf, tr.src, group) for buf, tr in zip(bufs, incoming, strict=True)]
+    sends = _pieces(k, v, start, outgoing)
+    works += [_send(buf, tr.dst, group, "forward") for buf, tr in zip(sends, outgoing, strict=True)]
+    for work in works:
+        work.wait()
+    left = [buf for buf, tr in zip(bufs, incoming, strict=True) if tr.start < start]
+    right = [buf for buf, tr in zip(bufs, incoming, strict=True) if tr.start >= end]
+    return left, right
+
+
+def return_halo_grads(
+    halo_grads: list[torch.Tensor], dk: torch.Tensor, dv: torch.Tensor, plan: HaloPlan, rank: int, group: Any
+) -> None:
+    """The backward of :func:`receive_halo`: send ``halo_grads`` (``(2, B, Hkv, len, d)``, one per incoming
+    piece in ``plan.incoming(rank)`` order) to their owners, and add the gradients of this rank's outgoing pieces,
+    received from the ranks they went to, into ``dk``, ``dv`` (this rank's shard, in place)."""
+    start = plan.starts[rank]
+    incoming, outgoing = plan.incoming(rank), plan.outgoing(rank)
+    b, h, _, d = dk.shape
+    bufs = [torch.empty((2, b, h, tr.length, d), dtype=dk.dtype, device=dk.device) for tr in outgoing]
+    works = [_recv(buf, tr.dst, group) for buf, tr in zip(bufs, outgoing, strict=True)]
+    works += [_send(g, tr.src, group, "backward") for g, tr in zip(halo_grads, incoming, strict=True)]
+    for work in works:
+        work.wait()
+    for buf, tr in zip(bufs, outgoing, strict=True):
+        dk[:, :, tr.start - start : tr.end - start] += buf[0]
+        dv[:, :, tr.start - start : tr.end - start] += buf[1]
+
+
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -67,18 +106,7 @@ class _HaloExchange(torch.autograd.Function):
         rank: int,
         group: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        start, end = plan.starts[rank], plan.ends[rank]
-        incoming = sorted(plan.incoming(rank), key=lambda tr: tr.start)
-        outgoing = plan.outgoing(rank)
-        b, h, _, d = k.shape
-        bufs = [torch.empty((2, b, h, tr.length, d), dtype=k.dtype, device=k.device) for tr in incoming]
-        works = [_recv(buf, tr.src, group) for buf, tr in zip(bufs, incoming, strict=True)]
-        sends = _pieces(k, v, start, outgoing)
-        works += [_send(buf, tr.dst, group, "forward") for buf, tr in zip(sends, outgoing, strict=True)]
-        for work in works:
-            work.wait()
-        left = [buf for buf, tr in zip(bufs, incoming, strict=True) if tr.start < start]
-        right = [buf for buf, tr in zip(bufs, incoming, strict=True) if tr.start >= end]
+        left, right = receive_halo(k, v, plan, rank, group)
         k_win = torch.cat([*(p[0] for p in left), k, *(p[0] for p in right)], dim=2)
         v_win = torch.cat([*(p[1] for p in left), v, *(p[1] for p in right)], dim=2)
         ctx.plan, ctx.rank, ctx.group = plan, rank, group
@@ -92,23 +120,11 @@ class _HaloExchange(torch.autograd.Function):
         plan: HaloPlan = ctx.plan
         rank, group = ctx.rank, ctx.group
         start, end, left = plan.starts[rank], plan.ends[rank], plan.left[rank]
-        incoming = plan.incoming(rank)
-        outgoing = plan.outgoing(rank)
-        b, h, _, d = dk_win.shape
-        # Gradients of the halo pieces go back to their owners; this rank's window starts at `left`.
-        grads = _pieces(dk_win, dv_win, left, incoming)
-        bufs = [torch.empty((2, b, h, tr.length, d), dtype=dk_win.dtype, device=dk_win.device) for tr in outgoing]
-        works = [_recv(buf, tr.dst, group) for buf, tr in zip(bufs, outgoing, strict=True)]
-        works += [_send(g, tr.src, group, "backward") for g, tr in zip(grads, incoming, strict=True)]
-        for work in works:
-            work.wait()
-        # The window gradients are fresh tensors of the attention backward and the halo pieces were copied
-        # into `grads` (already sent): add the returned pieces in place and return views (no copy of the shard).
+        # The window gradients are fresh tensors of the attention backward and the halo pieces are copied out
+        # (and sent): add the returned pieces in place and return views (no copy of the shard).
         dk = dk_win[:, :, start - left : end - left]
         dv = dv_win[:, :, start - left : end - left]
-        for buf, tr in zip(bufs, outgoing, strict=True):
-            dk[:, :, tr.start - start : tr.end - start] += buf[0]
-            dv[:, :, tr.start - start : tr.end - start] += buf[1]
+        return_halo_grads(_pieces(dk_win, dv_win, left, plan.incoming(rank)), dk, dv, plan, rank, group)
         return dk, dv, None, None, None
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -206,9 +206,11 @@ def crop_partitions(partitions: Partitions, start: int, end: int, *, verify: boo
     """The partitions restricted to the window ``[start, end)``, re-indexed so that ``start`` becomes 0.
 
     The block boundaries of the result are exactly those of ``partitions`` inside the window (same pitch,
-    shift moved by ``-start`` modulo the pitch). For integer pitches and shifts this is exact arithmetic;
-    for real-valued ones (``"gamma"``) the result is checked against ``partitions.labels()`` and the shift
-    is nudged by a few ulps if rounding moved a boundary across an integer.
+    shift moved by ``-start`` modulo the pitch). Every other field is kept: the slopes, the scheme, and for decay
+    or capped partitions ``decays``, ``decay_len`` (the law's length, ``>= n``: a window of an exact draw is
+    exact up to it too) and ``max_block`` (the same blocks, so the same cap and bias). For integer pitches and
+    shifts this is exact arithmetic; for real-valued ones (``"gamma"``) the result is checked against
+    ``partitions.labels()`` and the shift is nudged by a few ulps if rounding moved a boundary across an integer.
 
     Args:
         partitions: partitions of the whole sequence.
@@ -229,9 +231,7 @@ def crop_partitions(partitions: Partitions, start: int, end: int, *, verify: boo
     new_shift = torch.where(new_shift >= safe, torch.zeros_like(new_shift), new_shift)
     new_shift = torch.where(finite, new_shift, torch.zeros_like(new_shift))
     integer = bool(((torch.frac(pitch) == 0) | ~finite).all()) and bool((torch.frac(shift) == 0).all())
-    cropped = Partitions(
-        end - start, partitions.slopes, partitions.pitch, new_shift, partitions.scheme, partitions.device
-    )
+    cropped = replace(partitions, seq_len=end - start, shift=new_shift)
     if verify is None:
         verify = not integer
     if not verify:
@@ -243,9 +243,7 @@ def crop_partitions(partitions: Partitions, start: int, end: int, *, verify: boo
         new_shift = new_shift.clone()
         for t, h in bad.nonzero().tolist():
             new_shift[t, h] = _fix_shift(partitions, t, h, start, end, float(new_shift[t, h]), want[t, h])
-        cropped = Partitions(
-            end - start, partitions.slopes, partitions.pitch, new_shift, partitions.scheme, partitions.device
-        )
+        cropped = replace(partitions, seq_len=end - start, shift=new_shift)
     return cropped
 
 
@@ -331,9 +329,7 @@ def ring_attention_bytes(
     Forward: the ``K, V`` shards go round the ring, ``(P-1)/P * n`` positions of keys and values per rank.
     Backward (as in ring-flash-attn): ``K, V`` go round again and ``dK, dV`` go round once, twice the forward.
     """
-    per_pos = 2 * batch * kv_heads * head_dim * _element_size(dtype)
-    fwd = (world_size - 1) * (seq_len // world_size) * per_pos
-    return fwd * (3 if backward else 1)
+    return _other_shards_bytes(seq_len, world_size, batch, kv_heads, head_dim, dtype) * (3 if backward else 1)
 
 
 def allgather_bytes(
@@ -347,6 +343,12 @@ def allgather_bytes(
     backward: bool = False,
 ) -> int:
     """Bytes each rank receives when ``K, V`` are all-gathered (and ``dK, dV`` reduce-scattered in backward)."""
+    return _other_shards_bytes(seq_len, world_size, batch, kv_heads, head_dim, dtype) * (2 if backward else 1)
+
+
+def _other_shards_bytes(
+    seq_len: int, world_size: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype | int
+) -> int:
+    """Bytes of the keys and values of the other ``P - 1`` (equal) shards: what one forward receives."""
     per_pos = 2 * batch * kv_heads * head_dim * _element_size(dtype)
-    fwd = (world_size - 1) * (seq_len // world_size) * per_pos
-    return fwd * (2 if backward else 1)
+    return (world_size - 1) * (seq_len // world_size) * per_pos

@@ -123,13 +123,14 @@ class ContextParallelLoss(nn.Module):
 
 
 def setup_context_parallel(
-    context_parallel: int, model: nn.Module, seq_len: int, device: torch.device
+    context_parallel: int, model: nn.Module, seq_len: int, device: torch.device, head_chunk: int | None = None
 ) -> tuple[ContextParallel, nn.Module]:
     """Build the groups, make ``model``'s attention context-parallel and wrap it for training (collective call).
 
     Returns ``(cp, ddp_model)``: ``ddp_model(x, y)`` on this rank's piece (``cp.local``) returns
     ``(logits, loss)`` whose backward leaves the gradients of the global mean loss in ``model``'s parameters,
     identical on every rank. ``model`` itself (for saving, evaluation) is unchanged except for its context group.
+    ``head_chunk`` goes to :func:`set_context_group` (``None``: the attention's default, one call per layer).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if seq_len < context_parallel:
@@ -144,7 +145,7 @@ def setup_context_parallel(
         data_world=world // context_parallel,
         context_rank=rank % context_parallel,
     )
-    set_context_group(model, ctx_group, cp.lengths)
+    set_context_group(model, ctx_group, cp.lengths, head_chunk=head_chunk)
     wrapped = ContextParallelLoss(model, cp.loss_factor)
     ddp = nn.parallel.DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
     return cp, ddp

@@ -248,14 +248,12 @@ def load_checkpoint(
     """
     config = read_checkpoint_config(path)
     p = checkpoint_dir(path)
-    model_cfg = dict(config["model"])
-    model_cfg.update(overrides)
     try:
-        cfg = ModelConfig.from_dict(model_cfg)
+        cfg = ModelConfig.from_dict(dict(config["model"]))
     except (TypeError, ValueError) as exc:
-        if overrides:
-            raise
-        raise UserError(f"{p / CONFIG_FILE}: bad 'model' settings ({exc})") from None
+        raise UserError(f"{p / CONFIG_FILE}: bad 'model' settings ({exc}); restore it from a copy or retrain") from None
+    if overrides:
+        cfg = ModelConfig.from_dict({**config["model"], **overrides})
     model = TransformerLM(cfg)
     state = _read_weights(p / WEIGHTS_FILE)
     if "embed.weight" not in state:

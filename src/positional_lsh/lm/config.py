@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops._checks import check_choice, positive_int
 from positional_lsh.ops.schemes import scheme_names
 from positional_lsh.ops.slopes import alibi_slopes
 
@@ -114,12 +114,10 @@ class ModelConfig:
         check_float("dropout", self.dropout, allow_zero=True)
         if self.dropout >= 1:
             raise ValueError(f"dropout must be < 1, got {self.dropout}")
-        if not isinstance(self.position, str) or self.position not in POSITIONS:
-            raise ValueError(f"position must be one of {POSITIONS}, got {self.position!r}")
+        check_choice("position", self.position, POSITIONS)
         if self.sigma is not None and not (isinstance(self.sigma, float) and self.sigma == math.inf):
             check_float("sigma", self.sigma)
-        if not isinstance(self.scheme, str) or self.scheme not in scheme_names():
-            raise ValueError(f"scheme must be one of {scheme_names()}, got {self.scheme!r}")
+        check_choice("scheme", self.scheme, scheme_names())
         if self.window is not None:
             values = self.window if isinstance(self.window, list | tuple) else [self.window]
             for w in values:
@@ -130,12 +128,10 @@ class ModelConfig:
         check_float("rope_base", self.rope_base)
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dimension, got d_model/n_head = {self.head_dim}")
-        if self.alibi_impl not in ALIBI_IMPLS:
-            raise ValueError(f"alibi_impl must be one of {ALIBI_IMPLS}, got {self.alibi_impl!r}")
+        check_choice("alibi_impl", self.alibi_impl, ALIBI_IMPLS)
         if not isinstance(self.attn_fp32, bool):
             raise TypeError(f"attn_fp32 must be a bool, got {type(self.attn_fp32).__name__}")
-        if self.attn_backend not in ("auto", "flash", "math"):
-            raise ValueError(f"attn_backend must be 'auto', 'flash' or 'math', got {self.attn_backend!r}")
+        check_choice("attn_backend", self.attn_backend, ("auto", "flash", "math"))
 
     @property
     def head_dim(self) -> int:

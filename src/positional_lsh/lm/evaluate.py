@@ -108,8 +108,7 @@ def sliding_window_metrics(
     if not callable(logits_fn):
         raise TypeError(f"logits_fn must be callable, got {type(logits_fn).__name__}")
     n_windows = D.num_sliding_windows(int(tokens.numel()) if isinstance(tokens, torch.Tensor) else 0, seq_len, stride)
-    nll = 0.0
-    correct1 = correct10 = count = 0
+    totals = [0.0, 0, 0, 0]  # summed nll, top-1 hits, top-10 hits, scored tokens
     t0 = time.perf_counter()
     bar = tqdm(total=n_windows, desc=desc, disable=not progress, leave=False, dynamic_ncols=True)
     with torch.no_grad():
@@ -119,16 +118,10 @@ def sliding_window_metrics(
             logits = logits_fn(x)
             if logits.shape[:2] != x.shape:
                 raise ValueError(f"logits_fn returned shape {tuple(logits.shape)} for ids of shape {tuple(x.shape)}")
-            keep = y != -100
-            lg = logits[keep].float()
-            tg = y[keep]
-            nll += float(F.cross_entropy(lg, tg, reduction="sum"))
-            top = lg.topk(min(10, lg.shape[-1]), dim=-1).indices
-            correct1 += int((top[:, 0] == tg).sum())
-            correct10 += int((top == tg[:, None]).any(-1).sum())
-            count += int(tg.numel())
+            totals = [a + b for a, b in zip(totals, _window_sums(logits, y), strict=True)]
             bar.update(x.shape[0])
     bar.close()
+    nll, correct1, correct10, count = totals
     loss = nll / count
     return {
         "loss": loss,
@@ -140,6 +133,16 @@ def sliding_window_metrics(
         "windows": n_windows,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _window_sums(logits: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int, int]:
+    """Summed cross-entropy, top-1 and top-10 hits and the number of scored targets (``y != -100``)."""
+    keep = y != -100
+    lg = logits[keep].float()
+    tg = y[keep]
+    top = lg.topk(min(10, lg.shape[-1]), dim=-1).indices
+    nll = float(F.cross_entropy(lg, tg, reduction="sum"))
+    return nll, int((top[:, 0] == tg).sum()), int((top == tg[:, None]).any(-1).sum()), int(tg.numel())
 
 
 # --------------------------------------------------------------------------------------------------

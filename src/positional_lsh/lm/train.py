@@ -48,13 +48,14 @@ from positional_lsh.lm.train_config import (
     QUICK_PRESET,
     TrainConfig,
     default_cache_dir,
+    estimate_step_bytes,
     lr_at,
     resolve_autocast_dtype,
 )
 from positional_lsh.lm.train_dist import Dist as _Dist
 from positional_lsh.lm.train_dist import check_device
 from positional_lsh.lm.train_dist import init_distributed as _init_distributed
-from positional_lsh.ops.errors import UserError
+from positional_lsh.ops.errors import UserError, check_memory
 
 __all__ = [
     "AUTOCAST_CHOICES",
@@ -299,9 +300,30 @@ def _resolve_configs(
     else:
         cfg.validate()
         cfg = dataclasses.replace(cfg, threads=cfg.threads or torch.get_num_threads())  # recorded for resume
+        if model_cfg is not None:
+            what = (
+                f"--num-samples {model_cfg.num_samples}, --batch-size {cfg.batch_size}, --seq-len {model_cfg.seq_len}"
+                + (f", --context-parallel {cfg.context_parallel}" if cfg.context_parallel > 1 else "")
+            )
+            check_memory(estimate_step_bytes(cfg, model_cfg), what)
         if not overwrite or int(os.environ.get("RANK", "0")) == 0:
             R.prepare_new_run(out, overwrite=overwrite)
     return cfg, model_cfg if model_cfg is not None else ModelConfig(seed=cfg.seed), state
+
+
+def _parallel_model(
+    cfg: TrainConfig, model: TransformerLM, info: _Dist, device: torch.device
+) -> tuple[torch.nn.Module, Any]:
+    """``(model to call, context-parallel shard or None)``: the model itself, DDP, or context parallelism."""
+    if cfg.context_parallel > 1:  # world = data x context: shards of every sequence, DDP over the whole world
+        from positional_lsh.distributed.training import setup_context_parallel
+
+        cp, ddp_model = setup_context_parallel(cfg.context_parallel, model, model.cfg.seq_len, device)
+        return ddp_model, cp
+    if info.enabled:
+        device_ids = [device.index] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids), None
+    return model, None
 
 
 def _setup(
@@ -332,16 +354,7 @@ def _setup(
     data_gen = torch.Generator().manual_seed(cfg.seed)
     counters = R.restore_trainer_state(state, model, opt, data_gen, info.world) if state is not None else {}
     model.train()
-    ddp_model: torch.nn.Module = model
-    cp: Any = None
-    if cfg.context_parallel > 1:  # world = data x context: shards of every sequence, DDP over the whole world
-        from positional_lsh.distributed.training import setup_context_parallel
-
-        cp, ddp_model = setup_context_parallel(cfg.context_parallel, model, model_cfg.seq_len, device)
-    elif info.enabled:
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
+    ddp_model, cp = _parallel_model(cfg, model, info, device)
     seq_len = model_cfg.seq_len
     val_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
     run = _Run(

@@ -15,9 +15,17 @@ from typing import Any
 import torch
 
 from positional_lsh.lm import data as D
-from positional_lsh.ops._checks import check_int, positive_int
+from positional_lsh.ops._checks import check_choice, check_int, positive_int
 
-__all__ = ["AUTOCAST_CHOICES", "QUICK_PRESET", "TrainConfig", "default_cache_dir", "lr_at", "resolve_autocast_dtype"]
+__all__ = [
+    "AUTOCAST_CHOICES",
+    "QUICK_PRESET",
+    "TrainConfig",
+    "default_cache_dir",
+    "estimate_step_bytes",
+    "lr_at",
+    "resolve_autocast_dtype",
+]
 
 AUTOCAST_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
@@ -111,10 +119,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not 0 <= v < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {v}")
-        if self.autocast not in AUTOCAST_CHOICES:
-            raise ValueError(f"autocast must be one of {AUTOCAST_CHOICES}, got {self.autocast!r}")
-        if self.save_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"save_dtype must be float32, float16 or bfloat16, got {self.save_dtype!r}")
+        check_choice("autocast", self.autocast, AUTOCAST_CHOICES)
+        check_choice("save_dtype", self.save_dtype, ("float32", "float16", "bfloat16"))
 
 
 QUICK_PRESET: dict[str, Any] = {
@@ -167,3 +173,14 @@ def resolve_autocast_dtype(choice: str, device: torch.device) -> torch.dtype | N
             native = False
         return torch.bfloat16 if native else None
     return None
+
+
+def estimate_step_bytes(cfg: TrainConfig, model_cfg: Any) -> float:
+    """A rough lower bound on the activation memory of one micro-batch of training on one rank (bytes): every layer
+    keeps ``num_samples`` attention outputs (``plsh``), the MLP activations and the logits for the backward. With
+    context parallelism (``cfg.context_parallel = C``) a rank holds ``ceil(seq_len / C)`` positions of each
+    sequence (plus a halo of keys/values, left out of this lower bound)."""
+    tokens = cfg.batch_size * -(-model_cfg.seq_len // cfg.context_parallel)
+    samples = model_cfg.num_samples  # counted for every position mode: a run may switch to plsh later
+    per_layer = tokens * model_cfg.d_model * (2 * samples + 4 + 2 * model_cfg.mlp_ratio)
+    return 4.0 * (model_cfg.n_layer * per_layer + tokens * cfg.vocab_size * 2)

@@ -40,6 +40,12 @@ def nonnegative_int(name: str, value: object) -> int:
     return check_int(name, value, minimum=0)
 
 
+def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
+    """``ValueError`` (``"{name} must be one of {choices}, got {value!r}"``) unless ``value`` is one of ``choices``."""
+    if value not in tuple(choices):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
 def check_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int, int]:
     """Validate ``q (B, Hq, Lq, d)``, ``k, v (B, Hkv, Lk, d)``.
 

@@ -70,6 +70,8 @@ def work_items(heads: Sequence[tuple[T, int, float]], batch: int, workers: int) 
     groups: dict[int, list[tuple[T, float]]] = {}
     for payload, kv_head, cost in heads:
         groups.setdefault(kv_head, []).append((payload, cost))
+    if not groups:
+        return []
     chunks = min(batch, max(1, -(-workers // len(groups)))) if workers > 1 else 1
     size = -(-batch // chunks)
     slices = [slice(a, min(batch, a + size)) for a in range(0, batch, size)]

@@ -44,9 +44,23 @@ from positional_lsh.ops._kernels import (
     resolve_backend,
 )
 from positional_lsh.ops._parallel import pool_size, run_all, work_items, workers_for
+from positional_lsh.ops.multiplicity import (
+    BLOCK_COST,
+    CALL_COST,
+    ENTRY_COST,
+    MultiplicityPlan,
+    multiplicity_backward,
+    multiplicity_cost,
+    multiplicity_forward,
+    multiplicity_plan,
+)
 from positional_lsh.ops.partitions import Partitions, Segment, sample_partitions
 
-__all__ = ["PositionalLSHAttention", "plsh_attention"]
+__all__ = ["METHODS", "PositionalLSHAttention", "plsh_attention"]
+
+# How heads are computed: per sampled block ("samples"), by multiplicity tiles ("multiplicity"), or chosen per
+# head by the cost model ("auto"); see docs/implementation.md.
+METHODS = ("auto", "samples", "multiplicity")
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,11 @@ class _HeadWork:
     def cost(self) -> int:
         """Score entries computed for this head (per batch element): a proxy for its time."""
         return sum(s.count * s.q_len * s.k_len for segments, _ in self.samples for s in segments)
+
+    @property
+    def calls(self) -> int:
+        """Kernel calls for this head (per work item)."""
+        return sum(len(segments) for segments, _ in self.samples)
 
 
 # Causal blocks at least this long are split into sub-blocks (see _split_causal).
@@ -94,21 +113,51 @@ def _plan(partitions: Partitions, num_kv_heads: int, q_len: int, causal: bool) -
     group = partitions.num_heads // num_kv_heads
     plan = []
     for h in range(partitions.num_heads):
-        counts: dict[tuple[float, float], int] = {}
-        first: dict[tuple[float, float], int] = {}
-        for t in range(partitions.num_samples):
-            pitch = float(partitions.pitch[t, h])
-            key = (pitch, float(partitions.shift[t, h])) if pitch > 1.0 else (1.0, 0.0)
-            counts[key] = counts.get(key, 0) + 1
-            first.setdefault(key, t)
-        samples = []
-        for key, c in counts.items():
-            segments = partitions.segments(first[key], h, q_len)
-            if causal:
-                segments = [piece for seg in segments for piece in _split_causal(seg)]
-            samples.append((segments, c))
-        plan.append(_HeadWork(h, h // group, samples))
+        plan.append(_head_plan(partitions, h, group, q_len, causal))
     return plan
+
+
+def _head_plan(partitions: Partitions, h: int, group: int, q_len: int, causal: bool) -> _HeadWork:
+    """Per-sample kernel work of query head ``h`` (``group`` query heads per key/value head)."""
+    counts: dict[tuple[float, float], int] = {}
+    first: dict[tuple[float, float], int] = {}
+    for t in range(partitions.num_samples):
+        pitch = float(partitions.pitch[t, h])
+        key = (pitch, float(partitions.shift[t, h])) if pitch > 1.0 else (1.0, 0.0)
+        counts[key] = counts.get(key, 0) + 1
+        first.setdefault(key, t)
+    samples = []
+    for key, c in counts.items():
+        segments = partitions.segments(first[key], h, q_len)
+        if causal:
+            segments = [piece for seg in segments for piece in _split_causal(seg)]
+        samples.append((segments, c))
+    return _HeadWork(h, h // group, samples)
+
+
+def _choose(
+    partitions: Partitions, num_kv_heads: int, q_len: int, causal: bool, method: str
+) -> tuple[list[_HeadWork], MultiplicityPlan | None]:
+    """Split the heads between the per-sample path and the multiplicity form (``method``, or the cost model)."""
+    group = partitions.num_heads // num_kv_heads
+    plan, multi = [], []
+    for h in range(partitions.num_heads):
+        if method == "multiplicity":
+            multi.append(h)
+            continue
+        work = _head_plan(partitions, h, group, q_len, causal)
+        if method == "auto" and multiplicity_cost(partitions, h, q_len, causal) < _samples_cost(work):
+            multi.append(h)
+        else:
+            plan.append(work)
+    mplan = multiplicity_plan(partitions, multi, num_kv_heads, q_len, causal) if multi else None
+    return plan, mplan
+
+
+def _samples_cost(work: _HeadWork) -> float:
+    """Estimated time (ns, per batch element) of the per-sample path for one head (docs/implementation.md)."""
+    blocks = sum(s.count for segments, _ in work.samples for s in segments)
+    return ENTRY_COST * work.cost + BLOCK_COST * blocks + CALL_COST * work.calls
 
 
 def _rows(x: torch.Tensor, seg: Segment, start: int, length: int) -> torch.Tensor:
@@ -254,6 +303,7 @@ class _PositionalLSHFunction(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         plan: list[_HeadWork],
+        mplan: MultiplicityPlan | None,
         partitions: Partitions,
         causal: bool,
         scale: float,
@@ -272,13 +322,15 @@ class _PositionalLSHFunction(torch.autograd.Function):
             _forward_item, q=q, k=k, v=v, out_acc=out_acc, lse=lse, causal=causal, scale=scale, backend=backend
         )
         run_all(run, items, pool_size(len(items), q.device))
+        if mplan is not None:
+            multiplicity_forward(mplan, q, k, v, out_acc, lse, scale, backend)
         if bad is not None:
             reached = _rows_reaching(bad, partitions, q.shape[2], causal).to(q.device)
             out_acc.masked_fill_(reached[..., None], float("nan"))
             lse.masked_fill_(reached, float("nan"))
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.causal, ctx.scale, ctx.backend = plan, causal, scale, backend
+        ctx.plan, ctx.mplan, ctx.causal, ctx.scale, ctx.backend = plan, mplan, causal, scale, backend
         return out
 
     @staticmethod
@@ -301,8 +353,10 @@ class _PositionalLSHFunction(torch.autograd.Function):
             backend=ctx.backend,
         )
         run_all(run, items, pool_size(len(items), q.device))
+        if ctx.mplan is not None:
+            multiplicity_backward(ctx.mplan, saved, dout.contiguous(), grads, ctx.scale, ctx.backend)
         dq, dk, dv = grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def plsh_attention(
@@ -318,6 +372,7 @@ def plsh_attention(
     generator: GeneratorLike = None,
     scale: float | None = None,
     backend: str = "auto",
+    method: str = "samples",
 ) -> torch.Tensor:
     """Positional-LSH attention: the ALiBi estimator ``softmax(s + log Mbar) v`` in near-linear time.
 
@@ -339,6 +394,12 @@ def plsh_attention(
         generator: CPU ``torch.Generator``, ``int`` seed, or ``None`` (torch's global RNG).
         scale: score scale, default ``1/sqrt(d)``.
         backend: ``"auto"`` (CPU: torch's fused flash op; other devices: ``"math"``), ``"flash"``, ``"math"``.
+        method: ``"samples"`` (one kernel call per block group of every sample, merged by log-sum-exp),
+            ``"multiplicity"`` (query tiles attending to the union of their blocks with the additive mask
+            ``log c``, ``c[i,j]`` the number of samples in which ``i`` and ``j`` share a block), or ``"auto"``
+            (chosen per head by a cost model). All three compute the same estimator from the same partitions
+            (docs/implementation.md). Default ``"samples"`` until the cost model is validated; use
+            ``"multiplicity"`` (or ``"auto"``) for ``T >= 32``.
 
     Returns:
         ``(B, Hq, Lq, d)`` tensor in ``q``'s dtype. Differentiable w.r.t. ``q``, ``k``, ``v`` (exact gradients
@@ -354,7 +415,7 @@ def plsh_attention(
     elif slopes is not None and isinstance(partitions, Partitions) and partitions.num_heads == hq:
         if not torch.allclose(as_slopes(slopes, hq), partitions.slopes):
             raise ValueError("slopes differ from partitions.slopes; pass one or the other")
-    return _plsh_checked(q, k, v, dims, partitions, causal=causal, scale=scale, backend=backend)
+    return _plsh_checked(q, k, v, dims, partitions, causal=causal, scale=scale, backend=backend, method=method)
 
 
 def _plsh_checked(
@@ -367,6 +428,7 @@ def _plsh_checked(
     causal: object,
     scale: float | None,
     backend: str,
+    method: str = "samples",
 ) -> torch.Tensor:
     """:func:`plsh_attention` for ``q, k, v`` already checked by ``check_qkv`` (which returned ``dims``)."""
     _, hq, hkv, lq, lk, d = dims
@@ -374,6 +436,8 @@ def _plsh_checked(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     backend = resolve_backend(backend, q.device)
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(partitions, Partitions):
         raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
     if partitions.num_heads != hq:
@@ -383,8 +447,8 @@ def _plsh_checked(
             f"partitions were drawn for seq_len={partitions.seq_len}, but k has {lk} positions "
             "(use partitions.with_seq_len(n) to reuse them at another length)"
         )
-    plan = _plan(partitions, hkv, lq, causal)
-    return _PositionalLSHFunction.apply(q, k, v, plan, partitions, causal, scale_f, backend)
+    plan, mplan = _choose(partitions, hkv, lq, causal, method)
+    return _PositionalLSHFunction.apply(q, k, v, plan, mplan, partitions, causal, scale_f, backend)
 
 
 class PositionalLSHAttention(nn.Module):
@@ -408,6 +472,7 @@ class PositionalLSHAttention(nn.Module):
         eval_seed: int = 0,
         scale: float | None = None,
         backend: str = "auto",
+        method: str = "samples",
     ) -> None:
         super().__init__()
         self.num_heads = positive_int("num_heads", num_heads)
@@ -421,6 +486,9 @@ class PositionalLSHAttention(nn.Module):
         self.causal = causal
         self.scale = scale
         self.backend = backend
+        if not isinstance(method, str) or method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self.method = method
         self.eval_seed = eval_seed
         self.generator = as_generator(seed)
 
@@ -441,4 +509,6 @@ class PositionalLSHAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dims = check_qkv(q, k, v)  # validated once, here; sampling needs the key length
         partitions = self.sample(dims[4])
-        return _plsh_checked(q, k, v, dims, partitions, causal=self.causal, scale=self.scale, backend=self.backend)
+        return _plsh_checked(
+            q, k, v, dims, partitions, causal=self.causal, scale=self.scale, backend=self.backend, method=self.method
+        )

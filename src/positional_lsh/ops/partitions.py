@@ -317,7 +317,10 @@ def sample_partitions(
             than ``max_block``, but the partitions are **biased**: pairs at distance ``d`` share a block with
             probability ``E[(1 - d/min(B, cap))_+] <= A``, so far entries shrink (the exact bias is
             ``positional_lsh.theory.blocks.capped_bias``). With a cap, the first ``T`` samples of a larger
-            draw are no longer a ``T``-sample draw.
+            draw are no longer a ``T``-sample draw. Cost: the per-sample fast path of
+            :func:`~positional_lsh.plsh_attention` scores ``sum_t sum_blocks len^2 <= n * max_block * T`` query-key
+            pairs per head, so a cap bounds its **worst case** at ``O(n * max_block * T * d)`` per head (uncapped,
+            a block may be as long as ``n``: ``O(n^2 T d)``; ``theory.blocks.block_stats`` gives the actual work).
 
     Returns:
         :class:`Partitions` with ``pitch`` and ``shift`` of shape ``(T, H)``.
@@ -329,17 +332,12 @@ def sample_partitions(
     cap = None if max_block is None else positive_int("max_block", max_block)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if decay is not None:
-        from positional_lsh.ops.decays import sample_decay_pitches
+        return _sample_decay(decay, seq_len, num_samples, slopes, scheme, generator, num_heads, cap, dev)
+    return _sample_alibi(slopes, seq_len, num_samples, scheme, generator, num_heads, cap, dev)
 
-        if slopes is not None:
-            raise ValueError("pass slopes or decay, not both")
-        if scheme != "discrete":
-            raise ValueError(f"decay= samples the general 'discrete' scheme; got scheme={scheme!r}")
-        heads, pitch, shift = sample_decay_pitches(decay, seq_len, num_samples, generator, num_heads=num_heads)
-        nan = torch.full((len(heads),), math.nan, dtype=torch.float64)
-        pitch, shift = _cap(pitch, shift, cap, True, as_generator(generator) if cap else None)
-        return Partitions(seq_len, nan, pitch.contiguous(), shift.contiguous(), scheme, dev, tuple(heads), seq_len, cap)
-    sampler = get_scheme(scheme).sampler
+
+def _num_heads(slopes: SlopesLike, num_heads: int | None) -> int:
+    """The number of heads: ``len(slopes)``, or ``num_heads`` for ``None`` or one float (they must agree)."""
     if isinstance(slopes, torch.Tensor) and slopes.dim() == 1:
         h = slopes.numel()
     elif slopes is not None and not isinstance(slopes, (int, float, torch.Tensor)):
@@ -350,7 +348,22 @@ def sample_partitions(
         h = positive_int("num_heads", num_heads)
     if num_heads is not None and positive_int("num_heads", num_heads) != h:
         raise ValueError(f"num_heads={num_heads} but slopes has {h} entries")
-    m = as_slopes(slopes, h)
+    return h
+
+
+def _sample_alibi(
+    slopes: SlopesLike,
+    seq_len: int,
+    num_samples: int,
+    scheme: str,
+    generator: GeneratorLike,
+    num_heads: int | None,
+    cap: int | None,
+    dev: torch.device,
+) -> Partitions:
+    """ALiBi partitions from the scheme's sampler (a slope of 0: one block, pitch ``inf``), then the cap."""
+    sampler = get_scheme(scheme).sampler
+    m = as_slopes(slopes, _num_heads(slopes, num_heads))
     gen = as_generator(generator)
     positive = m > 0
     safe = torch.where(positive, m, torch.ones_like(m))
@@ -359,6 +372,30 @@ def sample_partitions(
     shift = torch.where(positive, shift, torch.zeros_like(shift))
     pitch, shift = _cap(pitch, shift, cap, get_scheme(scheme).integer, gen)
     return Partitions(seq_len, m, pitch.contiguous(), shift.contiguous(), scheme, dev, max_block=cap)
+
+
+def _sample_decay(
+    decay: object | Sequence[object],
+    seq_len: int,
+    num_samples: int,
+    slopes: SlopesLike,
+    scheme: str,
+    generator: GeneratorLike,
+    num_heads: int | None,
+    cap: int | None,
+    dev: torch.device,
+) -> Partitions:
+    """Partitions for a general decay (the ``"discrete"`` scheme's general law; slopes NaN), then the cap."""
+    from positional_lsh.ops.decays import sample_decay_pitches
+
+    if slopes is not None:
+        raise ValueError("pass slopes or decay, not both")
+    if scheme != "discrete":
+        raise ValueError(f"decay= samples the general 'discrete' scheme; got scheme={scheme!r}")
+    heads, pitch, shift = sample_decay_pitches(decay, seq_len, num_samples, generator, num_heads=num_heads)
+    nan = torch.full((len(heads),), math.nan, dtype=torch.float64)
+    pitch, shift = _cap(pitch, shift, cap, True, as_generator(generator) if cap else None)
+    return Partitions(seq_len, nan, pitch.contiguous(), shift.contiguous(), scheme, dev, tuple(heads), seq_len, cap)
 
 
 def _cap(

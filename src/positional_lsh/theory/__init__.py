@@ -10,6 +10,8 @@ and their mean ``Mbar``. One idea per module:
 * :mod:`positional_lsh.theory.errors` — ``||Mbar - A||_2`` (Lanczos), ``max |Mbar - A|`` (exact), the §5.2
   output metrics for given Q/K/V, and power-law fits of errors against ``T``;
 * :mod:`positional_lsh.theory.unbiased` — a statistical test that each mask is an exact sample;
+* :mod:`positional_lsh.theory.blocks` — block sizes, their work and high-probability bound, pitch caps;
+* :mod:`positional_lsh.theory.adversarial` — the uniform theorem's bound for all inputs, and adversaries;
 * :mod:`positional_lsh.theory.capture` (with :mod:`positional_lsh.theory.qkv`) — Q/K/V of real models.
 
 Everything listed in ``__all__`` is importable from here.
@@ -17,6 +19,8 @@ Everything listed in ``__all__`` is importable from here.
 
 from __future__ import annotations
 
+from positional_lsh.theory.adversarial import UniformBound, adversarial_search, uniform_error_bound
+from positional_lsh.theory.blocks import BlockStats, block_size_bound, block_stats, capped_bias
 from positional_lsh.theory.bounds import (
     alibi_norm_bound,
     alibi_spectral_norm,
@@ -44,14 +48,20 @@ from positional_lsh.theory.operators import MeanMaskOperator, alibi_matvec
 from positional_lsh.theory.unbiased import UnbiasednessResult, unbiasedness_test
 
 __all__ = [
+    "BlockStats",
     "MaskErrors",
     "MeanMaskOperator",
     "OutputErrors",
     "SpectralEstimate",
     "UnbiasednessResult",
+    "UniformBound",
+    "adversarial_search",
     "alibi_matvec",
     "alibi_norm_bound",
     "alibi_spectral_norm",
+    "block_size_bound",
+    "block_stats",
+    "capped_bias",
     "dense_mask_errors",
     "expected_error_bound",
     "fit_power_law",
@@ -66,4 +76,5 @@ __all__ = [
     "tail_bound",
     "tail_bound_epsilon",
     "unbiasedness_test",
+    "uniform_error_bound",
 ]

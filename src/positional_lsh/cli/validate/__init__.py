@@ -37,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from positional_lsh.cli.config import add_arguments
+from positional_lsh.cli.validate.adversarial import ADVERSARIAL_FIELDS, quick_adversarial
 from positional_lsh.cli.validate.config import (
     UNBIASED_TEST_SLOPES,
     ValidateConfig,
@@ -49,7 +50,9 @@ from positional_lsh.cli.validate.inputs import load_contexts, load_shipped, slop
 from positional_lsh.cli.validate.plots import plots as write_plots
 from positional_lsh.cli.validate.report import ReportData, report, write_csv
 from positional_lsh.cli.validate.sweeps import (
+    BLOCK_FIELDS,
     MEASUREMENT_FIELDS,
+    block_sweep,
     compare_sweep,
     length_sweep,
     main_sweep,
@@ -80,6 +83,8 @@ class ValidationResult:
     schemes: list[dict[str, Any]] = field(repr=False)
     lengths: list[dict[str, Any]] = field(repr=False)
     unbiasedness: list[dict[str, Any]] = field(repr=False)
+    blocks: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    adversarial: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
 def run_validation(cfg: ValidateConfig) -> ValidationResult:
@@ -120,20 +125,45 @@ def _run(cfg: ValidateConfig) -> ValidationResult:
         cmp_rows = compare_sweep(cfg, contexts, sets, heads, scale, bar)
         len_rows = length_sweep(cfg, sets, heads, bar)
         unb_rows = unbiasedness(cfg, bar)
+        block_rows = block_sweep(cfg, sets, heads)
+        adv_rows, adv_files = quick_adversarial(cfg, sets, heads, out, bar)
     found = compute_findings(cfg, rows, cmp_rows, unb_rows)
-    files = {name: out / f"{name}.csv" for name in ("measurements", "schemes", "lengths", "unbiasedness")}
+    found.update(_block_and_adversarial_findings(cfg, block_rows, adv_rows))
+    names = ("measurements", "schemes", "lengths", "unbiasedness", "blocks", "adversarial")
+    files = {name: out / f"{name}.csv" for name in names}
+    files.update(adv_files)
     files.update(config=out / "config.json", report=out / "report.md")
     write_csv(files["measurements"], rows, MEASUREMENT_FIELDS)
     write_csv(files["schemes"], cmp_rows)
     write_csv(files["lengths"], len_rows)
     write_csv(files["unbiasedness"], unb_rows)
+    write_csv(files["blocks"], block_rows, BLOCK_FIELDS)
+    write_csv(files["adversarial"], adv_rows, ["slope_set", "heads", "slope", *ADVERSARIAL_FIELDS])
     plots = write_plots(out, rows, len_rows, cmp_rows, cfg) if cfg.plots else {}
     files.update(plots)
     elapsed = time.perf_counter() - t_start
     files["config"].write_text(json.dumps(_meta(cfg, desc, found, elapsed), indent=2, default=_json_default))
-    data = ReportData(cfg, desc, rows, cmp_rows, len_rows, unb_rows, found, skipped, plots, elapsed)
+    data = ReportData(cfg, desc, rows, cmp_rows, len_rows, unb_rows, found, skipped, plots, elapsed, block_rows,
+                      adv_rows)  # fmt: skip
     files["report"].write_text(report(data))
-    return ValidationResult(out, files, found, rows, cmp_rows, len_rows, unb_rows)
+    return ValidationResult(out, files, found, rows, cmp_rows, len_rows, unb_rows, block_rows, adv_rows)
+
+
+def _block_and_adversarial_findings(
+    cfg: ValidateConfig, block_rows: list[dict[str, Any]], adv_rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Share of (head, draw) whose largest block is within the delta-bound; the small adversarial study's summary."""
+    out: dict[str, Any] = {}
+    judged = [r for r in block_rows if r["within_bound"] is not None]
+    if judged:
+        out["blocks_within_bound"] = sum(bool(r["within_bound"]) for r in judged) / len(judged)
+        out["blocks_judged"] = len(judged)
+        out["largest_block"] = max(r["largest"] for r in block_rows)
+    if adv_rows:
+        out["adversarial_violations"] = sum(bool(r["violation"]) for r in adv_rows)
+        out["adversarial_max_worst_over_bound"] = max(r["worst_over_bound"] for r in adv_rows)
+        out["adversarial_min_worst_over_gaussian"] = min(r["worst_over_gaussian"] for r in adv_rows)
+    return out
 
 
 def _total(cfg: ValidateConfig, n_sets: int, n_heads: int) -> int:
@@ -144,6 +174,7 @@ def _total(cfg: ValidateConfig, n_sets: int, n_heads: int) -> int:
         + (n_sets * len(cfg.compare_schemes) * cfg.compare_repeats * n_heads if cfg.compare_samples > 0 else 0)
         + len(cfg.lengths) * n_sets * len(cfg.schemes) * cfg.repeats * n_heads
         + (unb_schemes * len(UNBIASED_TEST_SLOPES) if cfg.unbiasedness_replicates > 0 else 0)
+        + n_heads * len(cfg.report_adversarial_lengths) * len(cfg.report_adversarial_samples)
     )
 
 
@@ -196,8 +227,10 @@ def _run_cli(args: argparse.Namespace) -> int:
     except (NotImplementedError, FileNotFoundError, ValueError) as exc:
         print(f"plsh validate: error: {exc}", file=sys.stderr)
         return 2
-    print(f"report: {result.files['report']}")
+    print(f"report: {result.files.get('report', result.files.get('adversarial_md'))}")
     f = result.findings
+    if "adversarial_violations" in f:
+        print(f"adversarial: {f['adversarial_violations']} input(s) above the uniform bound")
     for x in f.get("fits", []):
         if x["independent"]:
             print(f"fitted slope ({x['scheme']}, n={x['seq_len']}, {x['slope_set']}): {x['slope']:.3f}")

@@ -21,7 +21,7 @@ from positional_lsh.cli.validate.report import write_csv
 from positional_lsh.ops.partitions import sample_partitions
 from positional_lsh.theory.adversarial import adversarial_search
 
-__all__ = ["ADVERSARIAL_FIELDS", "run_adversarial"]
+__all__ = ["ADVERSARIAL_FIELDS", "adversarial_row", "quick_adversarial", "run_adversarial", "save_violation"]
 
 ADVERSARIAL_FIELDS = [
     "n", "T", "sigma", "score_bound", "radius", "head_dim", "seed", "gaussian", "worst", "worst_by",
@@ -30,33 +30,48 @@ ADVERSARIAL_FIELDS = [
 ]  # fmt: skip
 
 
+def adversarial_row(cfg: ValidateConfig, n: int, t: int, slope: float, seed: int) -> tuple[dict[str, Any], Any]:
+    """One (n, T) cell: masks drawn with ``seed`` for one head of ``slope``, then :func:`adversarial_search`.
+
+    Returns the CSV row and the :class:`~positional_lsh.theory.adversarial.AdversarialResult`.
+    """
+    t0 = time.perf_counter()
+    parts = sample_partitions(n, [slope], t, generator=seed)
+    res = adversarial_search(
+        parts, 0, score_bound=cfg.adversarial_score_bound, head_dim=cfg.adversarial_head_dim,
+        causal=cfg.causal, rows=cfg.adversarial_rows, pgd_max_len=cfg.adversarial_pgd_max_len, seed=seed % 2**31,
+    )  # fmt: skip
+    f = res.found
+    row = {
+        "n": n, "T": t, "sigma": 1.0 / slope if slope > 0 else float("inf"), "score_bound": res.score_bound,
+        "radius": res.radius, "head_dim": res.head_dim, "seed": seed, "gaussian": res.gaussian, "worst": res.worst,
+        "worst_by": res.worst_by, "equal_keys": f.get("equal keys"), "aligned_key": f.get("aligned key"),
+        "bound_vertex": f.get("bound vertex"), "row_pgd": f.get("row PGD"), "full_pgd": f.get("full PGD"),
+        "bound_tight": res.bound_tight, "bound_simple": res.bound_simple,
+        "worst_over_gaussian": res.worst / res.gaussian, "worst_over_bound": res.worst / res.bound_tight,
+        "violation": res.violation, "seconds": time.perf_counter() - t0,
+    }  # fmt: skip
+    return row, (res, parts)
+
+
+def save_violation(path: Path, res: Any, parts: Any, row: dict[str, Any]) -> Path:
+    """Save an input above the bound with its masks (``q, k, v, pitch, shift, slopes, row``)."""
+    torch.save({"q": res.input[0], "k": res.input[1], "v": res.input[2], "pitch": parts.pitch,
+                "shift": parts.shift, "slopes": parts.slopes, "row": row}, path)  # fmt: skip
+    return path
+
+
 def run_adversarial(cfg: ValidateConfig, out: Path) -> tuple[dict[str, Path], dict[str, Any]]:
     """Run the study; write ``adversarial.csv``, ``adversarial.md``, ``adversarial.png``. Returns (files, findings)."""
     rows: list[dict[str, Any]] = []
     files: dict[str, Path] = {}
     cells = [(n, t) for n in cfg.adversarial_lengths for t in cfg.adversarial_samples]
     for n, t in tqdm(cells, desc="adversarial", disable=not cfg.progress, file=sys.stderr):
-        t0 = time.perf_counter()
         seed = derive_seed(cfg.seed, "adversarial", n, t, cfg.adversarial_sigma)
-        parts = sample_partitions(n, [1.0 / cfg.adversarial_sigma], t, generator=seed)
-        res = adversarial_search(
-            parts, 0, score_bound=cfg.adversarial_score_bound, head_dim=cfg.adversarial_head_dim,
-            causal=cfg.causal, rows=cfg.adversarial_rows, pgd_max_len=cfg.adversarial_pgd_max_len, seed=seed % 2**31,
-        )  # fmt: skip
-        f = res.found
-        rows.append({
-            "n": n, "T": t, "sigma": cfg.adversarial_sigma, "score_bound": res.score_bound, "radius": res.radius,
-            "head_dim": res.head_dim, "seed": seed, "gaussian": res.gaussian, "worst": res.worst,
-            "worst_by": res.worst_by, "equal_keys": f.get("equal keys"), "aligned_key": f.get("aligned key"),
-            "bound_vertex": f.get("bound vertex"), "row_pgd": f.get("row PGD"), "full_pgd": f.get("full PGD"),
-            "bound_tight": res.bound_tight, "bound_simple": res.bound_simple,
-            "worst_over_gaussian": res.worst / res.gaussian, "worst_over_bound": res.worst / res.bound_tight,
-            "violation": res.violation, "seconds": time.perf_counter() - t0,
-        })  # fmt: skip
+        row, (res, parts) = adversarial_row(cfg, n, t, 1.0 / cfg.adversarial_sigma, seed)
+        rows.append(row)
         if res.violation:
-            path = out / f"adversarial_violation_n{n}_T{t}.pt"
-            torch.save({"q": res.input[0], "k": res.input[1], "v": res.input[2], "pitch": parts.pitch,
-                        "shift": parts.shift, "slopes": parts.slopes, "row": rows[-1]}, path)  # fmt: skip
+            path = save_violation(out / f"adversarial_violation_n{n}_T{t}.pt", res, parts, row)
             files[path.stem] = path
     files["adversarial_csv"] = out / "adversarial.csv"
     write_csv(files["adversarial_csv"], rows, ADVERSARIAL_FIELDS)
@@ -70,6 +85,38 @@ def run_adversarial(cfg: ValidateConfig, out: Path) -> tuple[dict[str, Path], di
         "adversarial_min_worst_over_gaussian": min(r["worst_over_gaussian"] for r in rows),
     }
     return files, found
+
+
+def quick_adversarial(
+    cfg: ValidateConfig, slope_sets: dict[str, torch.Tensor], heads: list[int], out: Path, bar: Any = None
+) -> tuple[list[dict[str, Any]], dict[str, Path]]:
+    """The report's small adversarial study: every distinct slope of the selected heads (the ``"model"`` slope set
+    when present, else the first), ``n`` in ``report_adversarial_lengths``, ``T`` in ``report_adversarial_samples``.
+
+    Rows as :data:`ADVERSARIAL_FIELDS` plus ``slope_set``, ``heads`` (the heads sharing the slope) and ``slope``.
+    Inputs above the bound are saved (``adversarial_violation_*.pt``) and returned as files.
+    """
+    rows: list[dict[str, Any]] = []
+    files: dict[str, Path] = {}
+    if not cfg.report_adversarial_lengths or not cfg.report_adversarial_samples or not slope_sets:
+        return rows, files
+    mode = "model" if "model" in slope_sets else next(iter(slope_sets))
+    by_slope: dict[float, list[int]] = {}
+    for h in heads:
+        by_slope.setdefault(float(slope_sets[mode][h]), []).append(h)
+    for slope, hs in by_slope.items():
+        for n in cfg.report_adversarial_lengths:
+            for t in cfg.report_adversarial_samples:
+                seed = derive_seed(cfg.seed, "report-adversarial", n, t, slope)
+                row, (res, parts) = adversarial_row(cfg, n, t, slope, seed)
+                row = {"slope_set": mode, "heads": " ".join(map(str, hs)), "slope": slope, **row}
+                rows.append(row)
+                if res.violation:
+                    path = save_violation(out / f"adversarial_violation_slope{slope:.6g}_n{n}_T{t}.pt", res, parts, row)
+                    files[path.stem] = path
+                if bar is not None:
+                    bar.update(len(hs))  # one head-cell per head sharing the slope
+    return rows, files
 
 
 def _markdown(cfg: ValidateConfig, rows: list[dict[str, Any]]) -> str:

@@ -73,6 +73,10 @@ class ValidateConfig:
             ``sigma = adversarial_sigma``, inputs with ``|scale q.k| <= adversarial_score_bound``, ``|v| <= 1``.
         adversarial_lengths, adversarial_samples, adversarial_sigma, adversarial_score_bound,
             adversarial_head_dim, adversarial_rows, adversarial_pgd_max_len: its settings.
+        block_delta: failure probability of the report's high-probability bound on the largest block
+            (``theory.blocks.block_size_bound``), compared with the largest block of every measured draw.
+        report_adversarial_lengths, report_adversarial_samples: the report's small adversarial study (every
+            distinct slope of the measured heads, the other ``adversarial_*`` settings); an empty list skips it.
         plots: write PNG plots.
         progress: show progress bars.
         threads: torch intra-op threads during the run (restored afterwards). 1 is fastest for the many
@@ -125,6 +129,11 @@ class ValidateConfig:
     adversarial_head_dim: int = option(16, "head dimension of the adversarial inputs")
     adversarial_rows: int = option(4, "query rows attacked (those with the largest bound)")
     adversarial_pgd_max_len: int = option(1024, "full (q, k, v) gradient ascent only up to this n")
+    block_delta: float = option(0.01, "failure probability of the report's bound on the largest block")
+    report_adversarial_lengths: tuple[int, ...] = option(
+        (256,), "lengths n of the report's small adversarial study ('none': skip)"
+    )
+    report_adversarial_samples: tuple[int, ...] = option((4, 16), "sample counts T of the report's adversarial study")
 
     def __post_init__(self) -> None:
         if self.source not in ("synthetic", "checkpoint", "shipped"):
@@ -151,11 +160,15 @@ class ValidateConfig:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
         for name in ("num_inputs", "repeats", "length_samples", "synthetic_layers", "synthetic_heads"):
             positive_int(name, getattr(self, name))
-        for name in ("adversarial_lengths", "adversarial_samples"):
+        for name in ("adversarial_lengths", "adversarial_samples", "report_adversarial_lengths",
+                     "report_adversarial_samples"):  # fmt: skip
             for v in getattr(self, name):
                 positive_int(name, v)
-        if any(n > 4096 for n in self.adversarial_lengths):
-            raise ValueError("adversarial_lengths must be <= 4096 (dense float64 references)")
+        for name in ("adversarial_lengths", "report_adversarial_lengths"):
+            if any(n > 4096 for n in getattr(self, name)):
+                raise ValueError(f"{name} must be <= 4096 (dense float64 references)")
+        if not 0 < self.block_delta < 1:
+            raise ValueError(f"block_delta must be in (0, 1), got {self.block_delta}")
         for name in ("adversarial_sigma", "adversarial_score_bound"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

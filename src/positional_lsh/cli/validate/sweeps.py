@@ -17,7 +17,16 @@ from positional_lsh.cli.validate.inputs import Context
 from positional_lsh.ops.partitions import Partitions, sample_partitions
 from positional_lsh.ops.schemes import get_scheme
 
-__all__ = ["MEASUREMENT_FIELDS", "OUTPUT_FIELDS", "compare_sweep", "length_sweep", "main_sweep", "unbiasedness"]
+__all__ = [
+    "BLOCK_FIELDS",
+    "MEASUREMENT_FIELDS",
+    "OUTPUT_FIELDS",
+    "block_sweep",
+    "compare_sweep",
+    "length_sweep",
+    "main_sweep",
+    "unbiasedness",
+]
 
 
 OUTPUT_FIELDS = (
@@ -56,6 +65,27 @@ MEASUREMENT_FIELDS = (
     "suggested_samples",
     *OUTPUT_FIELDS,
     "seconds",
+)
+
+
+BLOCK_FIELDS = (
+    "seq_len",
+    "slope_set",
+    "scheme",
+    "samples",
+    "repeat",
+    "seed",
+    "head",
+    "slope",
+    "sigma",
+    "largest",
+    "bound",
+    "delta",
+    "within_bound",
+    "blocks",
+    "work",
+    "causal_work",
+    "work_over_dense",
 )
 
 
@@ -125,6 +155,47 @@ def main_sweep(
                             rows += _measure_head(cfg, ctxs, parts, hi, float(slopes[h]), coords, scale)
                             bar.update(1)
     return rows, skipped
+
+
+def block_sweep(cfg: ValidateConfig, slope_sets: dict[str, torch.Tensor], heads: list[int]) -> list[dict[str, Any]]:
+    """Block sizes of the main sweep's draws (same seeds, so the very masks measured there), one row per head.
+
+    ``largest``: the head's largest block over its ``s`` samples (:func:`theory.blocks.block_stats`); ``bound``:
+    :func:`theory.blocks.block_size_bound` at ``delta = block_delta`` (no block longer, with probability
+    ``>= 1 - delta``; ``n`` for slope 0, NaN for schemes without a known pitch tail); ``work``: ``sum_t
+    sum_blocks len^2`` (``causal_work``: ``len (len + 1) / 2``); ``work_over_dense``: ``work / (s n^2)``.
+    """
+    from positional_lsh.theory.blocks import block_size_bound, block_stats
+
+    rows: list[dict[str, Any]] = []
+    for n in cfg.seq_lens:
+        for mode, slopes in slope_sets.items():
+            for scheme in cfg.schemes:
+                for s in cfg.samples:
+                    if n * s > cfg.max_work:
+                        continue
+                    for rep in range(cfg.repeats):
+                        seed = derive_seed(cfg.seed, "main", n, mode, scheme, s, rep)
+                        parts = sample_partitions(n, slopes[heads], s, scheme=scheme, generator=seed)
+                        st = block_stats(parts)
+                        for hi, h in enumerate(heads):
+                            slope = float(slopes[h])
+                            try:
+                                bound = float(n if slope == 0 else block_size_bound(n, 1 / slope, s, cfg.block_delta,
+                                                                                    scheme))  # fmt: skip
+                            except ValueError:  # no pitch tail for this scheme
+                                bound = math.nan
+                            largest = int(st.largest_per_head[hi])
+                            rows.append({
+                                "seq_len": n, "slope_set": mode, "scheme": scheme, "samples": s, "repeat": rep,
+                                "seed": seed, "head": h, "slope": slope, "sigma": 1 / slope if slope > 0 else math.inf,
+                                "largest": largest, "bound": bound, "delta": cfg.block_delta,
+                                "within_bound": bool(largest <= bound) if math.isfinite(bound) else None,
+                                "blocks": int(st.blocks[hi]), "work": float(st.work[hi]),
+                                "causal_work": float(st.causal_work[hi]),
+                                "work_over_dense": float(st.work[hi]) / (s * st.dense_work),
+                            })  # fmt: skip
+    return rows
 
 
 def _measure_head(

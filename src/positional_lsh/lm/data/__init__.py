@@ -21,6 +21,7 @@ from positional_lsh.lm.data.corpus import (
     load_hf_dataset,
     load_splits,
     load_text_files,
+    split_by_position,
     split_documents,
     split_wikitext_articles,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "random_batch",
     "random_windows",
     "sliding_windows",
+    "split_by_position",
     "split_documents",
     "split_wikitext_articles",
     "train_tokenizer",

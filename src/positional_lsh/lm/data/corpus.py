@@ -37,6 +37,7 @@ __all__ = [
     "load_hf_dataset",
     "load_splits",
     "load_text_files",
+    "split_by_position",
     "split_documents",
     "split_wikitext_articles",
 ]
@@ -263,7 +264,10 @@ def load_text_files(
         try:
             text = f.read_text(encoding=encoding)
         except UnicodeDecodeError as exc:
-            raise ValueError(f"path {f} is not valid {encoding} text: {exc}") from None
+            raise ValueError(f"path {f} is not valid {encoding} text ({exc.reason} at byte {exc.start}); "
+                             "pass text files") from None  # fmt: skip
+        if "\x00" in text:
+            raise ValueError(f"path {f} holds NUL bytes: it looks binary, not text; pass text files")
         parts = [text] if separator is None else text.split(separator)
         parts = [t for t in parts if t.strip()]
         for j, t in enumerate(parts):
@@ -377,7 +381,8 @@ def load_splits(
     * a ``.jsonl``/``.jsonl.xz``/``.jsonl.gz`` file: its stored splits if every document has one, else
       ``split_documents(fractions, seed)``.
     * a directory with ``train``, ``validation`` (or ``valid``) and ``test`` subdirectories: those.
-    * any other ``.txt`` file or directory: ``load_text_files`` then ``split_documents(fractions, seed)``.
+    * any other ``.txt`` file or directory: ``load_text_files`` then ``split_documents(fractions, seed)``; with
+      fewer than 3 documents (e.g. one text file) ``split_by_position(fractions)`` instead.
     """
     if source is None or source == "default":
         return corpus_splits()
@@ -402,4 +407,36 @@ def load_splits(
             s: [dataclasses.replace(d, split=s) for d in load_text_files(q)]
             for s, q in zip(SPLITS, (p / "train", val, p / "test"), strict=True)
         }
-    return split_documents(load_text_files(p), fractions, seed)
+    docs = load_text_files(p)
+    if len(docs) < 3:  # too few documents to split by document: split the text by position
+        return split_by_position(docs, fractions)
+    return split_documents(docs, fractions, seed)
+
+
+def split_by_position(
+    documents: DocumentsLike, fractions: Sequence[float] = DEFAULT_FRACTIONS
+) -> dict[str, list[Document]]:
+    """Split text too short in documents (one file, say) **by position**: the documents are joined, and the
+    first ``fractions[0]`` of the characters go to train, the next ``fractions[1]`` to validation, the rest to
+    test, each cut moved forward to the next line break (or space) when there is one nearby.
+    """
+    docs = as_documents("documents", documents)
+    if len(fractions) != 3 or fractions[0] <= 0 or any(not 0 <= f for f in fractions):
+        raise ValueError(f"fractions must be 3 numbers >= 0 with a positive train fraction, got {list(fractions)}")
+    text = "\n\n".join(d.text for d in docs)
+    n = len(text)
+    if n < 100:
+        raise ValueError(f"{docs[0].source or 'the text'} has only {n} characters: too little to split into "
+                         "train/validation/test; pass more text")  # fmt: skip
+    cuts = [0]
+    for f in (fractions[0], fractions[0] + fractions[1]):
+        at = max(cuts[-1] + 1, min(n - 1, round(n * f)))
+        nl = text.find("\n", at, at + 2000)
+        sp = text.find(" ", at, at + 200)
+        cuts.append(nl + 1 if nl >= 0 else sp + 1 if sp >= 0 else at)
+    cuts.append(n)
+    src, title = docs[0].source, docs[0].title
+    return {
+        s: [Document(title=f"{title} ({s})", text=text[a:b], source=src, id=f"{title}:{s}", split=s)]
+        for s, a, b in zip(SPLITS, cuts[:-1], cuts[1:], strict=True)
+    }

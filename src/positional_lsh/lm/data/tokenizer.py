@@ -21,6 +21,7 @@ import torch
 
 from positional_lsh.lm.data.corpus import Document, DocumentsLike, as_documents, as_path
 from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops.errors import UserError
 
 __all__ = [
     "DEFAULT_VOCAB_SIZE",
@@ -338,7 +339,13 @@ def encode_splits(
         cdir = as_path("cache_dir", cache_dir, must_exist=False)
         cache_file = cdir / f"tokens-{_cache_key(tokenizer, docs, dtype)}.pt"
         if cache_file.is_file():
-            cached = torch.load(cache_file, weights_only=True)
+            try:
+                cached = torch.load(cache_file, weights_only=True)
+            except Exception:  # torch raises many kinds for a damaged file
+                raise UserError(
+                    f"token cache {cache_file} is corrupt or truncated; delete it (it is rebuilt) or pass "
+                    "--cache-dir ''"
+                ) from None
             if isinstance(cached, dict) and set(cached) == set(docs):
                 return cached
     out = {name: encode_documents(tokenizer, part, dtype=dtype) for name, part in docs.items()}

@@ -1,0 +1,385 @@
+"""The multiplicity form of the estimator: one masked attention call per group of query tiles.
+
+For head ``h`` with ``T`` sampled partitions, let ``c[i,j] = #{t : i and j share a block of sample t}``. Then
+``Mbar = c / T`` and the estimator (docs/design.md) is
+
+    out_i = softmax_j(s[i,j] + log c[i,j]) v_j          (the 1/T cancels; log 0 = -inf)
+
+with ``s[i,j] = scale * q_i . k_j`` and, when causal, ``-inf`` for ``j > i``. Every sampled block is a
+contiguous run of positions, so with ``start_t(i)``/``end_t(i)`` the first/one-past-last position of ``i``'s
+block in sample ``t``:
+
+* causal: ``c[i,j] = #{t : start_t(i) <= j}`` for ``j <= i`` — a step function of ``j`` with at most ``T`` steps;
+* bidirectional: ``c[i,j] = #{t : start_t(i) <= j < end_t(i)}``.
+
+Query ``i``'s keys are the interval ``[min_t start_t(i), max_t end_t(i))``: its work is the *union* of its
+``T`` blocks (mean extent about ``sigma * H_T`` causal, ``H_T`` the harmonic number) instead of their sum
+(``T * sigma``), which is where the per-sample path spends its time at large ``T``.
+
+Computation. Queries are cut into tiles of ``tile`` consecutive rows (per head, chosen by the plan). A tile's
+keys are one window ``[k_start, k_start + k_len)`` covering the union of its rows' intervals (both ends are
+monotone in ``i``, so the first and last row fix it). Tiles with equal ``(tile, k_len)`` (``k_len`` rounded
+up to a few sizes per octave) form a *group*: one batched attention call over ``(B, tiles, tile, k_len)``
+with the additive float mask ``log c`` (``-inf`` outside), built on the device by a scatter of the ``T``
+block starts (and ends) of every row followed by a cumulative sum over keys — ``O(T + k_len)`` per row.
+Each query row lives in exactly one tile, so the call's ``(out, lse)`` are final: no merge. The backward
+is the same attention's backward with the saved ``out``/``lse`` and the mask rebuilt, its key gradients
+scatter-added back (tiles share keys).
+
+All of it is device-agnostic torch: gathers, ``scatter_add_``, ``cumsum``, ``log`` and the attention kernels
+of :mod:`positional_lsh.ops._kernels` (CPU: torch's fused flash op with ``attn_mask``; elsewhere: chunked
+matmul). The number of kernel calls is the number of groups (a handful per head), split further only to cap
+the memory of one call (:data:`_CHUNK_ELEMENTS`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from positional_lsh.ops._kernels import attend, attend_backward
+from positional_lsh.ops.partitions import Partitions
+
+__all__ = [
+    "BLOCK_COST",
+    "CALL_COST",
+    "ENTRY_COST",
+    "MultiplicityPlan",
+    "multiplicity_cost",
+    "multiplicity_plan",
+    "sample_bounds",
+]
+
+# Candidate query-tile heights; the plan picks the cheapest per head.
+_TILES = (16, 32, 64, 128, 256)
+# Key-window lengths are rounded up to one of this many sizes per octave (fewer distinct shapes, fewer calls).
+_STEPS_PER_OCTAVE = 4
+# One kernel call materializes about this many elements (gathered keys/values, mask, per-row bounds).
+_CHUNK_ELEMENTS = 2**23
+# Cost model, in nanoseconds on the measured 2-core CPU (d = 64, fp32, torch's CPU flash op; fitted to per-head
+# timings, see docs/implementation.md "Choosing the method"). Only ratios matter.
+PAIR_COST = 40.0  # one masked-tile score entry ...
+PAIR_COST_TILE = 2500.0  # ... plus this / tile (the kernel packs the keys once per query block)
+TILE_COST = 2000.0  # per tile (gathers, scatters, kernel bookkeeping)
+BOUND_COST = 400.0  # per (query row, sample): block bounds, scatter of the start, cumulative count
+ENTRY_COST = 33.0  # per-sample path: one score entry of a block ...
+BLOCK_COST = 3000.0  # ... per block (the fused kernel's per-head overhead)
+CALL_COST = 20000.0  # ... per kernel call
+
+
+_ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds a float64 |x| < 2**51 to an integer
+
+
+def _floor(x: torch.Tensor) -> torch.Tensor:
+    """``torch.floor`` for float64 ``|x| < 2**51`` (and +-inf), exact, with vectorized adds only.
+
+    torch's CPU ``floor``/``ceil`` on float64 runs at about 60 ns per element on the measured machine (against
+    0.5 ns for float32); this is the bottleneck of the bounds otherwise.
+    """
+    r = (x + _ROUND) - _ROUND  # round to nearest integer
+    return r - (r > x).to(x.dtype)
+
+
+def _ceil(x: torch.Tensor) -> torch.Tensor:
+    return -_floor(-x)
+
+
+def sample_bounds(
+    pitch: torch.Tensor, shift: torch.Tensor, seq_len: int, pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """First position and one past the last of the block holding ``pos`` in each partition: int64 ``(start, end)``.
+
+    ``pitch``/``shift`` (float64, any shape broadcastable with ``pos``) describe partitions as in
+    :class:`~positional_lsh.Partitions`: position ``i`` is in block ``floor((i - shift) / pitch)``. Exact: the
+    bounds are moved until the labels agree with that floor formula (the one ``Partitions.labels`` uses), so
+    generic (non-integer) pitches give the same blocks as the dense masks. ``pitch = inf`` is one block,
+    ``pitch <= 1`` single positions.
+    """
+    p = pos.to(torch.float64)
+    n = float(seq_len)
+
+    def label(i: torch.Tensor) -> torch.Tensor:
+        return _floor((i - shift) / pitch)
+
+    lab = label(p)
+    lo = _ceil(shift + lab * pitch).clamp_min(0.0).minimum(p)
+    hi = _ceil(shift + (lab + 1.0) * pitch).maximum(p + 1.0).clamp_max(n)
+    for _ in range(2):
+        lo = torch.where((lo > 0) & (label(lo - 1.0) >= lab), lo - 1.0, lo)
+        lo = torch.where(label(lo) < lab, lo + 1.0, lo)
+        hi = torch.where((hi < n) & (label(hi) <= lab), hi + 1.0, hi)
+        hi = torch.where(label(hi - 1.0) > lab, hi - 1.0, hi)
+    one_block = torch.isinf(pitch)
+    single = pitch <= 1.0
+    lo = torch.where(one_block, 0.0, torch.where(single, p, lo))
+    hi = torch.where(one_block, n, torch.where(single, p + 1.0, hi))
+    return lo.long(), hi.long()
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Query tiles sharing one shape ``(tile, k_len)``; tile ``a`` holds query rows ``q_start[a] + [0, tile)``
+    (clamped to ``Lq - 1``) of query head ``head[a]`` and keys ``k_start[a] + [0, k_len)`` of ``kv_head[a]``."""
+
+    tile: int
+    k_len: int
+    head: torch.Tensor  # (N,) int64
+    kv_head: torch.Tensor  # (N,) int64
+    q_start: torch.Tensor  # (N,) int64, query rows
+    k_start: torch.Tensor  # (N,) int64, key positions
+    pitch: torch.Tensor  # (N, T) float64
+    shift: torch.Tensor  # (N, T) float64
+
+    def to(self, device: torch.device) -> _Group:
+        return _Group(
+            self.tile,
+            self.k_len,
+            *(x.to(device) for x in (self.head, self.kv_head, self.q_start, self.k_start, self.pitch, self.shift)),
+        )
+
+    def _columns(self) -> tuple[torch.Tensor, ...]:
+        return (self.head, self.kv_head, self.q_start, self.k_start, self.pitch, self.shift)
+
+    def split(self, size: int) -> list[_Group]:
+        n = self.head.shape[0]
+        return [
+            _Group(
+                self.tile,
+                self.k_len,
+                *(x[a : a + size] for x in self._columns()),
+            )
+            for a in range(0, n, size)
+        ]
+
+
+@dataclass(frozen=True)
+class MultiplicityPlan:
+    """Kernel groups for the multiplicity form of some heads; built by :func:`multiplicity_plan`."""
+
+    heads: tuple[int, ...]
+    groups: tuple[_Group, ...]
+    q_len: int
+    k_len: int
+    causal: bool
+    num_samples: int
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.groups)
+
+    def pairs(self) -> int:
+        """Score entries the kernel calls compute (per batch element), padding included."""
+        return sum(int(g.head.shape[0]) * g.tile * g.k_len for g in self.groups)
+
+
+def _round_up(k: torch.Tensor, limit: int) -> torch.Tensor:
+    """Round lengths up to one of ``_STEPS_PER_OCTAVE`` sizes per octave (multiples of 8), at most ``limit``."""
+    kf = k.to(torch.float64).clamp_min(8.0)
+    octave = torch.floor(torch.log2(kf)) - math.log2(_STEPS_PER_OCTAVE)
+    unit = torch.exp2(octave).clamp_min(8.0)
+    out = (torch.ceil(kf / unit) * unit).long()
+    out = ((out + 7) // 8) * 8
+    return torch.minimum(out, torch.full_like(out, limit))
+
+
+def _tiles_for(partitions: Partitions, head: int, q_len: int, causal: bool, tile: int) -> tuple[torch.Tensor, ...]:
+    """``(q_start, k_start, k_len)`` of the tiles of one head for one tile height (CPU int64)."""
+    n = partitions.seq_len
+    q0 = n - q_len
+    q_start = torch.arange(0, q_len, tile, dtype=torch.long)
+    first = q_start + q0
+    last = torch.clamp(q_start + tile, max=q_len) - 1 + q0
+    pitch, shift = partitions.pitch[:, head], partitions.shift[:, head]
+    lo = sample_bounds(pitch, shift, n, first[:, None])[0].amin(1)
+    if causal:
+        end = last + 1
+    else:
+        end = sample_bounds(pitch, shift, n, last[:, None])[1].amax(1)
+    k_len = _round_up(end - lo, n)
+    k_start = torch.minimum(lo, n - k_len)
+    return q_start, k_start, k_len
+
+
+def _head_cost(k_len: torch.Tensor, tile: int, q_len: int, num_samples: int) -> float:
+    pairs = float(k_len.sum()) * tile
+    return pairs * (PAIR_COST + PAIR_COST_TILE / tile) + TILE_COST * k_len.numel() + BOUND_COST * q_len * num_samples
+
+
+def _best_tiles(
+    partitions: Partitions, head: int, q_len: int, causal: bool
+) -> tuple[float, tuple[torch.Tensor, ...], int]:
+    best: tuple[float, tuple[torch.Tensor, ...], int] | None = None
+    for tile in _TILES:
+        tile = min(tile, q_len)
+        tiles = _tiles_for(partitions, head, q_len, causal, tile)
+        cost = _head_cost(tiles[2], tile, q_len, partitions.num_samples)
+        if best is None or cost < best[0]:
+            best = (cost, tiles, tile)
+        if tile >= q_len:
+            break
+    assert best is not None
+    return best
+
+
+def multiplicity_cost(partitions: Partitions, head: int, q_len: int, causal: bool) -> float:
+    """Estimated time (ns, per batch element) of the multiplicity form for one head."""
+    return _best_tiles(partitions, head, q_len, causal)[0]
+
+
+def multiplicity_plan(
+    partitions: Partitions, heads: list[int], num_kv_heads: int, q_len: int, causal: bool
+) -> MultiplicityPlan:
+    """Tiles of the given query heads, grouped by shape (one batched kernel call per group)."""
+    group_size = partitions.num_heads // num_kv_heads
+    by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
+    for h in heads:
+        _, (q_start, k_start, k_len), tile = _best_tiles(partitions, h, q_len, causal)
+        for kl in torch.unique(k_len).tolist():
+            sel = k_len == kl
+            m = int(sel.sum())
+            hh = torch.full((m,), h, dtype=torch.long)
+            pitch = partitions.pitch[:, h].expand(m, -1)
+            shift = partitions.shift[:, h].expand(m, -1)
+            by_shape.setdefault((tile, int(kl)), []).append(
+                (hh, hh // group_size, q_start[sel], k_start[sel], pitch, shift)
+            )
+    groups = []
+    for (tile, kl), parts in sorted(by_shape.items()):
+        cols = [torch.cat(c) for c in zip(*parts, strict=True)]
+        groups.append(_Group(tile, kl, *(c.contiguous() for c in cols)))
+    return MultiplicityPlan(tuple(heads), tuple(groups), q_len, partitions.seq_len, causal, partitions.num_samples)
+
+
+def _chunks(group: _Group, num_samples: int, batch: int, d: int) -> list[_Group]:
+    """Split a group so that one call materializes about ``_CHUNK_ELEMENTS`` elements."""
+    per_tile = group.tile * (group.k_len * (2 + batch) + num_samples * 8) + 2 * batch * group.k_len * d
+    size = max(1, _CHUNK_ELEMENTS // max(1, per_tile))
+    return group.split(size) if group.head.shape[0] > size else [group]
+
+
+def _rows(g: _Group, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows ``(N, tile)`` (clamped) and whether each is a real row (not padding past ``Lq``)."""
+    r = g.q_start[:, None] + torch.arange(g.tile, device=g.q_start.device)
+    return r.clamp(max=q_len - 1), r < q_len
+
+
+def _row_bounds(g: _Group, pos: torch.Tensor, n: int, need_end: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``start_t``/``end_t`` of every tile row: int64 ``(N, tile, T)``.
+
+    Exact bounds (:func:`sample_bounds`) are computed for the first (and last) row of each tile only; inside a
+    tile the rows are consecutive positions, so a block starts wherever the label ``floor((i - shift) / pitch)``
+    changes: ``start`` is a running maximum of those positions, ``end`` a reversed running minimum.
+    """
+    pitch, shift = g.pitch[:, None, :], g.shift[:, None, :]
+    p = pos[..., None]  # (N, tile, 1)
+    lab = _floor((p.to(torch.float64) - shift) / pitch)  # (N, tile, T)
+    change = lab[:, 1:] != lab[:, :-1]  # label of row r+1 differs from row r: a block starts at row r+1
+    lo0, _ = sample_bounds(g.pitch, g.shift, n, pos[:, :1])  # (N, T)
+    start = torch.cat([lo0[:, None], torch.where(change, p[:, 1:], lo0[:, None])], 1).cummax(1).values
+    if not need_end:
+        return start, None
+    _, hi1 = sample_bounds(g.pitch, g.shift, n, pos[:, -1:])
+    cand = torch.cat([torch.where(change, p[:, 1:], hi1[:, None]), hi1[:, None]], 1)
+    end = cand.flip(1).cummin(1).values.flip(1)
+    return start, end
+
+
+def _mask(g: _Group, rows: torch.Tensor, plan: MultiplicityPlan, dtype: torch.dtype) -> torch.Tensor:
+    """``log c`` over ``(N, tile, k_len)`` with ``-inf`` where ``c = 0`` (and above the diagonal when causal)."""
+    n, kl = plan.k_len, g.k_len
+    pos = rows + (n - plan.q_len)  # (N, tile) key positions of the queries
+    start, end = _row_bounds(g, pos, n, not plan.causal)
+    k0 = g.k_start[:, None, None]
+    counts = torch.zeros((*rows.shape, kl + 1), dtype=dtype, device=rows.device)
+    ones = torch.ones((), dtype=dtype, device=rows.device).expand(start.shape)
+    counts.scatter_add_(-1, start - k0, ones)
+    if end is not None:
+        counts.scatter_add_(-1, (end - k0).clamp(max=kl), -ones)
+    c = counts[..., :kl].cumsum_(-1)
+    if plan.causal:
+        keys = g.k_start[:, None, None] + torch.arange(kl, device=rows.device)
+        c.masked_fill_(keys > pos[..., None], 0.0)
+    return c.log_()
+
+
+def _gather(x: torch.Tensor, head: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x (B, H, L, d)`` rows ``idx (N, R)`` of heads ``head (N,)``: ``(B, N, R, d)``."""
+    b, _, length, d = x.shape
+    if x.stride(1) == length * x.stride(2) and x.stride(2) == d and x.stride(3) == 1:  # (H, L) flattens to a view
+        flat = (head[:, None] * length + idx).flatten()
+        return x.flatten(1, 2).index_select(1, flat).view(b, *idx.shape, d)
+    return x[:, head[:, None], idx]
+
+
+def _keys(g: _Group, n: int) -> torch.Tensor:
+    return (g.k_start[:, None] + torch.arange(g.k_len, device=g.k_start.device)).clamp(max=n - 1)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Tiles are computed in float32 for half inputs (the mask's ``log c`` must not be rounded to 8 bits)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def multiplicity_forward(
+    plan: MultiplicityPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    backend: str,
+) -> None:
+    """Write the rows of ``plan.heads`` of ``out (B, Hq, Lq, d)`` and ``lse (B, Hq, Lq)`` (accumulation dtype)."""
+    cd = _compute_dtype(q.dtype)
+    b, _, lq, d = q.shape
+    for group in plan.groups:
+        for g in _chunks(group.to(q.device), plan.num_samples, b, d):
+            rows, _ = _rows(g, lq)
+            keys = _keys(g, plan.k_len)
+            mask = _mask(g, rows, plan, cd)
+            qg = _gather(q, g.head, rows).to(cd)
+            kg, vg = _gather(k, g.kv_head, keys).to(cd), _gather(v, g.kv_head, keys).to(cd)
+            o, l = attend(qg, kg, vg, causal=False, scale=scale, backend=backend, bias=mask.unsqueeze(0))
+            # Padded rows repeat row Lq-1 of the same tile: they write the same values.
+            flat = (g.head[:, None] * lq + rows).flatten()
+            out.view(b, -1, d).index_copy_(1, flat, o.flatten(1, 2).to(out.dtype))
+            lse.view(b, -1).index_copy_(1, flat, l.flatten(1, 2).to(lse.dtype))
+
+
+def multiplicity_backward(
+    plan: MultiplicityPlan,
+    saved: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    backend: str,
+) -> None:
+    """Accumulate the gradients of the rows of ``plan.heads`` into ``grads = (dq, dk, dv)`` (accumulation dtype)."""
+    q, k, v, out, lse = saved
+    dq, dk, dv = grads
+    cd = _compute_dtype(q.dtype)
+    b, hq, lq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
+    for group in plan.groups:
+        for g in _chunks(group.to(q.device), plan.num_samples, b, d):
+            rows, real = _rows(g, lq)
+            keys = _keys(g, n)
+            mask = _mask(g, rows, plan, cd)
+            qg = _gather(q, g.head, rows).to(cd)
+            kg, vg = _gather(k, g.kv_head, keys).to(cd), _gather(v, g.kv_head, keys).to(cd)
+            og = _gather(out, g.head, rows).to(cd)
+            lg = _gather(lse.unsqueeze(-1), g.head, rows).squeeze(-1).to(cd)
+            # Padding rows get a zero upstream gradient, so they contribute nothing.
+            dg = (_gather(dout, g.head, rows).to(cd) * real[None, :, :, None]).to(cd)
+            gq, gk, gv = attend_backward(
+                dg, qg, kg, vg, og, lg, causal=False, scale=scale, backend=backend, bias=mask.unsqueeze(0)
+            )
+            qi = (g.head[:, None] * lq + rows).flatten()
+            ki = (g.kv_head[:, None] * n + keys).flatten()
+            dq_f.index_add_(1, qi, gq.flatten(1, 2).to(dq.dtype))
+            dk_f.index_add_(1, ki, gk.flatten(1, 2).to(dk.dtype))
+            dv_f.index_add_(1, ki, gv.flatten(1, 2).to(dv.dtype))
