@@ -27,6 +27,7 @@ library's dense oracles (``dense_plsh_attention`` against ``alibi_attention``) o
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -319,6 +320,10 @@ class AdversarialResult:
     input: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(repr=False)
 
 
+# An adversary's best row so far: (its row error by the cheap row formula, the row's scores ``s``, the row).
+_Candidate = tuple[float, torch.Tensor, int]
+
+
 def adversarial_search(
     partitions: Partitions,
     head: int = 0,
@@ -350,65 +355,111 @@ def adversarial_search(
     mbar = head_mean_mask(partitions, head)
     bound = uniform_error_bound(partitions, head, c, causal=causal, mbar=mbar)
     gen = torch.Generator().manual_seed(seed)
-    found: dict[str, float] = {}
+    cand: dict[str, _Candidate] = {}
+    for row in _attacked_rows(bound, rows):
+        _attack_row(cand, partitions, head, row, c, int(bound.vertex[row]), gen, causal=causal, steps=row_steps,
+                    mbar=mbar)  # fmt: skip
     inputs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    slope = float(partitions.slopes[head])
-    cand: dict[str, tuple[float, torch.Tensor, int]] = {}
-
-    def consider(name: str, s: torch.Tensor, row: int) -> None:  # cheap row formula; verified below
-        a_log = -slope * (row - torch.arange(s.numel(), dtype=torch.float64)).abs()
-        w, wt = _row_weights(s, torch.log(mbar[row, : s.numel()]), a_log)
-        err = float((w - wt).abs().sum())
-        if err > cand.get(name, (-1.0,))[0]:
-            cand[name] = (err, s, row)
-
-    # Rows attacked: the ``rows`` with the largest bound, and the ``rows`` whose bound vertex is worst in fact (where
-    # the bound exceeds the trivial 2, the rows with the largest bound need not be the most vulnerable ones).
-    by_bound = np.argsort(-bound.row_tight, kind="stable")[:rows].tolist()
-    by_vertex = np.argsort(-bound.row_vertex_error, kind="stable")[:rows].tolist()
-    for row in dict.fromkeys(by_bound + by_vertex):
-        keys = row + 1 if causal else n
-        consider("equal keys", torch.zeros(keys, dtype=torch.float64), row)
-        a = torch.exp(-slope * (row - torch.arange(keys, dtype=torch.float64)).abs())
-        ratio = (mbar[row, :keys] - a).abs() / a
-        vertex = torch.full((keys,), -c, dtype=torch.float64)
-        vertex[torch.argsort(ratio, descending=True)[: int(bound.vertex[row])]] = c
-        consider("bound vertex", vertex, row)
-        best_aligned, best_s = -1.0, None
-        for dist in sorted({int(x) for x in np.unique(np.geomspace(1, keys, 24).astype(int)) - 1}):
-            s = torch.full((keys,), -c, dtype=torch.float64)
-            j = row - dist if causal else min(n - 1, row + dist)
-            s[j] = c
-            w, wt = _row_weights(s, torch.log(mbar[row, :keys]), torch.log(a))
-            e = float((w - wt).abs().sum())
-            if e > best_aligned:
-                best_aligned, best_s = e, s
-        assert best_s is not None
-        consider("aligned key", best_s, row)
-        starts = [vertex, best_s, torch.zeros(keys, dtype=torch.float64),
-                  (2 * torch.rand(keys, generator=gen, dtype=torch.float64) - 1) * c]  # fmt: skip
-        _, s = worst_row_error(partitions, head, row, c, causal=causal, steps=row_steps, starts=starts, mbar=mbar)
-        consider("row PGD", s, row)
     for name, (_, s, row) in cand.items():  # realize each adversary's best row
         inputs[name] = realize_row_input(s, row, n, head_dim, radius, scale, partitions, head, causal=causal,
                                          mbar=mbar)  # fmt: skip
     if n <= pgd_max_len and pgd_restarts > 0:
         best_row = max(("row PGD", "bound vertex", "aligned key"), key=lambda k: cand[k][0])
-        init = [inputs[best_row]]
-        for _ in range(pgd_restarts - 1):
-            init.append(tuple(torch.randn(1, 1, n, head_dim, generator=gen, dtype=torch.float64) for _ in range(3)))
+        init = [inputs[best_row], *_random_inputs(n, head_dim, pgd_restarts - 1, gen)]
         _, x = _full_pgd(partitions, head, radius, scale, head_dim, init, causal=causal, steps=pgd_steps, mbar=mbar)
         inputs["full PGD"] = x  # type: ignore[assignment]
-    # Re-measure every adversary's input and the Gaussian draws (gaussian_error) with the oracles, in one call.
-    gauss_inputs = _gaussian_inputs(n, radius, head_dim, 3, seed)
-    errs = _oracle_max_errors([*inputs.values(), *gauss_inputs], partitions, head, scale, causal)
-    found.update(zip(inputs, errs[: len(inputs)], strict=True))
-    gauss = float(np.mean(errs[len(inputs) :]))
+    found, gauss = _remeasure(inputs, partitions, head, radius, scale, head_dim, causal=causal, seed=seed)
     worst_by = max(found, key=lambda k: found[k])
     return AdversarialResult(
-        seq_len=n, num_samples=partitions.num_samples, slope=slope, score_bound=c, radius=radius,
-        head_dim=head_dim, gaussian=gauss, worst=found[worst_by], worst_by=worst_by, found=found,
+        seq_len=n, num_samples=partitions.num_samples, slope=float(partitions.slopes[head]), score_bound=c,
+        radius=radius, head_dim=head_dim, gaussian=gauss, worst=found[worst_by], worst_by=worst_by, found=found,
         bound_tight=bound.tight, bound_simple=bound.simple,
         violation=found[worst_by] > bound.tight * (1 + 1e-9) + 1e-12,  # rounding: the bound can be attained
         input=inputs[worst_by],
     )  # fmt: skip
+
+
+def _attacked_rows(bound: UniformBound, rows: int) -> list[int]:
+    """The ``rows`` rows with the largest bound, then the ``rows`` whose bound vertex is worst in fact (no repeats).
+
+    Where the bound exceeds the trivial 2, the rows with the largest bound need not be the most vulnerable ones.
+    """
+    by_bound = np.argsort(-bound.row_tight, kind="stable")[:rows].tolist()
+    by_vertex = np.argsort(-bound.row_vertex_error, kind="stable")[:rows].tolist()
+    return list(dict.fromkeys(by_bound + by_vertex))
+
+
+def _consider(cand: dict[str, _Candidate], name: str, s: torch.Tensor, row: int, mbar: torch.Tensor,
+              slope: float) -> None:  # fmt: skip
+    """Keep ``s`` as adversary ``name``'s best row if its row error (cheap formula; verified later) is the largest."""
+    a_log = -slope * (row - torch.arange(s.numel(), dtype=torch.float64)).abs()
+    w, wt = _row_weights(s, torch.log(mbar[row, : s.numel()]), a_log)
+    err = float((w - wt).abs().sum())
+    if err > cand.get(name, (-1.0,))[0]:
+        cand[name] = (err, s, row)
+
+
+def _vertex_scores(mrow: torch.Tensor, a: torch.Tensor, top: int, c: float) -> torch.Tensor:
+    """The bound's extremal vertex: ``s = +c`` on the ``top`` keys with the largest ``|Mbar - A|/A``, else ``-c``."""
+    ratio = (mrow - a).abs() / a
+    vertex = torch.full((a.numel(),), -c, dtype=torch.float64)
+    vertex[torch.argsort(ratio, descending=True)[:top]] = c
+    return vertex
+
+
+def _aligned_scores(mrow: torch.Tensor, a: torch.Tensor, row: int, n: int, c: float, causal: bool) -> torch.Tensor:
+    """One key aligned with the query (``s = +c`` there, ``-c`` elsewhere), at the distance with the largest error.
+
+    Distances ``0 .. keys - 1`` on a geometric grid of 24 points (behind the query if causal, ahead otherwise).
+    """
+    keys = a.numel()
+    best_aligned, best_s = -1.0, None
+    for dist in sorted({int(x) for x in np.unique(np.geomspace(1, keys, 24).astype(int)) - 1}):
+        s = torch.full((keys,), -c, dtype=torch.float64)
+        j = row - dist if causal else min(n - 1, row + dist)
+        s[j] = c
+        w, wt = _row_weights(s, torch.log(mrow), torch.log(a))
+        e = float((w - wt).abs().sum())
+        if e > best_aligned:
+            best_aligned, best_s = e, s
+    assert best_s is not None
+    return best_s
+
+
+def _attack_row(
+    cand: dict[str, _Candidate], partitions: Partitions, head: int, row: int, c: float, vertex_keys: int,
+    gen: torch.Generator, *, causal: bool, steps: int, mbar: torch.Tensor,
+) -> None:
+    """Run the row adversaries on ``row`` (equal keys, bound vertex, aligned key, row PGD), updating ``cand``.
+
+    Row PGD starts from the vertex, the aligned key, all-zero scores and one uniform draw from ``gen``.
+    """
+    keys = row + 1 if causal else partitions.seq_len
+    slope = float(partitions.slopes[head])
+    _consider(cand, "equal keys", torch.zeros(keys, dtype=torch.float64), row, mbar, slope)
+    a = torch.exp(-slope * (row - torch.arange(keys, dtype=torch.float64)).abs())
+    vertex = _vertex_scores(mbar[row, :keys], a, vertex_keys, c)
+    _consider(cand, "bound vertex", vertex, row, mbar, slope)
+    aligned = _aligned_scores(mbar[row, :keys], a, row, partitions.seq_len, c, causal)
+    _consider(cand, "aligned key", aligned, row, mbar, slope)
+    starts = [vertex, aligned, torch.zeros(keys, dtype=torch.float64),
+              (2 * torch.rand(keys, generator=gen, dtype=torch.float64) - 1) * c]  # fmt: skip
+    _, s = worst_row_error(partitions, head, row, c, causal=causal, steps=steps, starts=starts, mbar=mbar)
+    _consider(cand, "row PGD", s, row, mbar, slope)
+
+
+def _random_inputs(n: int, head_dim: int, count: int, gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+    """``count`` standard Gaussian ``(q, k, v)`` from ``gen``, each ``(1, 1, n, head_dim)`` float64 (unprojected)."""
+    return [tuple(torch.randn(1, 1, n, head_dim, generator=gen, dtype=torch.float64) for _ in range(3))
+            for _ in range(count)]  # fmt: skip
+
+
+def _remeasure(
+    inputs: Mapping[str, tuple[torch.Tensor, ...]], partitions: Partitions, head: int, radius: float, scale: float,
+    head_dim: int, *, causal: bool, seed: int,
+) -> tuple[dict[str, float], float]:
+    """Each adversary's ``max_i |out_i - out~_i|``, and the Gaussian error (:func:`gaussian_error`): one oracle call."""
+    gauss_inputs = _gaussian_inputs(partitions.seq_len, radius, head_dim, 3, seed)
+    errs = _oracle_max_errors([*inputs.values(), *gauss_inputs], partitions, head, scale, causal)
+    found = dict(zip(inputs, errs[: len(inputs)], strict=True))
+    return found, float(np.mean(errs[len(inputs) :]))

@@ -112,10 +112,24 @@ def _header_section(d: ReportData) -> list[str]:
 
 def _findings_section(d: ReportData) -> list[str]:
     """The findings as a bullet list."""
-    cfg, rows, findings, skipped = d.cfg, d.rows, d.findings, d.skipped
-    out: list[str] = []
-    out += ["", "## Findings", ""]
+    cfg, findings = d.cfg, d.findings
     fits = findings.get("fits", [])
+    out = ["", "## Findings", ""]
+    out += _fit_findings(fits)
+    out += _bound_findings(findings, d.rows)
+    out += _unbiasedness_findings(findings)
+    out += _variance_findings(findings, cfg)
+    out += _samples_needed_findings(fits, cfg)
+    out += _block_findings(findings, cfg)
+    out += _adversarial_findings(findings)
+    if d.skipped:
+        out.append(f"- Skipped as too expensive: {', '.join(d.skipped)}.")
+    return out
+
+
+def _fit_findings(fits: list[dict[str, Any]]) -> list[str]:
+    """One bullet per fitted slope of the relative spectral error vs s (judged for the independent schemes)."""
+    out: list[str] = []
     for x in fits:
         if x["independent"]:
             verdict = "within" if x["in_range"] else "OUTSIDE"
@@ -129,25 +143,41 @@ def _findings_section(d: ReportData) -> list[str]:
                 f"- Fitted slope, {x['scheme']}, n={x['seq_len']}, slopes={x['slope_set']}: **{x['slope']:.3f}** "
                 f"(per head {x['head_slope_min']:.3f} to {x['head_slope_max']:.3f})."
             )
-    if "under_expected_bound" in findings:
-        out.append(
-            "- Empirical ||Mbar - A||_2 under the expectation bound in "
-            f"**{100 * findings['under_expected_bound']:.1f}%** "
-            f"of {len(unique_mask_rows(rows))} mask measurements; the bound exceeds the error by a factor "
-            f"{findings['bound_over_error_min']:.1f} to {findings['bound_over_error_max']:.1f} "
-            f"(median {findings['bound_over_error_median']:.1f}). Under the tail-bound eps in "
-            f"{100 * findings['under_tail_eps']:.1f}% (eps / error median {findings['tail_over_error_median']:.1f})."
-        )
-    if "unbiased" in findings:
-        parts = []
-        for s, ok in findings["unbiased"].items():
-            expected = get_scheme(s).unbiased
-            parts.append(f"{s}: {'unbiased' if ok else 'bias detected'}{'' if ok == expected else ' (UNEXPECTED)'}")
-        out.append(
-            "- Unbiasedness test (every mask index, per pair, binomial z-scores, Bonferroni at level 1e-3): "
-            + "; ".join(parts)
-            + ". `fixed` is biased by design (negative control)."
-        )
+    return out
+
+
+def _bound_findings(findings: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The empirical ``||Mbar - A||_2`` against the expectation bound and the tail-bound eps, if measured."""
+    if "under_expected_bound" not in findings:
+        return []
+    return [
+        "- Empirical ||Mbar - A||_2 under the expectation bound in "
+        f"**{100 * findings['under_expected_bound']:.1f}%** "
+        f"of {len(unique_mask_rows(rows))} mask measurements; the bound exceeds the error by a factor "
+        f"{findings['bound_over_error_min']:.1f} to {findings['bound_over_error_max']:.1f} "
+        f"(median {findings['bound_over_error_median']:.1f}). Under the tail-bound eps in "
+        f"{100 * findings['under_tail_eps']:.1f}% (eps / error median {findings['tail_over_error_median']:.1f})."
+    ]
+
+
+def _unbiasedness_findings(findings: dict[str, Any]) -> list[str]:
+    """The unbiasedness verdict per scheme, flagging any that differs from the scheme's declaration."""
+    if "unbiased" not in findings:
+        return []
+    parts = []
+    for s, ok in findings["unbiased"].items():
+        expected = get_scheme(s).unbiased
+        parts.append(f"{s}: {'unbiased' if ok else 'bias detected'}{'' if ok == expected else ' (UNEXPECTED)'}")
+    return [
+        "- Unbiasedness test (every mask index, per pair, binomial z-scores, Bonferroni at level 1e-3): "
+        + "; ".join(parts)
+        + ". `fixed` is biased by design (negative control)."
+    ]
+
+
+def _variance_findings(findings: dict[str, Any], cfg: ValidateConfig) -> list[str]:
+    """One bullet per compared scheme: its error ratio against its base scheme at equal T."""
+    out: list[str] = []
     if findings.get("variance_reduction_summary"):
         t = cfg.compare_samples
         for scheme, summ in findings["variance_reduction_summary"].items():
@@ -157,28 +187,41 @@ def _findings_section(d: ReportData) -> list[str]:
                 f"softmax output {summ['softmax_rel']['geomean']:.2f}x [{summ['softmax_rel']['min']:.2f}], "
                 f"max {summ['max_abs']['geomean']:.2f}x, exp-weighted {summ['exp_rel']['geomean']:.2f}x."
             )
-    need = [x for x in fits if math.isfinite(x["samples_for_eps"])]
-    if need:
-        out.append(
-            f"- Samples needed for a relative spectral error of {cfg.eps} (from the fitted power law): "
-            + "; ".join(f"{x['scheme']} (n={x['seq_len']}, {x['slope_set']}): {x['samples_for_eps']:.0f}" for x in need)
-            + "."
-        )
-    if "blocks_within_bound" in findings:
-        out.append(
-            f"- Largest block of a head's s samples within the delta = {cfg.block_delta:g} bound in "
-            f"**{100 * findings['blocks_within_bound']:.1f}%** of {findings['blocks_judged']} (head, draw) pairs "
-            f"(at least {100 * (1 - cfg.block_delta):g}% expected); largest block of all: {findings['largest_block']}."
-        )
-    if "adversarial_violations" in findings:
-        out.append(
-            f"- Small adversarial study: {findings['adversarial_violations']} input(s) above the uniform bound; the "
-            f"worst input found reaches {findings['adversarial_max_worst_over_bound']:.2f} of the bound and at least "
-            f"{findings['adversarial_min_worst_over_gaussian']:.1f}x the Gaussian-input error."
-        )
-    if skipped:
-        out.append(f"- Skipped as too expensive: {', '.join(skipped)}.")
     return out
+
+
+def _samples_needed_findings(fits: list[dict[str, Any]], cfg: ValidateConfig) -> list[str]:
+    """The samples each fit needs for a relative spectral error of ``cfg.eps`` (finite ones only)."""
+    need = [x for x in fits if math.isfinite(x["samples_for_eps"])]
+    if not need:
+        return []
+    return [
+        f"- Samples needed for a relative spectral error of {cfg.eps} (from the fitted power law): "
+        + "; ".join(f"{x['scheme']} (n={x['seq_len']}, {x['slope_set']}): {x['samples_for_eps']:.0f}" for x in need)
+        + "."
+    ]
+
+
+def _block_findings(findings: dict[str, Any], cfg: ValidateConfig) -> list[str]:
+    """How often the largest block stays within the high-probability bound, if measured."""
+    if "blocks_within_bound" not in findings:
+        return []
+    return [
+        f"- Largest block of a head's s samples within the delta = {cfg.block_delta:g} bound in "
+        f"**{100 * findings['blocks_within_bound']:.1f}%** of {findings['blocks_judged']} (head, draw) pairs "
+        f"(at least {100 * (1 - cfg.block_delta):g}% expected); largest block of all: {findings['largest_block']}."
+    ]
+
+
+def _adversarial_findings(findings: dict[str, Any]) -> list[str]:
+    """The small adversarial study's summary: violations, worst / bound and worst / Gaussian, if run."""
+    if "adversarial_violations" not in findings:
+        return []
+    return [
+        f"- Small adversarial study: {findings['adversarial_violations']} input(s) above the uniform bound; the "
+        f"worst input found reaches {findings['adversarial_max_worst_over_bound']:.2f} of the bound and at least "
+        f"{findings['adversarial_min_worst_over_gaussian']:.1f}x the Gaussian-input error."
+    ]
 
 
 # Columns of the metrics-vs-samples table: (header, row field), mask metrics then output metrics.
