@@ -2,8 +2,9 @@
 
     nice python benchmarks/multiplicity_bench.py --n 32768 --samples 8,64,256 --repeats 3 --slow-repeats 1
 
-Prints a markdown table of medians and ratios (CPU, torch intra-op threads as set by torch). The machine is
-shared: compare ratios within one run, not absolute times across runs.
+Prints each timing with the peak memory beyond the inputs (growth of the peak RSS, in units of q), then a
+markdown table of medians and ratios (CPU, torch intra-op threads as set by torch). Compare ratios within one
+run, not absolute times across runs. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from positional_lsh import alibi_slopes, plsh_attention, sample_partitions
+from positional_lsh.cli.bench import _peak_since, _reset_peak
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -52,10 +54,16 @@ def main() -> None:
     slopes = alibi_slopes(h)
     rows = []
 
+    q_mib = q.numel() * q.element_size() / 2**20
+
     def run(label: str, fn: Callable[[], object], repeats: int) -> float:
         t = _median_time(fn, repeats)
+        base = _reset_peak()
+        if repeats > 1:  # one more call for the peak memory (outputs included, inputs excluded)
+            fn()
+        peak = _peak_since(base) if repeats > 1 else float("nan")
         rows.append((label, t))
-        print(f"{label}: {t:.3f} s", flush=True)
+        print(f"{label}: {t:.3f} s, peak +{peak:.0f} MiB ({peak / q_mib:.2f}x q)", flush=True)
         return t
 
     print(f"threads={torch.get_num_threads()} n={n} H={h} d={d} causal", flush=True)

@@ -77,7 +77,7 @@ def test_bench_rows_and_outputs(tmp_path):
     rows = run_benchmark(
         [256, 512],
         samples=(1, 4),
-        methods=("sdpa-mask", "alibi-chunked", "plsh"),
+        methods=("sdpa-mask", "alibi-chunked", "plsh", "plsh-mult"),
         num_heads=2,
         head_dim=8,
         repeats=1,
@@ -100,6 +100,45 @@ def test_bench_rows_and_outputs(tmp_path):
     assert len(paths) >= 2
     exps = growth_exponents(rows, samples=4)
     assert len(exps) == 1 and math.isfinite(exps[0][2])
+    # the multiplicity form: same estimator, so the same error as the per-sample path on the same partitions
+    mult = {(r.seq_len, r.samples): r for r in rows if r.method == "plsh-mult" and r.mode == "fwd"}
+    for r in plsh:
+        assert abs(mult[(r.seq_len, r.samples)].rel_error - r.rel_error) < 1e-4
+        assert mult[(r.seq_len, r.samples)].pairs <= r.pairs  # union of the T blocks <= their sum
+    assert all(r.useful_gflops is not None and r.useful_gflops > 0 and r.pairs > 0 for r in rows)
+    exact_pairs = 2 * 512 * 513 // 2
+    assert {r.pairs for r in rows if r.method == "sdpa-mask" and r.seq_len == 512} == {exact_pairs}
+    assert "useful GFLOP/s" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench_t.png").exists()
+
+
+@pytest.mark.parametrize("scheme", ["discrete", "gamma"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_bench_pair_counts_match_brute_force(scheme, causal):
+    from positional_lsh import sample_partitions
+    from positional_lsh.cli.bench_peers import band_pairs, sample_pairs, union_pairs
+
+    n = 37
+    parts = sample_partitions(n, torch.tensor([0.5, 0.1, 0.0]), 5, scheme=scheme, generator=1)
+    same = parts.labels()[..., :, None] == parts.labels()[..., None, :]  # (T, H, n, n)
+    keep = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
+    assert sample_pairs(parts, causal=causal, chunk=8) == int((same & keep).sum())
+    assert union_pairs(parts, causal=causal, chunk=8) == int((same.any(0) & keep).sum())
+    i = torch.arange(n)
+    window = torch.tensor([3.0, 100.0])
+    band = ((i[:, None] - i[None, :]).abs()[None] <= window[:, None, None]) & keep
+    assert band_pairs(n, window, causal=causal) == int(band.sum())
+    assert band_pairs(n, None, causal=causal, num_heads=3) == 3 * int(keep.sum())
+
+
+def test_bench_gemm_peak_and_useful_gflops():
+    from positional_lsh.cli.bench import gemm_peak
+    from positional_lsh.cli.bench_peers import useful_gflops
+
+    assert gemm_peak(torch.float32, size=64, repeats=1) > 0
+    assert useful_gflops(10**9, 64, 2.0, "fwd") == pytest.approx(128.0)
+    assert useful_gflops(10**9, 64, 2.0, "fwd+bwd") == pytest.approx(448.0)
+    assert useful_gflops(None, 64, 1.0, "fwd") is None
 
 
 def test_bench_bad_input():
@@ -241,3 +280,28 @@ def test_band_block_mask_equals_torch_create_block_mask(n, causal, windowed):
         return BlockMask.from_kv_blocks(bm.full_kv_num_blocks, bm.full_kv_indices, seq_lengths=(n, n)).to_dense()
 
     assert torch.equal(full(ours), full(ref))
+
+
+def test_gpu_bench_preset_runs_tiny_on_cpu(tmp_path, monkeypatch):
+    # benchmarks/gpu_bench.py is written for one H200 (H=32, d=128, bf16, n = 8k..128k); here only its CPU-side
+    # logic at a tiny size: cases, pair counts, timing loop, outputs (flash restriction and CUDA memory skipped).
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    gpu_bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_bench", gpu_bench)  # dataclasses look their module up
+    spec.loader.exec_module(gpu_bench)
+    defaults = gpu_bench.parser().parse_args([])
+    assert defaults.heads == 32 and defaults.dim == 128 and defaults.dtype == "bfloat16"
+    assert defaults.lengths == (8192, 16384, 32768, 65536, 131072) and defaults.samples == (8, 64)
+    argv = ["--device", "cpu", "--dtype", "float32", "--lengths", "80", "--samples", "2", "--heads", "2",
+            "--dim", "8", "--repeats", "1", "--no-compile", "--out", str(tmp_path)]  # fmt: skip
+    rows = gpu_bench.main(argv)
+    kinds = {(r.method, r.mode) for r in rows}
+    assert {("plsh", "fwd+bwd"), ("plsh-mult", "fwd+bwd"), ("sdpa-flash", "fwd+bwd"), ("flex-exact", "fwd")} <= kinds
+    assert ("flex-window", "fwd") in kinds and ("flex-exact", "fwd+bwd") not in kinds  # no CPU flex backward
+    assert all(r.seconds > 0 and r.pairs > 0 for r in rows)
+    assert (tmp_path / "gpu_bench.md").exists() and (tmp_path / "gpu_bench.csv").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -27,18 +29,34 @@ def _check(out, ref, inputs, atol=1e-10):
         torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=f"d{name}")
 
 
-@pytest.mark.parametrize("scheme", scheme_names())
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize(("hkv", "lq", "lk"), [(6, 45, 45), (2, 45, 45), (1, 7, 45), (3, 1, 45), (2, 200, 200)])
+# One shape per (scheme, causality): the shapes cycle over the schemes so that each of MHA, GQA, MQA with chunked
+# prefill, one decoding step and a longer sequence (against the dense oracle) runs causal and bidirectional.
+_SHAPES = [(6, 45, 45), (2, 45, 45), (1, 7, 45), (3, 1, 45), (2, 200, 200)]
+_CASES = [(s, c, *_SHAPES[i % len(_SHAPES)]) for i, s in enumerate(scheme_names()) for c in (True, False)]
+
+
+@functools.cache
+def _naive_mask(scheme: str, n: int) -> torch.Tensor:
+    parts = sample_partitions(n, SLOPES, 7, scheme=scheme, generator=3)
+    return naive_mean_mask(parts.pitch, parts.shift, n)
+
+
+@pytest.mark.parametrize(("scheme", "causal", "hkv", "lq", "lk"), _CASES)
 def test_multiplicity_equals_naive_oracle_float64(scheme, causal, hkv, lq, lk):
     q, k, v = _qkv(2, 6, hkv, lq, lk, 8, grad=True)
     parts = sample_partitions(lk, SLOPES, 7, scheme=scheme, generator=3)
     out = plsh_attention(q, k, v, partitions=parts, causal=causal, method="multiplicity")
     if lk <= 45:  # the naive loops of conftest, independent of the library (slow beyond small sizes)
-        ref = naive_estimator(q, k, v, naive_mean_mask(parts.pitch, parts.shift, lk), causal=causal)
+        ref = naive_estimator(q, k, v, _naive_mask(scheme, lk), causal=causal)
     else:
         ref = dense_plsh_attention(q, k, v, parts, causal=causal)
     _check(out, ref, (q, k, v))
+
+
+def test_cases_cover_every_scheme_causality_and_shape():
+    assert {c[0] for c in _CASES} == set(scheme_names())
+    for shape in _SHAPES:
+        assert {c[1] for c in _CASES if tuple(c[2:]) == shape} == {True, False}
 
 
 @pytest.mark.parametrize("backend", ["flash", "math"])
@@ -52,15 +70,15 @@ def test_multiplicity_matches_samples_and_dense_oracle(backend):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_multiplicity_gradcheck(causal):
+    # Integer pitches causal, generic (gamma) pitches bidirectional; the oracle tests above check both ways.
     q, k, v = _qkv(1, 2, 1, 13, 13, 3, grad=True)
-    for scheme in ("discrete", "gamma"):
-        parts = sample_partitions(13, torch.tensor([0.4, 0.15]), 5, scheme=scheme, generator=9)
-        assert torch.autograd.gradcheck(
-            lambda a, b, c, p=parts: plsh_attention(a, b, c, partitions=p, causal=causal, method="multiplicity"),
-            (q, k, v),
-            eps=1e-6,
-            atol=1e-7,
-        )
+    parts = sample_partitions(13, torch.tensor([0.4, 0.15]), 5, scheme="discrete" if causal else "gamma", generator=9)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: plsh_attention(a, b, c, partitions=parts, causal=causal, method="multiplicity"),
+        (q, k, v),
+        eps=1e-6,
+        atol=1e-7,
+    )
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 4e-3)])

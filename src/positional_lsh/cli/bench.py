@@ -10,7 +10,14 @@ Peers, measured in the same run on the same inputs:
   FlexAttention, compiled, forward only.
 * ``alibi-chunked`` / ``window-chunked`` — this library's :func:`~positional_lsh.alibi_attention` (``O(n)``
   memory, with a backward); opt in with ``--methods``.
-* ``plsh`` — :func:`~positional_lsh.plsh_attention` with ``T`` samples (default scheme ``discrete``).
+* ``plsh`` / ``plsh-mult`` — :func:`~positional_lsh.plsh_attention` with ``T`` samples (default scheme
+  ``discrete``), ``method="samples"`` (per sampled block) / ``method="multiplicity"`` (query tiles).
+
+Useful GFLOP/s is ``4 d x pairs / seconds`` (x3.5 for fwd+bwd), where ``pairs`` are the score entries the
+method needs, not what it computes: exact attention ``H n(n+1)/2`` (causal), windowed the band, the per-sample
+path the sum over samples of each block's causal pairs, the multiplicity form the union of each query's ``T``
+blocks (:mod:`~positional_lsh.cli.bench_peers`). The run measures ``torch.matmul``'s fp32 and bf16 GFLOP/s
+(1024², the run's threads) and prints them next to it.
 
 Times are medians over repeats (one run when a single call exceeds ``--long-seconds``), excluding compilation
 and mask construction. Peak memory is the growth of the process's peak resident set (``VmHWM``, reset before
@@ -46,12 +53,14 @@ from positional_lsh.cli.bench_peers import (
     ALL_METHODS,
     DEFAULT_METHODS,
     EXACT_METHODS,
+    PLSH_METHODS,
     Method,
     band_block_mask,
     flex,
     methods_for_length,
     reference_rows,
     sampled_rows,
+    useful_gflops,
 )
 from positional_lsh.cli.config import add_arguments, comma_list, config_from_args, option, positive_int_text
 from positional_lsh.ops import alibi_slopes
@@ -65,6 +74,7 @@ __all__ = [
     "BenchRow",
     "band_block_mask",
     "format_table",
+    "gemm_peak",
     "growth_exponents",
     "register_cli",
     "run_benchmark",
@@ -86,6 +96,8 @@ class BenchRow:
     rel_error: float | None = None
     note: str = ""
     times: list[float] = field(default_factory=list)
+    pairs: int | None = None  # score entries the method needs (bench_peers.Method.pairs)
+    useful_gflops: float | None = None  # 4 d pairs (x3.5 for fwd+bwd) / seconds
 
 
 # --------------------------------------------------------------------------------------------- memory
@@ -141,6 +153,67 @@ def _rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
     return float((out.double() - exact.double()).norm() / exact.double().norm())
 
 
+@dataclass
+class _Inputs:
+    """One length's inputs, the float64 reference rows and the first exact output (the error's reference)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    grad: torch.Tensor
+    rows_ref: torch.Tensor
+    ref: torch.Tensor
+    exact: torch.Tensor | None = None
+
+
+def _check_args(lengths: list[int], methods: tuple[str, ...]) -> None:
+    unknown = set(methods) - set(ALL_METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; expected some of {ALL_METHODS}")
+    if not lengths or any(n < 1 for n in lengths):
+        raise ValueError(f"lengths must be positive integers, got {lengths}")
+
+
+def _inputs(n: int, num_heads: int, head_dim: int, dtype: torch.dtype, seed: int, causal: bool) -> _Inputs:
+    g = torch.Generator().manual_seed(seed + n)
+    q, k, v, grad = (torch.randn(1, num_heads, n, head_dim, generator=g).to(dtype) for _ in range(4))
+    rows_ref = sampled_rows(n)
+    return _Inputs(q, k, v, grad, rows_ref, reference_rows(q, k, v, alibi_slopes(num_heads), rows_ref, causal=causal))
+
+
+def _measure_method(m: Method, x: _Inputs, *, backward: bool, repeats: int, long_seconds: float) -> list[BenchRow]:
+    """The forward (and forward + backward) rows of one method on one length's inputs."""
+    d, n = x.q.shape[-1], x.q.shape[-2]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*flex_attention called without torch.compile")
+        if m.name.startswith("flex"):
+            m.fn(x.q, x.k, x.v)  # compile for this shape, outside the timing
+        times, peak, out = _measure(lambda: m.fn(x.q, x.k, x.v), repeats, long_seconds)
+    assert out is not None
+    if m.name in EXACT_METHODS or x.exact is None:
+        err = _rel_err(out[:, :, x.rows_ref], x.ref)
+    else:
+        err = _rel_err(out, x.exact)
+    if m.name in EXACT_METHODS and x.exact is None:
+        x.exact = out
+    sec = statistics.median(times)
+    rows = [BenchRow(m.name, n, m.samples, "fwd", sec, len(times), peak, err, m.note, times, m.pairs,
+                     useful_gflops(m.pairs, d, sec, "fwd"))]  # fmt: skip
+    del out
+    if backward and m.can_backward:
+        qq, kk, vv = (t.clone().requires_grad_() for t in (x.q, x.k, x.v))
+
+        def fwd_bwd() -> None:
+            qq.grad = kk.grad = vv.grad = None
+            torch.autograd.backward(m.fn(qq, kk, vv), x.grad)
+
+        times, peak, _ = _measure(fwd_bwd, repeats, long_seconds)
+        sec = statistics.median(times)
+        rows.append(BenchRow(m.name, n, m.samples, "fwd+bwd", sec, len(times), peak, None, m.note, times, m.pairs,
+                             useful_gflops(m.pairs, d, sec, "fwd+bwd")))  # fmt: skip
+    return rows
+
+
 def run_benchmark(
     lengths: list[int],
     *,
@@ -161,81 +234,48 @@ def run_benchmark(
     progress: bool = True,
 ) -> list[BenchRow]:
     """Measure every method at every length; see the module docstring. Returns one row per measurement."""
-    unknown = set(methods) - set(ALL_METHODS)
-    if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}; expected some of {ALL_METHODS}")
-    if not lengths or any(n < 1 for n in lengths):
-        raise ValueError(f"lengths must be positive integers, got {lengths}")
+    _check_args(lengths, methods)
     slopes = alibi_slopes(num_heads)
     window = window_factor / slopes.double()
     compiled_flex = flex() if {"flex-exact", "flex-window"} & set(methods) else None
     rows: list[BenchRow] = []
-    per_length = len([m for m in methods if m != "plsh"]) + len(samples) * ("plsh" in methods)
+    per_length = len([m for m in methods if m not in PLSH_METHODS]) + len(samples) * len(
+        [m for m in methods if m in PLSH_METHODS]
+    )
     bar = tqdm(total=len(lengths) * per_length, desc="plsh bench", disable=not progress)
     for n in lengths:
         if compiled_flex is not None:
             # Each length compiles FlexAttention anew (static shapes); forget earlier lengths so that torch's
             # recompile limit is never hit (past it, flex_attention silently runs unfused and materializes n x n).
             torch._dynamo.reset()
-        g = torch.Generator().manual_seed(seed + n)
-        q, k, v, grad = (torch.randn(1, num_heads, n, head_dim, generator=g).to(dtype) for _ in range(4))
-        mask_gib = num_heads * n * n * q.element_size() / 2**30
+        x = _inputs(n, num_heads, head_dim, dtype, seed, causal)
         # The prebuilt mask dominates SDPA's memory (the fused kernel never materializes the scores).
-        sdpa_fits = mask_gib * 1.25 <= sdpa_max_gib
-        exact: torch.Tensor | None = None
-        rows_ref = sampled_rows(n)
-        ref = reference_rows(q, k, v, slopes, rows_ref, causal=causal)
+        mask_gib = num_heads * n * n * x.q.element_size() / 2**30
         todo = methods_for_length(
-            n,
-            methods,
-            samples,
-            slopes,
-            window,
-            causal=causal,
-            dtype=dtype,
-            scheme=scheme,
-            seed=seed,
-            flex=compiled_flex,
-            sdpa_fits=sdpa_fits,
-            window_factor=window_factor,
-        )
+            n, methods, samples, slopes, window, causal=causal, dtype=dtype, scheme=scheme, seed=seed,
+            flex=compiled_flex, sdpa_fits=mask_gib * 1.25 <= sdpa_max_gib, window_factor=window_factor,
+        )  # fmt: skip
         bar.update(per_length - len(todo))  # methods that do not run at this length
         for m in todo:
             bar.set_postfix_str(f"n={n} {m.name}{'' if m.samples is None else f' T={m.samples}'}")
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.filterwarnings("error", message=".*flex_attention called without torch.compile")
-                if m.name.startswith("flex"):
-                    m.fn(q, k, v)  # compile for this shape, outside the timing
-                times, peak, out = _measure(lambda m=m, q=q, k=k, v=v: m.fn(q, k, v), repeats, long_seconds)
-            assert out is not None
-            if m.name in EXACT_METHODS or exact is None:
-                err = _rel_err(out[:, :, rows_ref], ref)
-            else:
-                err = _rel_err(out, exact)
-            if m.name in EXACT_METHODS and exact is None:
-                exact = out
-            rows.append(
-                BenchRow(m.name, n, m.samples, "fwd", statistics.median(times), len(times), peak, err, m.note, times)
-            )
-            del out
-            if backward and m.can_backward and n <= backward_max_len:
-                qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-
-                def fwd_bwd(m: Method = m, qq=qq, kk=kk, vv=vv, grad=grad) -> None:
-                    qq.grad = kk.grad = vv.grad = None
-                    torch.autograd.backward(m.fn(qq, kk, vv), grad)
-
-                times, peak, _ = _measure(fwd_bwd, repeats, long_seconds)
-                rows.append(
-                    BenchRow(
-                        m.name, n, m.samples, "fwd+bwd", statistics.median(times), len(times), peak, None, m.note, times
-                    )
-                )
-                del qq, kk, vv
+            bwd = backward and n <= backward_max_len
+            rows += _measure_method(m, x, backward=bwd, repeats=repeats, long_seconds=long_seconds)
             bar.update(1)
-        del todo, exact, ref
+        del todo, x
     bar.close()
     return rows
+
+
+def gemm_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 3) -> float:
+    """``torch.matmul`` GFLOP/s of ``size x size`` matrices of ``dtype`` (torch's current intra-op threads)."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * size**3 / statistics.median(times) / 1e9
 
 
 # ------------------------------------------------------------------------------------------- reporting
@@ -260,8 +300,9 @@ def _ratio_rows(rows: list[BenchRow]) -> list[dict[str, object]]:
 def format_table(rows: list[BenchRow]) -> str:
     """The rows as a Markdown table."""
     lines = [
-        "| method | T | n | pass | median s | runs | peak MiB | rel. error | × vs flex-exact (fwd) | × vs sdpa-mask |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| method | T | n | pass | median s | runs | peak MiB | rel. error | × vs flex-exact (fwd) | × vs sdpa-mask "
+        "| pairs (M) | useful GFLOP/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for d in _ratio_rows(rows):
 
@@ -271,7 +312,8 @@ def format_table(rows: list[BenchRow]) -> str:
         lines.append(
             f"| {d['method']} | {d['samples'] or ''} | {d['seq_len']} | {d['mode']} | {d['seconds']:.4f} "
             f"| {d['repeats']} | {f(d['peak_mib'], '.0f')} | {f(d['rel_error'], '.3g')} "
-            f"| {f(d['speedup_vs_flex-exact'], '.1f')} | {f(d['speedup_vs_sdpa-mask'], '.1f')} |"
+            f"| {f(d['speedup_vs_flex-exact'], '.1f')} | {f(d['speedup_vs_sdpa-mask'], '.1f')} "
+            f"| {f(None if d['pairs'] is None else d['pairs'] / 1e6, '.1f')} | {f(d['useful_gflops'], '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -285,7 +327,8 @@ def growth_exponents(
 
 
 def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict[str, object]) -> list[Path]:
-    """Write ``bench.csv``, ``bench.md`` and ``bench.png`` into ``out_dir``; return their paths."""
+    """Write ``bench.csv``, ``bench.md``, ``bench.png`` (time vs n) and ``bench_t.png`` (time vs T) into
+    ``out_dir``; return their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     csv_path = out_dir / "bench.csv"
@@ -301,7 +344,40 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict[str, object]) 
     )
     written.append(md)
     written.append(_plot(rows, out_dir / "bench.png", meta))
+    if any(r.samples is not None for r in rows):
+        written.append(_plot_samples(rows, out_dir / "bench_t.png", meta))
     return written
+
+
+def _plot_samples(rows: list[BenchRow], png: Path, meta: dict[str, object]) -> Path:
+    """``bench_t.png``: median time vs ``T`` of each positional-LSH method at each length, fwd and fwd+bwd."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, mode in zip(axes, ("fwd", "fwd+bwd"), strict=True):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if r.mode == mode and r.samples is not None:
+                series.setdefault(f"{r.method} n={r.seq_len}", []).append((r.samples, r.seconds))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            style = "-" if label.startswith("plsh-mult") else "--"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, linestyle=style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("samples T")
+        ax.set_ylabel("seconds (median)")
+        ax.set_title(f"{mode}, H={meta.get('heads')}, d={meta.get('head_dim')}, {meta.get('dtype')}")
+        ax.grid(True, which="both", alpha=0.3)
+        if series:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
 
 
 def _plot(rows: list[BenchRow], png: Path, meta: dict[str, object]) -> Path:
@@ -354,7 +430,9 @@ class BenchConfig:
         "sequence lengths n, comma-separated",
         parse=comma_list(positive_int_text),
     )
-    samples: tuple[int, ...] = option((1, 4, 8, 16), "T values for plsh", parse=comma_list(positive_int_text))
+    samples: tuple[int, ...] = option(
+        (1, 4, 8, 16), "T values for plsh and plsh-mult, e.g. 1,8,64,256", parse=comma_list(positive_int_text)
+    )
     methods: tuple[str, ...] = option(DEFAULT_METHODS, f"comma-separated, from {ALL_METHODS}", choices=ALL_METHODS)
     heads: int = option(8, "attention heads H (standard ALiBi slopes)")
     head_dim: int = option(64, "head dimension d")
@@ -382,6 +460,10 @@ class BenchConfig:
             raise ValueError(f"unknown methods {sorted(unknown)}; expected some of {ALL_METHODS}")
 
 
+_PEAK32 = "GEMM peak fp32 (torch.matmul 1024², GFLOP/s)"
+_PEAK16 = "GEMM peak bf16 (torch.matmul 1024², GFLOP/s)"
+
+
 def run_bench_command(cfg: BenchConfig) -> list[BenchRow]:
     """Run the benchmark length by length, writing the outputs after each; print the table and return the rows."""
     if cfg.threads:
@@ -397,6 +479,8 @@ def run_bench_command(cfg: BenchConfig) -> list[BenchRow]:
         "causal": cfg.causal,
         "scheme": cfg.scheme,
         "seed": cfg.seed,
+        _PEAK32: round(gemm_peak(torch.float32), 1),
+        _PEAK16: round(gemm_peak(torch.bfloat16), 2),
     }
     rows: list[BenchRow] = []
     paths: list[Path] = []
@@ -419,6 +503,7 @@ def run_bench_command(cfg: BenchConfig) -> list[BenchRow]:
         )
         paths = write_outputs(rows, Path(cfg.out), meta)
     print(format_table(rows))
+    print(f"GEMM peaks ({torch.get_num_threads()} threads): fp32 {meta[_PEAK32]} GFLOP/s, bf16 {meta[_PEAK16]} GFLOP/s")
     for a, b, e in growth_exponents(rows):
         print(f"plsh T=8 fwd time growth {a}->{b}: n^{e:.2f}")
     for path in paths:

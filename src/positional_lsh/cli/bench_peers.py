@@ -14,20 +14,29 @@ from dataclasses import dataclass
 import torch
 
 from positional_lsh.ops import alibi_attention, alibi_bias, plsh_attention, sample_partitions
+from positional_lsh.ops.multiplicity import sample_bounds
+from positional_lsh.ops.partitions import Partitions
 
 __all__ = [
     "ALL_METHODS",
     "DEFAULT_METHODS",
     "EXACT_METHODS",
+    "PLSH_METHODS",
     "Method",
     "band_block_mask",
+    "band_pairs",
     "methods_for_length",
     "reference_rows",
+    "sample_pairs",
     "sampled_rows",
+    "union_pairs",
+    "useful_gflops",
 ]
 
-ALL_METHODS = ("flex-exact", "sdpa-mask", "flex-window", "alibi-chunked", "window-chunked", "plsh")
-DEFAULT_METHODS = ("flex-exact", "sdpa-mask", "flex-window", "plsh")
+PLSH_METHODS = {"plsh": "samples", "plsh-mult": "multiplicity"}
+"""Positional-LSH entries of the benchmark and the ``method=`` of :func:`~positional_lsh.plsh_attention` each uses."""
+ALL_METHODS = ("flex-exact", "sdpa-mask", "flex-window", "alibi-chunked", "window-chunked", *PLSH_METHODS)
+DEFAULT_METHODS = ("flex-exact", "sdpa-mask", "flex-window", *PLSH_METHODS)
 EXACT_METHODS = ("flex-exact", "sdpa-mask", "alibi-chunked")
 REFERENCE_ROWS = 256
 """Query rows of the float64 reference (evenly spaced, first and last included)."""
@@ -118,13 +127,137 @@ AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class Method:
-    """One attention callable to measure."""
+    """One attention callable to measure; ``pairs``: the (query, key) score entries it needs (per batch element,
+    all heads), the numerator of its useful GFLOP/s (:func:`useful_gflops`)."""
 
     name: str
     samples: int | None
     fn: AttnFn
     can_backward: bool
     note: str = ""
+    pairs: int | None = None
+
+
+# ------------------------------------------------------------------------------------------ pair counts
+
+
+def _bound_rows(partitions: Partitions, head: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start, end)`` of the blocks holding ``rows`` in every sample of ``head``: int64 ``(T, len(rows))``."""
+    pitch, shift = partitions.pitch[:, head, None], partitions.shift[:, head, None]
+    return sample_bounds(pitch, shift, partitions.seq_len, rows[None, :])
+
+
+def sample_pairs(partitions: Partitions, *, causal: bool, chunk: int = 4096) -> int:
+    """Score entries of the per-sample path: the sum over samples and heads of the pairs of each block
+    (``j <= i`` when causal), i.e. ``sum_t sum_i (i - start_t(i) + 1)`` (causal) or ``end_t(i) - start_t(i)``."""
+    total = 0
+    for h in range(partitions.num_heads):
+        for rows in torch.arange(partitions.seq_len).split(chunk):
+            start, end = _bound_rows(partitions, h, rows)
+            total += int(((rows + 1 - start) if causal else (end - start)).sum())
+    return total
+
+
+def union_pairs(partitions: Partitions, *, causal: bool, chunk: int = 4096) -> int:
+    """Score entries of the multiplicity form: per query the union of its ``T`` blocks (an interval, since all
+    contain ``i``): ``i - min_t start_t(i) + 1`` causal, ``max_t end_t(i) - min_t start_t(i)`` bidirectional."""
+    total = 0
+    for h in range(partitions.num_heads):
+        for rows in torch.arange(partitions.seq_len).split(chunk):
+            start, end = _bound_rows(partitions, h, rows)
+            lo = start.amin(0)
+            total += int(((rows + 1 - lo) if causal else (end.amax(0) - lo)).sum())
+    return total
+
+
+def band_pairs(n: int, window: torch.Tensor | None, *, causal: bool, num_heads: int = 1) -> int:
+    """Score entries of exact (``window=None``, ``num_heads`` heads) or windowed attention (one per window)."""
+    i = torch.arange(n, dtype=torch.float64)
+    ws = [math.inf] * num_heads if window is None else [float(w) for w in window.reshape(-1)]
+    total = 0.0
+    for w in ws:
+        left = torch.minimum(i, torch.tensor(w).floor()) + 1
+        right = 0 if causal else torch.minimum(n - 1 - i, torch.tensor(w).floor())
+        total += float((left + right).sum())
+    return int(total)
+
+
+def useful_gflops(pairs: int | None, head_dim: int, seconds: float, mode: str) -> float | None:
+    """``4 d pairs / seconds`` (forward: ``q.k`` and ``p.v``, 2 flops each); fwd+bwd counts 3.5x that (the
+    backward's 5 matmuls of the same size, FlashAttention's convention)."""
+    if pairs is None or seconds <= 0:
+        return None
+    return 4.0 * head_dim * pairs * (3.5 if mode == "fwd+bwd" else 1.0) / seconds / 1e9
+
+
+# ------------------------------------------------------------------------------------------ methods
+
+
+def _exact_methods(n: int, methods: tuple[str, ...], slopes: torch.Tensor, ctx: dict) -> list[Method]:
+    out: list[Method] = []
+    causal, dtype, flex_ = ctx["causal"], ctx["dtype"], ctx["flex"]
+    pairs = band_pairs(n, None, causal=causal, num_heads=slopes.numel())
+    if "flex-exact" in methods and flex_ is not None:
+        compiled, _ = flex_
+        bm = band_block_mask(n, None, causal=True, mask_mod=ctx["causal_mask"]) if causal else None
+        alibi_mod = ctx["alibi_mod"]
+        out.append(
+            Method(
+                "flex-exact",
+                None,
+                lambda a, b, c: compiled(a, b, c, score_mod=alibi_mod, block_mask=bm),
+                False,
+                pairs=pairs,
+            )
+        )
+    if "sdpa-mask" in methods and ctx["sdpa_fits"]:
+        # (1, H, n, n): a 4-D mask lets SDPA use torch's fused CPU kernel (a 3-D one falls back to the math
+        # path, which materializes the scores and is several times slower).
+        mask = alibi_bias(n, n, slopes, causal=causal, dtype=dtype)[None]
+        mib = mask.numel() * mask.element_size() / 2**20
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        out.append(
+            Method(
+                "sdpa-mask", None, lambda a, b, c: sdpa(a, b, c, attn_mask=mask), True, f"+{mib:.0f} MiB mask", pairs
+            )
+        )
+    if "alibi-chunked" in methods:
+        fn = lambda a, b, c: alibi_attention(a, b, c, slopes, causal=causal)  # noqa: E731
+        out.append(Method("alibi-chunked", None, fn, True, pairs=pairs))
+    return out
+
+
+def _window_methods(n: int, methods: tuple[str, ...], slopes: torch.Tensor, window: torch.Tensor, ctx: dict):
+    out: list[Method] = []
+    causal, note = ctx["causal"], f"window {ctx['window_factor']:g}*sigma"
+    pairs = band_pairs(n, window, causal=causal)
+    if "flex-window" in methods and ctx["flex"] is not None:
+        compiled, _ = ctx["flex"]
+        wbm = band_block_mask(n, window, causal=causal, mask_mod=ctx["window_mask"])
+        alibi_mod = ctx["alibi_mod"]
+        fn = lambda a, b, c: compiled(a, b, c, score_mod=alibi_mod, block_mask=wbm)  # noqa: E731
+        out.append(Method("flex-window", None, fn, False, note, pairs))
+    if "window-chunked" in methods:
+        fn = lambda a, b, c: alibi_attention(a, b, c, slopes, causal=causal, window=window)  # noqa: E731
+        out.append(Method("window-chunked", None, fn, True, note, pairs))
+    return out
+
+
+def _plsh_methods(n: int, methods: tuple[str, ...], samples: tuple[int, ...], slopes: torch.Tensor, ctx: dict):
+    out: list[Method] = []
+    causal = ctx["causal"]
+    for t in samples:
+        parts = sample_partitions(n, slopes, t, scheme=ctx["scheme"], generator=ctx["seed"])
+        for name, method in PLSH_METHODS.items():
+            if name not in methods:
+                continue
+            count = sample_pairs if method == "samples" else union_pairs
+
+            def plsh_fn(a, b, c, parts=parts, method=method):
+                return plsh_attention(a, b, c, partitions=parts, causal=causal, method=method)
+
+            out.append(Method(name, t, plsh_fn, True, ctx["scheme"], count(parts, causal=causal)))
+    return out
 
 
 def methods_for_length(
@@ -143,7 +276,6 @@ def methods_for_length(
     window_factor: float,
 ) -> list[Method]:
     """The attention callables to measure at length ``n``; exact peers first (they define the error)."""
-    out: list[Method] = []
     sl = slopes.to(dtype)
     win = window.to(torch.int64)
 
@@ -157,51 +289,11 @@ def methods_for_length(
         near = (qi - ki).abs() <= win[h]
         return near & (qi >= ki) if causal else near
 
-    if "flex-exact" in methods and flex is not None:
-        compiled, _ = flex
-        bm = band_block_mask(n, None, causal=True, mask_mod=causal_mask) if causal else None
-        out.append(
-            Method("flex-exact", None, lambda a, b, c: compiled(a, b, c, score_mod=alibi_mod, block_mask=bm), False)
-        )
-    if "sdpa-mask" in methods and sdpa_fits:
-        # (1, H, n, n): a 4-D mask lets SDPA use torch's fused CPU kernel (a 3-D one falls back to the math
-        # path, which materializes the scores and is several times slower).
-        mask = alibi_bias(n, n, slopes, causal=causal, dtype=dtype)[None]
-        mib = mask.numel() * mask.element_size() / 2**20
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        out.append(
-            Method("sdpa-mask", None, lambda a, b, c: sdpa(a, b, c, attn_mask=mask), True, f"+{mib:.0f} MiB mask")
-        )
-    if "alibi-chunked" in methods:
-        out.append(Method("alibi-chunked", None, lambda a, b, c: alibi_attention(a, b, c, slopes, causal=causal), True))
-    if "flex-window" in methods and flex is not None:
-        compiled, _ = flex
-        wbm = band_block_mask(n, window, causal=causal, mask_mod=window_mask)
-        out.append(
-            Method(
-                "flex-window",
-                None,
-                lambda a, b, c: compiled(a, b, c, score_mod=alibi_mod, block_mask=wbm),
-                False,
-                f"window {window_factor:g}*sigma",
-            )
-        )
-    if "window-chunked" in methods:
-        out.append(
-            Method(
-                "window-chunked",
-                None,
-                lambda a, b, c: alibi_attention(a, b, c, slopes, causal=causal, window=window),
-                True,
-                f"window {window_factor:g}*sigma",
-            )
-        )
-    if "plsh" in methods:
-        for t in samples:
-            parts = sample_partitions(n, slopes, t, scheme=scheme, generator=seed)
-
-            def plsh_fn(a, b, c, parts=parts):
-                return plsh_attention(a, b, c, partitions=parts, causal=causal)
-
-            out.append(Method("plsh", t, plsh_fn, True, scheme))
-    return out
+    ctx = dict(causal=causal, dtype=dtype, scheme=scheme, seed=seed, flex=flex, sdpa_fits=sdpa_fits,
+               window_factor=window_factor, alibi_mod=alibi_mod, causal_mask=causal_mask,
+               window_mask=window_mask)  # fmt: skip
+    return (
+        _exact_methods(n, methods, slopes, ctx)
+        + _window_methods(n, methods, slopes, window, ctx)
+        + _plsh_methods(n, methods, samples, slopes, ctx)
+    )

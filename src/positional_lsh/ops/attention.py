@@ -45,14 +45,15 @@ from positional_lsh.ops._kernels import (
 )
 from positional_lsh.ops._parallel import pool_size, run_all, work_items, workers_for
 from positional_lsh.ops.multiplicity import (
+    AUTO_MARGIN,
     BLOCK_COST,
     CALL_COST,
     ENTRY_COST,
     MultiplicityPlan,
     multiplicity_backward,
-    multiplicity_cost,
     multiplicity_forward,
     multiplicity_plan,
+    multiplicity_tiles,
 )
 from positional_lsh.ops.partitions import Partitions, Segment, sample_partitions
 
@@ -141,16 +142,19 @@ def _choose(
     """Split the heads between the per-sample path and the multiplicity form (``method``, or the cost model)."""
     group = partitions.num_heads // num_kv_heads
     plan, multi = [], []
+    tiles = {}
     for h in range(partitions.num_heads):
         if method == "multiplicity":
             multi.append(h)
             continue
         work = _head_plan(partitions, h, group, q_len, causal)
-        if method == "auto" and multiplicity_cost(partitions, h, q_len, causal) < _samples_cost(work):
-            multi.append(h)
-        else:
-            plan.append(work)
-    mplan = multiplicity_plan(partitions, multi, num_kv_heads, q_len, causal) if multi else None
+        if method == "auto":
+            tiles[h] = multiplicity_tiles(partitions, h, q_len, causal)
+            if tiles[h][0] <= AUTO_MARGIN * _samples_cost(work):
+                multi.append(h)
+                continue
+        plan.append(work)
+    mplan = multiplicity_plan(partitions, multi, num_kv_heads, q_len, causal, tiles) if multi else None
     return plan, mplan
 
 

@@ -43,12 +43,14 @@ from positional_lsh.ops._kernels import attend, attend_backward
 from positional_lsh.ops.partitions import Partitions
 
 __all__ = [
+    "AUTO_MARGIN",
     "BLOCK_COST",
     "CALL_COST",
     "ENTRY_COST",
     "MultiplicityPlan",
     "multiplicity_cost",
     "multiplicity_plan",
+    "multiplicity_tiles",
     "sample_bounds",
 ]
 
@@ -58,15 +60,19 @@ _TILES = (16, 32, 64, 128, 256)
 _STEPS_PER_OCTAVE = 4
 # One kernel call materializes about this many elements (gathered keys/values, mask, per-row bounds).
 _CHUNK_ELEMENTS = 2**23
-# Cost model, in nanoseconds on the measured 2-core CPU (d = 64, fp32, torch's CPU flash op; fitted to per-head
-# timings, see docs/implementation.md "Choosing the method"). Only ratios matter.
-PAIR_COST = 40.0  # one masked-tile score entry ...
-PAIR_COST_TILE = 2500.0  # ... plus this / tile (the kernel packs the keys once per query block)
-TILE_COST = 2000.0  # per tile (gathers, scatters, kernel bookkeeping)
-BOUND_COST = 400.0  # per (query row, sample): block bounds, scatter of the start, cumulative count
-ENTRY_COST = 33.0  # per-sample path: one score entry of a block ...
-BLOCK_COST = 3000.0  # ... per block (the fused kernel's per-head overhead)
-CALL_COST = 20000.0  # ... per kernel call
+# Cost model, in nanoseconds on the measured 2-core CPU (n = 32768, d = 64, fp32, causal, torch's CPU flash op):
+# least-squares fits (relative error) to single-head timings of both methods at T = 8 and 64 on a quiet machine,
+# within +-30 % of every timing (docs/implementation.md "Choosing the method"). Only ratios matter.
+PAIR_COST = 7.4  # one masked-tile score entry ...
+PAIR_COST_TILE = 455.0  # ... plus this / tile (the kernel packs the keys once per query block)
+TILE_COST = 27700.0  # per tile (gathers, scatters, kernel bookkeeping)
+BOUND_COST = 24.0  # per (query row, sample): block bounds, scatter of the start
+ENTRY_COST = 0.82  # per-sample path: one score entry of a block ...
+BLOCK_COST = 420.0  # ... per block
+CALL_COST = 2.1e6  # ... per kernel call (absorbs the per-sample planning and merging, which grow with calls)
+# method="auto" takes the multiplicity form for a head only when its estimate is at most this fraction of the
+# per-sample path's: the fits are good to about +-30 %, and at T = 8 the two methods measure within +-15 %.
+AUTO_MARGIN = 0.7
 
 
 _ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds a float64 |x| < 2**51 to an integer
@@ -223,19 +229,35 @@ def _best_tiles(
     return best
 
 
+def multiplicity_tiles(
+    partitions: Partitions, head: int, q_len: int, causal: bool
+) -> tuple[float, tuple[torch.Tensor, ...], int]:
+    """The cheapest tiling of one head: ``(estimated ns, (q_start, k_start, k_len), tile)``."""
+    return _best_tiles(partitions, head, q_len, causal)
+
+
 def multiplicity_cost(partitions: Partitions, head: int, q_len: int, causal: bool) -> float:
     """Estimated time (ns, per batch element) of the multiplicity form for one head."""
     return _best_tiles(partitions, head, q_len, causal)[0]
 
 
 def multiplicity_plan(
-    partitions: Partitions, heads: list[int], num_kv_heads: int, q_len: int, causal: bool
+    partitions: Partitions,
+    heads: list[int],
+    num_kv_heads: int,
+    q_len: int,
+    causal: bool,
+    tiles: dict[int, tuple[float, tuple[torch.Tensor, ...], int]] | None = None,
 ) -> MultiplicityPlan:
-    """Tiles of the given query heads, grouped by shape (one batched kernel call per group)."""
+    """Tiles of the given query heads, grouped by shape (one batched kernel call per group).
+
+    ``tiles``: the per-head choice of :func:`multiplicity_tiles` where already computed (``method="auto"``).
+    """
     group_size = partitions.num_heads // num_kv_heads
     by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
     for h in heads:
-        _, (q_start, k_start, k_len), tile = _best_tiles(partitions, h, q_len, causal)
+        best = tiles[h] if tiles is not None and h in tiles else _best_tiles(partitions, h, q_len, causal)
+        _, (q_start, k_start, k_len), tile = best
         for kl in torch.unique(k_len).tolist():
             sel = k_len == kl
             m = int(sel.sum())
@@ -297,11 +319,11 @@ def _mask(g: _Group, rows: torch.Tensor, plan: MultiplicityPlan, dtype: torch.dt
     counts.scatter_add_(-1, start - k0, ones)
     if end is not None:
         counts.scatter_add_(-1, (end - k0).clamp(max=kl), -ones)
-    c = counts[..., :kl].cumsum_(-1)
-    if plan.causal:
-        keys = g.k_start[:, None, None] + torch.arange(kl, device=rows.device)
-        c.masked_fill_(keys > pos[..., None], 0.0)
-    return c.log_()
+    else:  # causal: every start is <= i, so subtracting T at key i + 1 zeroes the counts above the diagonal
+        above = (pos - g.k_start[:, None] + 1).clamp(max=kl).unsqueeze(-1)
+        minus_t = torch.full(above.shape, -float(start.shape[-1]), dtype=dtype, device=rows.device)
+        counts.scatter_add_(-1, above, minus_t)
+    return counts[..., :kl].cumsum_(-1).log_()
 
 
 def _gather(x: torch.Tensor, head: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
