@@ -351,37 +351,41 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict[str, object]) 
 
 def _plot_samples(rows: list[BenchRow], png: Path, meta: dict[str, object]) -> Path:
     """``bench_t.png``: median time vs ``T`` of each positional-LSH method at each length, fwd and fwd+bwd."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, mode in zip(axes, ("fwd", "fwd+bwd"), strict=True):
-        series: dict[str, list[tuple[int, float]]] = {}
-        for r in rows:
-            if r.mode == mode and r.samples is not None:
-                series.setdefault(f"{r.method} n={r.seq_len}", []).append((r.samples, r.seconds))
-        for label, pts in sorted(series.items()):
-            pts.sort()
-            style = "-" if label.startswith("plsh-mult") else "--"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, linestyle=style)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("samples T")
-        ax.set_ylabel("seconds (median)")
-        ax.set_title(f"{mode}, H={meta.get('heads')}, d={meta.get('head_dim')}, {meta.get('dtype')}")
-        ax.grid(True, which="both", alpha=0.3)
-        if series:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return _plot_times(
+        [r for r in rows if r.samples is not None],
+        png,
+        meta,
+        point=lambda r: (f"{r.method} n={r.seq_len}", r.samples or 0),
+        xlabel="samples T",
+        solid=lambda label: label.startswith("plsh-mult"),
+    )
 
 
 def _plot(rows: list[BenchRow], png: Path, meta: dict[str, object]) -> Path:
     """``bench.png``: median time vs n, forward and forward + backward."""
+    return _plot_times(
+        rows,
+        png,
+        meta,
+        point=lambda r: (r.method if r.samples is None else f"{r.method} T={r.samples}", r.seq_len),
+        xlabel="sequence length n",
+        solid=lambda label: "plsh" in label,
+    )
+
+
+def _plot_times(
+    rows: list[BenchRow],
+    png: Path,
+    meta: dict[str, object],
+    *,
+    point: Callable[[BenchRow], tuple[str, int]],
+    xlabel: str,
+    solid: Callable[[str], bool],
+) -> Path:
+    """Median time (log-log) of each series, forward and forward + backward side by side.
+
+    ``point(row)`` gives the row's series label and x value; ``solid(label)`` whether its line is solid.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -392,24 +396,20 @@ def _plot(rows: list[BenchRow], png: Path, meta: dict[str, object]) -> Path:
         series: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
             if r.mode == mode:
-                label = r.method if r.samples is None else f"{r.method} T={r.samples}"
-                series.setdefault(label, []).append((r.seq_len, r.seconds))
+                label, x = point(r)
+                series.setdefault(label, []).append((x, r.seconds))
         for label, pts in sorted(series.items()):
             pts.sort()
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                marker="o",
-                label=label,
-                linestyle="--" if "plsh" not in label else "-",
-            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                    linestyle="-" if solid(label) else "--")  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length n")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("seconds (median)")
         ax.set_title(f"{mode}, H={meta.get('heads')}, d={meta.get('head_dim')}, {meta.get('dtype')}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        if series:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
