@@ -79,6 +79,13 @@ def nonfinite_keys(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     return bad if bool(bad.any()) else None
 
 
+def poison_rows(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set to NaN, in place, the output ``(B, H, Lq, d)`` and lse ``(B, H, Lq)`` of the ``rows`` (bool
+    ``(B, H, Lq)``) that keep a non-finite key (see :func:`nonfinite_keys`)."""
+    out.masked_fill_(rows[..., None], float("nan"))
+    lse.masked_fill_(rows, float("nan"))
+
+
 def _causal_bias(lq: int, lk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``0`` where key ``j <= i + lk - lq``, ``-inf`` elsewhere: ``(lq, lk)``."""
     i = torch.arange(lq, device=device)[:, None] + (lk - lq)

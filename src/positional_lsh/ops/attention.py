@@ -41,6 +41,7 @@ from positional_lsh.ops._kernels import (
     attend_backward,
     kernel_layout,
     nonfinite_keys,
+    poison_rows,
     resolve_backend,
 )
 from positional_lsh.ops._parallel import pool_size, run_all, work_items, workers_for
@@ -329,9 +330,7 @@ class _PositionalLSHFunction(torch.autograd.Function):
         if mplan is not None:
             multiplicity_forward(mplan, q, k, v, out_acc, lse, scale, backend)
         if bad is not None:
-            reached = _rows_reaching(bad, partitions, q.shape[2], causal).to(q.device)
-            out_acc.masked_fill_(reached[..., None], float("nan"))
-            lse.masked_fill_(reached, float("nan"))
+            poison_rows(out_acc, lse, _rows_reaching(bad, partitions, q.shape[2], causal).to(q.device))
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.mplan, ctx.causal, ctx.scale, ctx.backend = plan, mplan, causal, scale, backend

@@ -23,6 +23,7 @@ from positional_lsh.ops._kernels import (
     attend_backward,
     kernel_layout,
     nonfinite_keys,
+    poison_rows,
     resolve_backend,
 )
 from positional_lsh.ops._parallel import pool_size, run_all, work_items, workers_for
@@ -347,9 +348,7 @@ class _AlibiFunction(torch.autograd.Function):
         )
         run_all(run, items, pool_size(len(items), q.device))
         if bad is not None:
-            reached = _rows_reaching(bad, q.shape[1], q.shape[2], window, causal)
-            out.masked_fill_(reached[..., None], float("nan"))
-            lse.masked_fill_(reached, float("nan"))
+            poison_rows(out, lse, _rows_reaching(bad, q.shape[1], q.shape[2], window, causal))
         ctx.save_for_backward(q, k, v, out, lse, slopes, window if window is not None else torch.empty(0))
         ctx.has_window, ctx.causal, ctx.scale, ctx.backend = window is not None, causal, scale, backend
         return out
