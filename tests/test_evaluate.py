@@ -27,22 +27,33 @@ def toy_model(vocab: int = 50, position: str = "alibi") -> TransformerLM:
 
 def direct_metrics(model: TransformerLM, tokens: torch.Tensor, seq_len: int, stride: int) -> dict[str, float]:
     """The protocol from its definition: windows start at 0, stride, 2*stride, ... (plus one ending at the last
-    token); token i is scored by the first window that reaches it, from the tokens of that window before it."""
+    token); token i is scored by the first window that reaches it, from the tokens of that window before it
+    (the model's plain forward on them), at position ``i - 1 - w`` of the window starting at ``w``."""
     n = tokens.numel()
     starts = list(range(0, n - 1 - seq_len + 1, stride))
     if starts[-1] != n - 1 - seq_len:
         starts.append(n - 1 - seq_len)
-    nll, top1, top10 = 0.0, 0, 0
+    nll, top1, top10, rr, entropy = 0.0, 0, 0, 0.0, 0.0
+    pos_nll, pos_count = [0.0] * seq_len, [0] * seq_len
     with torch.no_grad():
         for i in range(1, n):
             w = next(s for s in starts if s + seq_len >= i)
             logits = model(tokens[w:i][None])[0, -1].double()
-            nll -= float(torch.log_softmax(logits, -1)[tokens[i]])
+            loss = -float(torch.log_softmax(logits, -1)[tokens[i]])
+            nll += loss
+            pos_nll[i - 1 - w] += loss
+            pos_count[i - 1 - w] += 1
             order = logits.argsort(descending=True)
             top1 += int(order[0] == tokens[i])
             top10 += int(tokens[i] in order[:10])
+            values = logits.tolist()
+            rr += 1 / (1 + sum(v > values[int(tokens[i])] for v in values))  # rank: strictly larger logits
+            z = max(values)
+            log_z = z + math.log(sum(math.exp(v - z) for v in values))
+            entropy -= sum(math.exp(v - log_z) * (v - log_z) for v in values)
     count = n - 1
-    return {"loss": nll / count, "top1": top1 / count, "top10": top10 / count}
+    return {"loss": nll / count, "top1": top1 / count, "top10": top10 / count, "mrr": rr / count,
+            "entropy": entropy / count, "position_nll": pos_nll, "position_count": pos_count}  # fmt: skip
 
 
 @pytest.mark.parametrize(("seq_len", "stride"), [(8, 8), (8, 3), (8, 1), (5, 2)])
@@ -54,6 +65,10 @@ def test_sliding_window_metrics_equal_direct_computation(seq_len: int, stride: i
     assert got["tokens"] == 39 and got["windows"] == D.num_sliding_windows(40, seq_len, stride)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert got["top1"] == ref["top1"] and got["top10"] == ref["top10"]
+    assert got["mrr"] == pytest.approx(ref["mrr"], rel=1e-6)
+    assert got["entropy"] == pytest.approx(ref["entropy"], rel=1e-5)
+    assert got["position_count"] == ref["position_count"]
+    assert got["position_nll"] == pytest.approx(ref["position_nll"], rel=1e-5)
     assert got["ppl"] == pytest.approx(math.exp(got["loss"]))
     assert got["bits_per_token"] == pytest.approx(got["loss"] / math.log(2))
 
@@ -68,6 +83,55 @@ def test_metrics_of_a_bigram_table() -> None:
     assert got["loss"] == pytest.approx(float(nll), rel=1e-6)
     assert got["top1"] == pytest.approx(float((logp.argmax(-1) == tokens[1:]).float().mean()))
     assert got["top10"] == pytest.approx(float((logp.topk(10).indices == tokens[1:, None]).any(-1).float().mean()))
+
+
+def test_reciprocal_ranks_by_hand() -> None:
+    """rank = 1 + entries with a strictly larger logit; ties count in the target's favour."""
+    logits = torch.tensor(
+        [
+            [2.0, 1.0, 0.0, -1.0],  # target 1: one larger logit -> rank 2
+            [0.5, 0.5, 0.5, 0.5],  # target 3: all tied -> rank 1
+            [5.0, 3.0, 3.0, 0.0],  # target 2: tied with 1, below 0 -> rank 2
+        ]
+    )
+    targets = torch.tensor([1, 3, 2])
+    got = E.reciprocal_ranks(logits, targets)
+    torch.testing.assert_close(got, torch.tensor([1 / 2, 1.0, 1 / 2]))
+    assert float(got.mean()) == pytest.approx((1 / 2 + 1 + 1 / 2) / 3)
+    top = E.reciprocal_ranks(torch.tensor([[-1.0, 7.0, 7.0, 2.0]]), torch.tensor([2]))  # tied for the top
+    assert float(top) == 1.0
+
+
+def test_predictive_entropy_by_hand() -> None:
+    row = [2.0, 1.0, 0.0, -1.0]
+    log_z = math.log(sum(math.exp(v) for v in row))
+    h_row = -sum(math.exp(v - log_z) * (v - log_z) for v in row)
+    logits = torch.tensor(
+        [
+            row,
+            [0.5, 0.5, 0.5, 0.5],  # uniform: log 4
+            [0.0, 0.0, -math.inf, -math.inf],  # two equal, two impossible: log 2
+            [1e30, 0.0, 0.0, 0.0],  # one certain, the rest exp(-1e30) = 0: 0
+            [1000.0, 1000.0, -1000.0, 0.0],  # the last two underflow to probability 0: log 2
+        ]
+    )
+    got = E.predictive_entropy(logits)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, torch.tensor([h_row, math.log(4), math.log(2), 0.0, math.log(2)]))
+    torch.testing.assert_close(E.predictive_entropy(logits, torch.log_softmax(logits, -1)), got)
+
+
+def test_position_buckets_by_hand() -> None:
+    sums, counts = [1.0, 2.0, 3.0, 4.0, 10.0], [1, 1, 1, 1, 2]
+    two = E.position_buckets(sums, counts, 2)  # edges 0, 2, 5
+    assert [(b.start, b.end, b.count) for b in two] == [(0, 2, 2), (2, 5, 4)]
+    assert two[0].mean_loss == pytest.approx(3 / 2) and two[1].mean_loss == pytest.approx(17 / 4)
+    each = E.position_buckets(sums, counts)  # L = 5 <= 16 buckets: one per position
+    assert [(b.start, b.end) for b in each] == [(i, i + 1) for i in range(5)]
+    assert each[4].mean_loss == pytest.approx(5.0)
+    assert [(b.start, b.end) for b in E.position_buckets([1.0, 0.0, 2.0], [1, 0, 1], 3)] == [(0, 1), (2, 3)]
+    with pytest.raises(ValueError, match="same length"):
+        E.position_buckets([1.0], [1, 2])
 
 
 def test_sliding_window_bad_input() -> None:
@@ -177,7 +241,14 @@ def test_cli_writes_table_csv_and_plots(eval_setup: tuple[Path, Path, Path], tmp
             "--schemes", "gamma", "--sweep-factors", "1", "--out", str(out), "--no-progress",
             "--cache-dir", ""]  # fmt: skip
     assert cli_eval.main(argv) == 0
-    for name in ("results.csv", "results.md", "extrapolation.png", "sweep.png"):
+    for name in (
+        "results.csv",
+        "results.md",
+        "extrapolation.png",
+        "sweep.png",
+        "loss_by_position.csv",
+        "loss_by_position.png",
+    ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
@@ -186,6 +257,35 @@ def test_cli_writes_table_csv_and_plots(eval_setup: tuple[Path, Path, Path], tmp
     back = E.read_results(out / "results.csv")
     assert back[0].eval_len == 16 and isinstance(back[0].ppl, float) and back[0].samples is None
     assert rows[0]["loss"] == rows[4]["loss"]  # same checkpoint twice, same numbers
+
+
+def test_new_metrics_end_to_end(eval_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """MRR, entropy and loss by position on a tiny checkpoint, through plsh eval's files."""
+    _, _, ckpt = eval_setup
+    out = tmp_path / "res"
+    argv = [str(ckpt), "--factors", "1,2", "--stride", "5", "--max-tokens", "150", "--samples", "none",
+            "--out", str(out), "--no-progress", "--cache-dir", ""]  # fmt: skip
+    assert cli_eval.main(argv) == 0
+    rows = E.read_results(out / "results.csv")
+    vocab = D.BPETokenizer.load(ckpt / "tokenizer.json").vocab_size
+    assert [r.eval_len for r in rows] == [16, 32]
+    for r in rows:
+        assert r.mrr is not None and 0 < r.mrr <= 1 and r.mrr >= r.top1
+        assert r.entropy is not None and 0 <= r.entropy <= math.log(vocab)
+        buckets = r.loss_by_position  # read back from loss_by_position.csv
+        assert len(buckets) == 16 and buckets[0].start == 0 and buckets[-1].end == r.eval_len
+        assert sum(b.count for b in buckets) == r.tokens == 150
+        assert sum(b.mean_loss * b.count for b in buckets) / r.tokens == pytest.approx(r.loss, abs=1e-6)
+    assert [(b.start, b.end) for b in rows[1].loss_by_position][:2] == [(0, 2), (2, 4)]  # L = 32: width 2
+    with open(out / "loss_by_position.csv") as f:
+        lines = list(csv.DictReader(f))
+    assert list(lines[0]) == ["model", "attention", "kind", "factor", "eval_len", "pos_start", "pos_end",
+                              "mean_loss", "count"]  # fmt: skip
+    assert len(lines) == 2 * 16 and sum(int(x["count"]) for x in lines) == 2 * 150
+    with open(out / "results.csv") as f:
+        assert {"mrr", "entropy"} <= set(next(csv.DictReader(f)))
+    assert "| MRR | entropy |" in (out / "results.md").read_text()
+    assert (out / "loss_by_position.png").stat().st_size > 0
 
 
 def test_plsh_trained_checkpoint_gets_exact_alibi_rows(eval_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:

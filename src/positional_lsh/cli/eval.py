@@ -1,8 +1,10 @@
 """``plsh eval``: sliding-window perplexity at and beyond the training length, and the positional-LSH sweep.
 
 The command line of :mod:`positional_lsh.lm.evaluate`: :class:`EvalConfig` holds the settings (its parser is
-generated from it), :func:`run_eval` loads every checkpoint named, evaluates it, prints the rows as they come
-and writes ``results.csv``, ``results.md`` and the plots into ``--out``.
+generated from it), :func:`run_eval` loads every checkpoint named, evaluates it (loss, perplexity, bits per token,
+top-1/top-10 accuracy, mean reciprocal rank, mean predictive entropy, loss by position within the window), prints
+the rows as they come and writes ``results.csv``, ``loss_by_position.csv``, ``results.md`` and the plots
+(``extrapolation.png``, ``sweep.png``, ``loss_by_position.png``) into ``--out``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class EvalConfig:
         show_default=False,
     )
     labels: tuple[str, ...] | None = option(None, "comma-separated names for the checkpoints in tables and plots")
-    out: str | None = option(None, "directory for results.csv, results.md and the PNG plots")
+    out: str | None = option(None, "directory for results.csv, loss_by_position.csv, results.md and the PNG plots")
     data: str | None = option(None, "evaluation corpus (load_splits source); default: the checkpoint's training corpus")
     split: str = option("test", "split to evaluate")
     factors: tuple[float, ...] = option(
@@ -119,7 +121,7 @@ def run_eval(cfg: EvalConfig) -> list[EvalRow]:
         rows.append(r)
         print(
             f"{r.model} | {r.attention} | L={r.eval_len} ({r.factor:g}x) | loss {r.loss:.4f} ppl {r.ppl:.2f} "
-            f"top1 {r.top1:.3f} top10 {r.top10:.3f} | {r.seconds:.0f} s",
+            f"mrr {r.mrr:.3f} entropy {r.entropy:.3f} top1 {r.top1:.3f} top10 {r.top10:.3f} | {r.seconds:.0f} s",
             flush=True,
         )
         if out is not None:  # keep partial results of long evaluations

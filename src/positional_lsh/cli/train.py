@@ -21,7 +21,7 @@ from typing import Any
 
 from positional_lsh.cli import guarded
 from positional_lsh.cli.config import Flag, add_arguments, option, values_from_args
-from positional_lsh.lm.config import ALIBI_IMPLS, POSITIONS, ModelConfig
+from positional_lsh.lm.config import ALIBI_IMPLS, PLSH_METHODS, POSITIONS, ModelConfig
 from positional_lsh.lm.run_dir import RESUME_MAY_CHANGE, read_train_config
 from positional_lsh.lm.train import AUTOCAST_CHOICES, QUICK_PRESET, TrainConfig, train
 from positional_lsh.ops.errors import UserError
@@ -77,6 +77,8 @@ MODEL_FLAGS = {
     "rope_base": Flag("RoPE base", group="model"),
     "alibi_impl": Flag("exact ALiBi kernel", choices=ALIBI_IMPLS, group="model"),
     "attn_backend": Flag("plsh/alibi kernel backend", choices=("auto", "flash", "math"), group="model"),
+    "plsh_method": Flag("positional-LSH method: per-sample blocks, multiplicity tiles or auto (same result)",
+                        choices=PLSH_METHODS, group="model"),
     "seed": Flag("seed of the positional-LSH training partitions (default: --seed)", name="--partition-seed",
                  dest="partition_seed", group="model", show_default=False),
     "attn_fp32": Flag("run attention in the autocast dtype too (default: float32 attention; see "

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from positional_lsh.ops._checks import check_choice, positive_int
+from positional_lsh.ops.attention import METHODS as PLSH_METHODS
 from positional_lsh.ops.schemes import scheme_names
 from positional_lsh.ops.slopes import alibi_slopes
 
@@ -78,6 +79,9 @@ class ModelConfig:
         attn_fp32: compute attention in float32 even under bf16/fp16 autocast (the projections and MLP stay
             in low precision). Keeps the ALiBi bias unrounded, and on CPU torch's float32 flash kernel is faster
             than its bf16 one on the many small blocks of positional LSH (docs/experiments.md).
+        plsh_method: how ``plsh_attention`` computes the estimator (``method=``): ``"auto"`` (per head, the
+            cheaper of the two by the cost model), ``"samples"`` or ``"multiplicity"``. Same partitions, same
+            result up to float rounding; only the speed differs (docs/implementation.md).
     """
 
     vocab_size: int = 8192
@@ -99,6 +103,7 @@ class ModelConfig:
     alibi_impl: str = "auto"
     attn_backend: str = "auto"
     attn_fp32: bool = True
+    plsh_method: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -132,6 +137,7 @@ class ModelConfig:
         if not isinstance(self.attn_fp32, bool):
             raise TypeError(f"attn_fp32 must be a bool, got {type(self.attn_fp32).__name__}")
         check_choice("attn_backend", self.attn_backend, ("auto", "flash", "math"))
+        check_choice("plsh_method", self.plsh_method, PLSH_METHODS)
 
     @property
     def head_dim(self) -> int:

@@ -1,4 +1,5 @@
-"""Results of ``plsh eval``: :class:`EvalRow`, the Markdown table, ``results.csv`` / ``results.md`` and plots."""
+"""Results of ``plsh eval``: :class:`EvalRow`, the Markdown table, ``results.csv`` / ``results.md``,
+``loss_by_position.csv`` and plots."""
 
 from __future__ import annotations
 
@@ -6,16 +7,40 @@ import csv
 import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EvalRow", "format_table", "plot_results", "read_results", "write_results"]
+__all__ = [
+    "POSITION_COLUMNS",
+    "EvalRow",
+    "PositionBucket",
+    "format_table",
+    "plot_results",
+    "read_loss_by_position",
+    "read_results",
+    "write_results",
+]
+
+
+@dataclass
+class PositionBucket:
+    """Mean loss of the scored tokens whose position inside the window that scored them is in ``[start, end)``."""
+
+    start: int  # first position of the bucket (0-based, inclusive)
+    end: int  # one past its last position (exclusive)
+    mean_loss: float  # mean cross-entropy (nats) of the bucket's scored tokens
+    count: int  # scored tokens in the bucket
 
 
 @dataclass
 class EvalRow:
-    """One evaluation: a model, an attention variant, an evaluation length."""
+    """One evaluation: a model, an attention variant, an evaluation length.
+
+    ``mrr`` (mean reciprocal rank of the target token) and ``entropy`` (mean predictive entropy, nats) are
+    ``None`` in rows read from a ``results.csv`` written before they existed. ``loss_by_position`` (mean loss per
+    bucket of position within the window) is not a ``results.csv`` column: it goes to ``loss_by_position.csv``.
+    """
 
     model: str
     attention: str
@@ -34,25 +59,35 @@ class EvalRow:
     tokens: int
     seconds: float
     cost_per_query: float | None = None  # causal score entries per query per head (mean over heads)
+    mrr: float | None = None  # mean reciprocal rank of the target token (ties count in its favour)
+    entropy: float | None = None  # mean entropy of the predicted next-token distribution, nats
+    loss_by_position: list[PositionBucket] = field(default_factory=list, repr=False)
 
 
-_COLUMNS = [f.name for f in dataclasses.fields(EvalRow)]
+_COLUMNS = [f.name for f in dataclasses.fields(EvalRow) if f.name != "loss_by_position"]
+# loss_by_position.csv, long format: one line per (row, position bucket)
+POSITION_COLUMNS = ["model", "attention", "kind", "factor", "eval_len", "pos_start", "pos_end", "mean_loss", "count"]
 
 
 def format_table(rows: Sequence[EvalRow]) -> str:
     """A Markdown table of the rows."""
-    head = ["model", "attention", "L", "L/train", "loss", "ppl", "bits/tok", "top-1", "top-10", "cost/query", "s"]
+    head = ["model", "attention", "L", "L/train", "loss", "ppl", "MRR", "entropy", "bits/tok", "top-1", "top-10",
+            "cost/query", "s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
     for r in rows:
         cost = "" if r.cost_per_query is None else f"{r.cost_per_query:.1f}"
-        cells = [r.model, r.attention, str(r.eval_len), f"{r.factor:g}x", f"{r.loss:.4f}", f"{r.ppl:.2f}",
-                 f"{r.bits_per_token:.3f}", f"{r.top1:.4f}", f"{r.top10:.4f}", cost, f"{r.seconds:.0f}"]  # fmt: skip
+        mrr = "" if r.mrr is None else f"{r.mrr:.4f}"
+        entropy = "" if r.entropy is None else f"{r.entropy:.4f}"
+        cells = [r.model, r.attention, str(r.eval_len), f"{r.factor:g}x", f"{r.loss:.4f}", f"{r.ppl:.2f}", mrr,
+                 entropy, f"{r.bits_per_token:.3f}", f"{r.top1:.4f}", f"{r.top10:.4f}", cost,
+                 f"{r.seconds:.0f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def write_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str], *, plots: bool = True) -> list[Path]:
-    """Write ``results.csv``, ``results.md`` and (with matplotlib) ``extrapolation.png`` and ``sweep.png``."""
+    """Write ``results.csv`` (one line per row), ``loss_by_position.csv`` (long format, :data:`POSITION_COLUMNS`:
+    one line per row and position bucket), ``results.md`` and (``plots``) the PNG plots of :func:`plot_results`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -60,8 +95,17 @@ def write_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str], *, p
         w = csv.DictWriter(f, fieldnames=_COLUMNS)
         w.writeheader()
         for r in rows:
-            w.writerow(dataclasses.asdict(r))
+            w.writerow({k: getattr(r, k) for k in _COLUMNS})
     written.append(out / "results.csv")
+    with open(out / "loss_by_position.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=POSITION_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            for b in r.loss_by_position:
+                w.writerow({"model": r.model, "attention": r.attention, "kind": r.kind, "factor": r.factor,
+                            "eval_len": r.eval_len, "pos_start": b.start, "pos_end": b.end,
+                            "mean_loss": b.mean_loss, "count": b.count})  # fmt: skip
+    written.append(out / "loss_by_position.csv")
     (out / "results.md").write_text(format_table(rows) + "\n", encoding="utf-8")
     written.append(out / "results.md")
     if plots:
@@ -70,7 +114,8 @@ def write_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str], *, p
 
 
 def read_results(path: str | os.PathLike[str]) -> list[EvalRow]:
-    """Read rows back from a ``results.csv``."""
+    """Read rows back from a ``results.csv``; their ``loss_by_position`` from the ``loss_by_position.csv`` next to
+    it, when there is one (:func:`read_loss_by_position`). Columns added since a file was written get defaults."""
     rows = []
     types = {f.name: f.type for f in dataclasses.fields(EvalRow)}
     with open(path, newline="", encoding="utf-8") as f:
@@ -87,13 +132,41 @@ def read_results(path: str | os.PathLike[str]) -> list[EvalRow]:
                 else:
                     kw[k] = v
             rows.append(EvalRow(**kw))
+    positions = Path(path).with_name("loss_by_position.csv")
+    if positions.is_file():
+        read_loss_by_position(positions, rows)
     return rows
+
+
+def read_loss_by_position(path: str | os.PathLike[str], rows: Sequence[EvalRow]) -> None:
+    """Attach the buckets of a ``loss_by_position.csv`` to ``rows`` (the rows of the ``results.csv`` it was
+    written with): the n-th group of lines with a (model, attention, kind, factor, L) goes to the n-th such row."""
+    groups: dict[tuple[str, str, str, float, int], list[list[PositionBucket]]] = {}
+    with open(path, newline="", encoding="utf-8") as f:
+        last: tuple[str, str, str, float, int] | None = None
+        last_start = -1
+        for rec in csv.DictReader(f):
+            key = (rec["model"], rec["attention"], rec["kind"], float(rec["factor"]), int(rec["eval_len"]))
+            b = PositionBucket(int(rec["pos_start"]), int(rec["pos_end"]), float(rec["mean_loss"]), int(rec["count"]))
+            if key != last or b.start <= last_start:  # a row's buckets are consecutive lines, in position order
+                groups.setdefault(key, []).append([])
+            groups[key][-1].append(b)
+            last, last_start = key, b.start
+    seen: dict[tuple[str, str, str, float, int], int] = {}
+    for r in rows:
+        key = (r.model, r.attention, r.kind, float(r.factor), int(r.eval_len))
+        n = seen.get(key, 0)
+        seen[key] = n + 1
+        if n < len(groups.get(key, [])):
+            r.loss_by_position = groups[key][n]
 
 
 def plot_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str]) -> list[Path]:
     """``extrapolation.png`` (perplexity vs L / training length, one line per model and attention, without the
-    sweep) and ``sweep.png`` (perplexity vs T per evaluation length: schemes, equal-cost windowed ALiBi and exact
-    ALiBi); returns the paths written."""
+    sweep), ``sweep.png`` (perplexity vs T per evaluation length: schemes, equal-cost windowed ALiBi and exact
+    ALiBi; only with sweep rows) and ``loss_by_position.png`` (mean loss vs position within the window, one panel
+    per L / training length, one line per model and attention without the sweep; only when the rows have
+    ``loss_by_position``); returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,6 +178,9 @@ def plot_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str]) -> li
     sweep = [r for r in rows if r.kind in ("plsh", "window")]
     if sweep:
         written.append(_plot_sweep(plt, rows, sweep, out / "sweep.png"))
+    positions = [r for r in rows if r.loss_by_position and r.kind in ("own", "alibi")]
+    if positions:
+        written.append(_plot_loss_by_position(plt, positions, out / "loss_by_position.png"))
     return written
 
 
@@ -145,15 +221,39 @@ def _plot_sweep(plt: Any, rows: Sequence[EvalRow], sweep: list[EvalRow], path: P
     return _save(plt, fig, path)
 
 
+def _plot_loss_by_position(plt: Any, rows: Sequence[EvalRow], path: Path) -> Path:
+    """One panel per evaluation length / training length: mean loss vs position within the window (bucket
+    centres), one line per (model, attention)."""
+    factors = sorted({r.factor for r in rows})
+    fig, axes = plt.subplots(1, len(factors), figsize=(4.2 * len(factors), 3.6), squeeze=False)
+    for ax, factor in zip(axes[0], factors, strict=True):
+        sub = [r for r in rows if r.factor == factor]
+        for r in sub:
+            xs = [(b.start + b.end - 1) / 2 for b in r.loss_by_position]
+            ax.plot(xs, [b.mean_loss for b in r.loss_by_position], marker=".", label=f"{r.model} — {r.attention}")
+        lengths = "/".join(str(n) for n in sorted({r.eval_len for r in sub}))
+        _style_axes(ax, f"{factor:g}x (L={lengths})", "position within the window", "mean loss (nats)", 6,
+                    title_size=9, log_x=False)  # fmt: skip
+    return _save(plt, fig, path)
+
+
 def _is_exact_alibi(r: EvalRow) -> bool:
     return r.kind == "alibi" or (r.kind == "own" and r.attention.startswith("own: alibi"))
 
 
 def _style_axes(
-    ax: Any, title: str, xlabel: str, ylabel: str, legend_size: int, *, title_size: int | None = None
+    ax: Any,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    legend_size: int,
+    *,
+    title_size: int | None = None,
+    log_x: bool = True,
 ) -> None:
-    """Log2 x axis, labels, grid and legend, as both plots draw them."""
-    ax.set_xscale("log", base=2)
+    """Log2 x axis (``log_x``), labels, grid and legend, as the plots draw them."""
+    if log_x:
+        ax.set_xscale("log", base=2)
     ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))  # else the axes' title size
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

@@ -6,7 +6,9 @@ is one token stream (documents joined by the end-of-document token); windows of 
 scored, so every token after the first is scored exactly once, with at least ``L - stride`` tokens of context
 (:func:`positional_lsh.lm.data.sliding_windows`). ``L`` runs over multiples of the training length (1x, 2x, 4x,
 8x, 16x). Metrics over the scored tokens: mean cross-entropy (nats), perplexity, bits per token, top-1 and
-top-10 accuracy.
+top-10 accuracy, mean reciprocal rank of the target (:func:`reciprocal_ranks`), mean predictive entropy (nats,
+:func:`predictive_entropy`), and the mean loss by position within the window that scored the token
+(:func:`position_buckets`: does the model use the extra context?).
 
 Attention variants evaluated for each model:
 
@@ -24,8 +26,9 @@ the positional-LSH sweep and windowed ALiBi through the ``positional_lsh.integra
 
 Models are loaded by :func:`positional_lsh.lm.eval_models.load_for_eval` and evaluated by :func:`evaluate_model`;
 the rows (:class:`~positional_lsh.lm.eval_results.EvalRow`) are written by
-:func:`positional_lsh.lm.eval_results.write_results` (``results.csv``, ``results.md`` and PNG plots: perplexity vs
-evaluation length, perplexity vs ``T``). The command line is :mod:`positional_lsh.cli.eval`.
+:func:`positional_lsh.lm.eval_results.write_results` (``results.csv``, ``loss_by_position.csv``, ``results.md``
+and PNG plots: perplexity vs evaluation length, perplexity vs ``T``, loss vs position within the window). The
+command line is :mod:`positional_lsh.cli.eval`.
 """
 
 from __future__ import annotations
@@ -35,22 +38,30 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from positional_lsh.lm import data as D
 from positional_lsh.lm.checkpoint import load_checkpoint, shipped_checkpoint_path
 from positional_lsh.lm.eval_models import ModelAdapter, load_for_eval
-from positional_lsh.lm.eval_results import EvalRow, format_table, plot_results, read_results, write_results
+from positional_lsh.lm.eval_results import (
+    EvalRow,
+    PositionBucket,
+    format_table,
+    plot_results,
+    read_results,
+    write_results,
+)
 from positional_lsh.ops import sample_partitions
 from positional_lsh.ops.errors import UserError
 
 __all__ = [
     "EvalRow",
     "ModelAdapter",
+    "PositionBucket",
     "ShippedDemo",
     "check_something_to_score",
     "equal_cost_window",
@@ -59,7 +70,10 @@ __all__ = [
     "format_table",
     "load_for_eval",
     "plot_results",
+    "position_buckets",
+    "predictive_entropy",
     "read_results",
+    "reciprocal_ranks",
     "shipped_checkpoint_path",
     "shipped_model_demo",
     "sliding_window_metrics",
@@ -70,6 +84,7 @@ __all__ = [
 DEFAULT_FACTORS = (1, 2, 4, 8, 16)
 DEFAULT_SAMPLES = (1, 4, 16, 64)
 DEFAULT_SCHEMES = ("discrete", "gamma", "fixed")
+DEFAULT_POSITION_BUCKETS = 16
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -77,6 +92,60 @@ LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 # --------------------------------------------------------------------------------------------------
 # Metrics
 # --------------------------------------------------------------------------------------------------
+
+
+def reciprocal_ranks(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``1 / rank`` of each target token: ``logits`` ``(N, V)``, ``targets`` ``(N,)`` -> ``(N,)`` float32.
+
+    ``rank = 1 +`` the number of vocabulary entries whose logit is *strictly* greater than the target's: ties
+    count in the target's favour (a target tied with others for the largest logit has rank 1). Comparisons are
+    made on the logits (softmax is monotone); the mean is the mean reciprocal rank (MRR).
+    """
+    lg = logits.float()
+    target = lg.gather(-1, targets[:, None].long())
+    rank = 1 + (lg > target).sum(-1)
+    return 1.0 / rank.float()
+
+
+def predictive_entropy(logits: torch.Tensor, log_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy in nats of ``softmax(logits)`` along the last axis (float32), ``H = -sum_v p_v log p_v``.
+
+    Computed from ``log_softmax`` (pass it as ``log_probs`` when already at hand); entries whose probability is
+    0 (a ``-inf`` logit, or one so far below the largest that ``exp`` underflows) contribute 0, never NaN.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1) if log_probs is None else log_probs
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, torch.zeros((), dtype=logp.dtype, device=logp.device)).sum(-1)
+
+
+def position_buckets(
+    nll_sums: Sequence[float] | torch.Tensor,
+    counts: Sequence[int] | torch.Tensor,
+    num_buckets: int = DEFAULT_POSITION_BUCKETS,
+) -> list[PositionBucket]:
+    """Mean loss per bucket of position within the window, from per-position summed losses and token counts.
+
+    ``nll_sums[i]`` / ``counts[i]``: summed loss / number of scored tokens at position ``i`` of their window
+    (``i = 0 .. L - 1``, as :func:`sliding_window_metrics` returns them). Buckets split ``[0, L)`` into
+    ``min(num_buckets, L)`` near-equal half-open ranges ``[k L // B, (k + 1) L // B)`` (one per position when
+    ``L <= num_buckets``); buckets without scored tokens are left out, so the counts sum to the scored tokens and
+    their count-weighted mean loss is the overall mean loss.
+    """
+    sums = torch.as_tensor(nll_sums, dtype=torch.float64).flatten()
+    cnt = torch.as_tensor(counts, dtype=torch.int64).flatten()
+    if sums.shape != cnt.shape:
+        raise ValueError(f"nll_sums and counts must have the same length, got {sums.numel()} and {cnt.numel()}")
+    if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) or num_buckets < 1:
+        raise ValueError(f"num_buckets must be a positive int, got {num_buckets!r}")
+    length = sums.numel()
+    b = min(num_buckets, length)
+    edges = [k * length // b for k in range(b + 1)]
+    out = []
+    for lo, hi in pairwise(edges):
+        n = int(cnt[lo:hi].sum())
+        if n > 0:
+            out.append(PositionBucket(lo, hi, float(sums[lo:hi].sum()) / n, n))
+    return out
 
 
 def sliding_window_metrics(
@@ -89,7 +158,7 @@ def sliding_window_metrics(
     device: torch.device | str | None = None,
     progress: bool = False,
     desc: str = "eval",
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Sliding-window metrics of a causal LM on one token stream.
 
     Args:
@@ -101,14 +170,24 @@ def sliding_window_metrics(
         device: where to put the ids (default: CPU).
 
     Returns:
-        ``{"loss", "ppl", "bits_per_token", "top1", "top10", "tokens", "windows", "seconds"}``: mean
-        cross-entropy in nats over the scored tokens, ``exp(loss)``, ``loss / ln 2``, top-1 / top-10 accuracy,
-        the number of scored tokens (``len(tokens) - 1``) and of windows.
+        ``{"loss", "ppl", "bits_per_token", "top1", "top10", "mrr", "entropy", "tokens", "windows", "seconds",
+        "position_nll", "position_count"}``: mean cross-entropy in nats over the scored tokens, ``exp(loss)``,
+        ``loss / ln 2``, top-1 / top-10 accuracy, mean reciprocal rank of the target (:func:`reciprocal_ranks`:
+        ties count in the target's favour), mean entropy of the predicted distribution in nats
+        (:func:`predictive_entropy`), the number of scored tokens (``len(tokens) - 1``) and of windows, and per
+        position ``i = 0 .. seq_len - 1`` within the window that scored them, the summed loss (list of floats) and
+        number (list of ints) of the scored tokens (:func:`position_buckets` makes the curve). A later window
+        scores only its last ``stride`` positions, so positions ``< seq_len - stride`` count only tokens of the
+        first window.
+
+    Everything is accumulated per batch of windows: at most one batch of logits is held at a time.
     """
     if not callable(logits_fn):
         raise TypeError(f"logits_fn must be callable, got {type(logits_fn).__name__}")
     n_windows = D.num_sliding_windows(int(tokens.numel()) if isinstance(tokens, torch.Tensor) else 0, seq_len, stride)
-    totals = [0.0, 0, 0, 0]  # summed nll, top-1 hits, top-10 hits, scored tokens
+    totals = [0.0, 0, 0, 0, 0.0, 0.0]  # summed nll, top-1 hits, top-10 hits, scored tokens, summed 1/rank, entropy
+    pos_nll = torch.zeros(seq_len, dtype=torch.float64)
+    pos_count = torch.zeros(seq_len, dtype=torch.int64)
     t0 = time.perf_counter()
     bar = tqdm(total=n_windows, desc=desc, disable=not progress, leave=False, dynamic_ncols=True)
     with torch.no_grad():
@@ -118,10 +197,13 @@ def sliding_window_metrics(
             logits = logits_fn(x)
             if logits.shape[:2] != x.shape:
                 raise ValueError(f"logits_fn returned shape {tuple(logits.shape)} for ids of shape {tuple(x.shape)}")
-            totals = [a + b for a, b in zip(totals, _window_sums(logits, y), strict=True)]
+            sums, p_nll, p_count = _window_sums(logits, y)
+            totals = [a + b for a, b in zip(totals, sums, strict=True)]
+            pos_nll += p_nll
+            pos_count += p_count
             bar.update(x.shape[0])
     bar.close()
-    nll, correct1, correct10, count = totals
+    nll, correct1, correct10, count, rr, entropy = totals
     loss = nll / count
     return {
         "loss": loss,
@@ -129,20 +211,38 @@ def sliding_window_metrics(
         "bits_per_token": loss / math.log(2),
         "top1": correct1 / count,
         "top10": correct10 / count,
+        "mrr": rr / count,
+        "entropy": entropy / count,
         "tokens": count,
         "windows": n_windows,
         "seconds": time.perf_counter() - t0,
+        "position_nll": pos_nll.tolist(),
+        "position_count": pos_count.tolist(),
     }
 
 
-def _window_sums(logits: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int, int]:
-    """Summed cross-entropy, top-1 and top-10 hits and the number of scored targets (``y != -100``)."""
+def _window_sums(
+    logits: torch.Tensor, y: torch.Tensor
+) -> tuple[tuple[float, int, int, int, float, float], torch.Tensor, torch.Tensor]:
+    """Of one batch of windows: (summed cross-entropy, top-1 hits, top-10 hits, number of scored targets
+    (``y != -100``), summed reciprocal rank, summed entropy), and the summed cross-entropy and target count per
+    position within the window (``(L,)`` float64 and int64, on the CPU)."""
     keep = y != -100
     lg = logits[keep].float()
     tg = y[keep]
     top = lg.topk(min(10, lg.shape[-1]), dim=-1).indices
-    nll = float(F.cross_entropy(lg, tg, reduction="sum"))
-    return nll, int((top[:, 0] == tg).sum()), int((top == tg[:, None]).any(-1).sum()), int(tg.numel())
+    hits1, hits10 = int((top[:, 0] == tg).sum()), int((top == tg[:, None]).any(-1).sum())
+    logp = torch.log_softmax(lg, dim=-1)
+    # per-token values (N,) go to the CPU and are summed in float64 there (float64 is not on every device)
+    nll = -logp.gather(-1, tg[:, None]).squeeze(-1).cpu().double()
+    ent = predictive_entropy(lg, logp).cpu().double()
+    del logp
+    rr = reciprocal_ranks(lg, tg).cpu().double()
+    length = y.shape[1]
+    pos = torch.arange(length).expand(y.shape)[keep.cpu()]
+    p_nll = torch.zeros(length, dtype=torch.float64).index_add_(0, pos, nll)
+    p_count = torch.bincount(pos, minlength=length)
+    return (float(nll.sum()), hits1, hits10, int(tg.numel()), float(rr.sum()), float(ent.sum())), p_nll, p_count
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,7 +445,8 @@ class _Evaluation:
             model=a.label, attention=label, kind=kind, train_len=a.train_len, eval_len=length, factor=factor,
             stride=self.stride_for(length), samples=kw.get("samples"), scheme=kw.get("scheme"), loss=m["loss"],
             ppl=m["ppl"], bits_per_token=m["bits_per_token"], top1=m["top1"], top10=m["top10"], tokens=m["tokens"],
-            seconds=m["seconds"], cost_per_query=kw.get("cost"),
+            seconds=m["seconds"], cost_per_query=kw.get("cost"), mrr=m["mrr"], entropy=m["entropy"],
+            loss_by_position=position_buckets(m["position_nll"], m["position_count"]),
         )  # fmt: skip
         self.rows.append(row)
         if self.on_row is not None:

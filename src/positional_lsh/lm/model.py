@@ -138,7 +138,9 @@ class CausalSelfAttention(nn.Module):
 
                 return context_parallel_attend(self, q, k, v)
             parts = self.partitions(lk)
-            return plsh_attention(q, k, v, partitions=parts, causal=True, backend=self.cfg.attn_backend)
+            return plsh_attention(
+                q, k, v, partitions=parts, causal=True, backend=self.cfg.attn_backend, method=self.cfg.plsh_method
+            )
         # rope / nope: plain causal attention (rotation already applied for rope).
         if lq == lk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -323,7 +323,11 @@ def _mask(g: _Group, rows: torch.Tensor, plan: MultiplicityPlan, dtype: torch.dt
         above = (pos - g.k_start[:, None] + 1).clamp(max=kl).unsqueeze(-1)
         minus_t = torch.full(above.shape, -float(start.shape[-1]), dtype=dtype, device=rows.device)
         counts.scatter_add_(-1, above, minus_t)
-    return counts[..., :kl].cumsum_(-1).log_()
+    c = counts[..., :kl].cumsum_(-1)  # integer-valued: exactly 0 outside every block
+    # log(0) takes the math library's slow path (~3x the cost of the whole mask here): take logs of the
+    # nonzero counts only and write -inf where the count is 0. Same values as c.log_().
+    zero = c == 0
+    return c.masked_fill_(zero, 1.0).log_().masked_fill_(zero, -math.inf)
 
 
 def _gather(x: torch.Tensor, head: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
