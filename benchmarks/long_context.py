@@ -4,6 +4,7 @@
     python benchmarks/long_context.py throughput   # tokens/s of every mode, one session (run it on a quiet machine)
     python benchmarks/long_context.py train        # equal tokens, then equal wall-clock (resumes what exists)
     python benchmarks/long_context.py eval         # 1x, 2x, 4x the training length, all metrics
+    python benchmarks/long_context.py noise        # alibi and plsh-t16 again with seed 1: the run-to-run yardstick
     python benchmarks/long_context.py report       # tables (stdout) and the Pareto figure
 
 Question: at equal training compute, is a positional-LSH model (unbiased, noisy) better or worse than exact
@@ -19,10 +20,17 @@ positional LSH at T = 1, 4, 16, 64; RoPE. The learning rate is constant after th
 in one session (``throughput``): every model then gets the wall-clock time exact ALiBi needed for ``N`` steps.
 Measuring the step times once and converting them to step counts keeps the equal-time budget reproducible and
 immune to noise from whatever else runs while the models train. (A model slower than exact ALiBi would get
-``S_m < N``: its equal-time run is then trained first and the equal-tokens run continues it.)
+``S_m < N``: its equal-time run is then trained first and the equal-tokens run continues it.) Phase 1 takes
+every model to its smaller budget, phase 2 to its larger, so the equal-tokens models can be evaluated while
+phase 2 trains (``eval --budgets tokens``).
 
 The positional-LSH method (per-sample blocks or the multiplicity form) changes the speed, not the result (same
 partitions, same estimator); each model trains with the faster one, measured in ``throughput``.
+
+Threads. Every stage runs torch with ``--threads`` intra-op threads (default 1). With 2 threads on a 2-core
+machine, any other process on either core stalls both of torch's threads (measured: 2-thread training fell
+from 685 to about 200 tokens/s while one other process ran); with 1 thread the experiment owns one core and
+its timings do not depend on what runs on the other.
 
 Outputs under ``--out`` (runs/long): ``throughput.json``, one run directory per model and budget, ``*.log``,
 ``eval-tokens/`` and ``eval-time/`` (``plsh eval`` outputs), and the figure ``--figures/long_pareto.png``.
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -42,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from positional_lsh.lm.checkpoint import is_checkpoint, read_checkpoint_config
 from positional_lsh.lm.config import ModelConfig
 from positional_lsh.lm.model import TransformerLM
 from positional_lsh.ops.multiplicity import sample_bounds
@@ -50,6 +60,7 @@ from positional_lsh.ops.partitions import sample_partitions
 ROOT = Path(__file__).resolve().parent.parent
 ARCH = {"n_layer": 4, "n_head": 8, "d_model": 256, "vocab_size": 8192}
 EQUAL_COST_T = 16
+NOISE_MODELS = ("alibi", "plsh-t16")
 
 
 def models(window_eq: float) -> dict[str, dict[str, object]]:
@@ -66,32 +77,46 @@ def models(window_eq: float) -> dict[str, dict[str, object]]:
     }
 
 
-def equal_cost_window_factor(seq_len: int, n_head: int, num_samples: int = EQUAL_COST_T) -> float:
-    """The window factor ``f`` (window ``f * sigma_h`` per head) whose causal score entries equal positional LSH's.
-
-    Positional LSH's entries: the multiplicity form's union of the ``T`` blocks of every query (the keys it
-    scores), summed over heads, for the model's slopes at ``seq_len`` (mean over 4 draws). Windowed ALiBi at
-    window ``w`` scores ``min(i, w) + 1`` keys for query ``i``. ``f`` is found by bisection.
-    """
+def union_entries(seq_len: int, n_head: int, num_samples: int, draws: int = 4) -> float:
+    """Positional LSH's causal score entries per query per head with the multiplicity form: each query scores
+    the union of its ``T`` blocks, keys ``[min_t start_t(i), i]`` (model slopes, mean over ``draws`` draws)."""
     slopes = ModelConfig(n_head=n_head, seq_len=seq_len).slopes()
-    target = 0.0
-    for seed in range(4):
+    pos = torch.arange(seq_len)[:, None]
+    total = 0.0
+    for seed in range(draws):
         parts = sample_partitions(seq_len, slopes, num_samples, generator=torch.Generator().manual_seed(seed))
-        pos = torch.arange(seq_len)[:, None]
-        for h in range(n_head):  # query i scores keys [min_t start_t(i), i]
+        for h in range(n_head):
             lo, _ = sample_bounds(parts.pitch[:, h], parts.shift[:, h], seq_len, pos)
-            target += float((pos[:, 0] - lo.amin(1) + 1).sum()) / 4
+            total += float((pos[:, 0] - lo.amin(1) + 1).sum())
+    return total / (draws * n_head * seq_len)
+
+
+def window_entries(seq_len: int, n_head: int, factor: float) -> float:
+    """Windowed ALiBi's causal score entries per query per head: ``min(i, w_h) + 1`` keys, ``w_h = factor*sigma_h``."""
+    slopes = ModelConfig(n_head=n_head, seq_len=seq_len).slopes()
     i = torch.arange(seq_len, dtype=torch.float64)
+    w = torch.floor(factor / slopes)
+    return float((torch.minimum(i[None, :], w[:, None]) + 1).mean())
 
-    def window_entries(f: float) -> float:
-        w = torch.floor(f / slopes)
-        return float((torch.minimum(i[None, :], w[:, None]) + 1).sum())
 
+def equal_cost_window_factor(seq_len: int, n_head: int, num_samples: int = EQUAL_COST_T) -> float:
+    """The window factor ``f`` (window ``f * sigma_h`` per head) whose causal score entries equal positional LSH's
+    at ``num_samples`` with the multiplicity form (:func:`union_entries`); found by bisection."""
+    target = union_entries(seq_len, n_head, num_samples)
     lo, hi = 0.0, 64.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if window_entries(mid) < target else (lo, mid)
+        lo, hi = (mid, hi) if window_entries(seq_len, n_head, mid) < target else (lo, mid)
     return (lo + hi) / 2
+
+
+def entries_per_query(fields: dict[str, object], seq_len: int, n_head: int) -> float:
+    """Causal score entries per query per head of a model's attention at its training length."""
+    if fields["position"] == "plsh":
+        return union_entries(seq_len, n_head, int(fields["num_samples"]))  # type: ignore[call-overload]
+    if fields["position"] == "window-alibi":
+        return window_entries(seq_len, n_head, float(fields["window_factor"]))  # type: ignore[arg-type]
+    return (seq_len + 1) / 2
 
 
 # ---------------------------------------------------------------------------------------------------- throughput
@@ -173,13 +198,16 @@ def _flags(fields: dict[str, object], best: str) -> list[str]:
     return out
 
 
-def _finished(run: Path, steps: int) -> bool:
-    cfg = run / "config.json"
-    return cfg.is_file() and json.loads(cfg.read_text()).get("step", -1) >= steps
+def _trained_steps(run: Path) -> int:
+    """Steps of the run's latest checkpoint (``-1`` when there is none)."""
+    if not is_checkpoint(run):
+        return -1
+    return int(read_checkpoint_config(run).get("metadata", {}).get("step", -1))
 
 
-def _train_to(args: argparse.Namespace, name: str, run: Path, steps: int, flags: list[str]) -> None:
-    if _finished(run, steps):
+def _train_to(args: argparse.Namespace, name: str, run: Path, steps: int, flags: list[str], seed: int = 0) -> None:
+    done = _trained_steps(run)
+    if done >= steps:
         print(f"== {run.name}: {steps} steps already trained")
         return
     common = [
@@ -204,13 +232,14 @@ def _train_to(args: argparse.Namespace, name: str, run: Path, steps: int, flags:
         "--ckpt-interval",
         str(args.eval_interval),
         "--seed",
-        "0",
+        str(seed),
         "--save-dtype",
         "float16",
         "--no-progress",
+        f"--threads={args.threads}",
         *(f"--{k.replace('_', '-')}={v}" for k, v in ARCH.items()),
     ]
-    resume = ["--resume"] if (run / "trainer_state.pt").is_file() else []
+    resume = ["--resume"] if done >= 0 else []
     cmd = [
         sys.executable,
         "-m",
@@ -243,20 +272,37 @@ def budgets(tp: dict[str, object], steps: int) -> dict[str, tuple[int, int]]:
 
 
 def train(args: argparse.Namespace) -> None:
+    """Phase 1: every model to its smaller budget (copied to ``<name>@<budget>``); phase 2: to its larger."""
     tp = json.loads((args.out / "throughput.json").read_text())
-    for name, (n_tok, n_time) in budgets(tp, args.steps).items():
+    plan = budgets(tp, args.steps)
+    for phase in (0, 1):
+        for name, (n_tok, n_time) in plan.items():
+            info = tp["modes"][name]
+            steps, label = sorted([(n_tok, "tokens"), (n_time, "time")])[phase]
+            run = args.out / name
+            _train_to(args, name, run, steps, _flags(info["fields"], info["best"]))
+            copy = args.out / f"{name}@{label}"
+            if not copy.exists():
+                shutil.copytree(run, copy)
+
+
+def noise(args: argparse.Namespace) -> None:
+    """The yardstick: ``NOISE_MODELS`` again with ``--seed 1`` (initialization, data order, partitions) for the
+    equal-tokens budget, evaluated at the training length: how far apart two runs of one model land."""
+    tp = json.loads((args.out / "throughput.json").read_text())
+    for name in NOISE_MODELS:
         info = tp["modes"][name]
-        flags = _flags(info["fields"], info["best"])
-        first, second = sorted([(n_tok, "tokens"), (n_time, "time")])
-        run = args.out / name
-        _train_to(args, name, run, first[0], flags)
-        copy = args.out / f"{name}@{first[1]}"
-        if not copy.exists():
-            shutil.copytree(run, copy)
-        _train_to(args, name, run, second[0], flags)
-        final = args.out / f"{name}@{second[1]}"
-        if not final.exists():
-            shutil.copytree(run, final)
+        _train_to(
+            args, f"{name}-seed1", args.out / f"{name}-seed1", args.steps, _flags(info["fields"], info["best"]), 1
+        )
+    out = args.out / "eval-noise"
+    if not (out / "results.csv").is_file():
+        runs = [str(args.out / f"{m}-seed1") for m in NOISE_MODELS]
+        cmd = [sys.executable, "-m", "positional_lsh.cli", "eval", *runs, "--factors", "1", "--max-tokens"]
+        cmd += [str(args.eval_tokens), "--samples", "none", "--out", str(out), "--no-progress"]
+        cmd += [f"--threads={args.threads}"]
+        with open(args.out / "eval-noise.log", "w") as log:
+            subprocess.run(_nice(args) + cmd, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 # --------------------------------------------------------------------------------------------------------- eval
@@ -264,7 +310,7 @@ def train(args: argparse.Namespace) -> None:
 
 def evaluate(args: argparse.Namespace) -> None:
     tp = json.loads((args.out / "throughput.json").read_text())
-    for budget in ("tokens", "time"):
+    for budget in args.budgets.split(","):
         out = args.out / f"eval-{budget}"
         if (out / "results.csv").is_file():
             print(f"== eval-{budget}: done")
@@ -285,6 +331,7 @@ def evaluate(args: argparse.Namespace) -> None:
             "--out",
             str(out),
             "--no-progress",
+            f"--threads={args.threads}",
         ]
         print(f"== eval-{budget} ({time.strftime('%H:%M:%S')})", flush=True)
         with open(args.out / f"eval-{budget}.log", "w") as log:
@@ -316,15 +363,29 @@ def report(args: argparse.Namespace) -> None:
         f"equal-cost window factor {tp['window_eq_factor']:.2f} sigma\n"
     )
     print(
-        "| model | implementation | step time (s) | tokens/s | vs exact ALiBi | equal-tokens steps | equal-time steps |"
+        "| model | implementation | keys / query / head | step time (s) | tokens/s | vs exact ALiBi "
+        "| equal-tokens steps | equal-time steps |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for m, info in modes.items():
         t = info["step_seconds"][info["best"]]
+        cost = entries_per_query(info["fields"], tp["seq_len"], ARCH["n_head"])
         print(
-            f"| {m} | {info['best'] or '-'} | {t:.2f} | {info['tokens_per_second']:.0f} | "
+            f"| {m} | {info['best'] or '-'} | {cost:.0f} | {t:.2f} | {info['tokens_per_second']:.0f} | "
             f"{info['tokens_per_second'] / ref:.2f}x | {plan[m][0]} | {plan[m][1]} |"
         )
+    print("\nValidation (4 fixed batches of the validation split, at the end of each budget):\n")
+    print("| model | val ppl, equal tokens | val ppl, equal time | steps (time) | training tokens (time) |")
+    print("|---|---:|---:|---:|---:|")
+    for m in modes:
+        cells = []
+        for budget in ("tokens", "time"):
+            log = args.out / f"{m}@{budget}" / "log.jsonl"
+            recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []
+            val = [r for r in recs if "val_ppl" in r]
+            cells.append(f"{val[-1]['val_ppl']:.1f}" if val else "")
+        steps = plan[m][1]
+        print(f"| {m} | {cells[0]} | {cells[1]} | {steps} | {steps * tp['seq_len'] * tp['batch_size']:,} |")
     points = {}
     for budget in ("tokens", "time"):
         path = args.out / f"eval-{budget}" / "results.csv"
@@ -351,18 +412,43 @@ def report(args: argparse.Namespace) -> None:
                 name = model.split("@")[0]
                 secs = plan[name][0 if budget == "tokens" else 1] * modes[name]["step_seconds"][modes[name]["best"]]
                 points.setdefault(name, []).append((secs / 60, float(per["1"]["ppl"]), budget))
+    noise_band = None
+    noise_csv = args.out / "eval-noise" / "results.csv"
+    if noise_csv.is_file():  # the seed-1 reruns next to their seed-0 equal-tokens runs
+        seed1 = {Path(r["model"]).name.removesuffix("-seed1"): float(r["ppl"]) for r in _read_csv(noise_csv)}
+        print("\nRun-to-run yardstick (equal tokens, test perplexity at 1x, own attention):\n")
+        print("| model | seed 0 | seed 1 | difference |\n|---|---:|---:|---:|")
+        spread = []
+        for m, p1 in seed1.items():
+            p0 = next((p[1] for p in points.get(m, []) if p[2] == "tokens"), float("nan"))
+            spread.append(abs(math.log(p1) - math.log(p0)))
+            print(f"| {m} | {p0:.1f} | {p1:.1f} | {100 * (p1 / p0 - 1):+.1f} % |")
+        ref_ppl = next((p[1] for p in points.get("alibi", []) if p[2] == "tokens"), None)
+        if ref_ppl is not None and spread:
+            noise_band = (ref_ppl * math.exp(-max(spread)), ref_ppl * math.exp(max(spread)))
+    for budget in ("tokens", "time"):  # plsh eval's own loss-by-position plot, one per budget
+        src = args.out / f"eval-{budget}" / "loss_by_position.png"
+        if src.is_file():
+            args.figures.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, args.figures / f"long_loss_by_position_{budget}.png")
     if not points:
         return
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for name, pts in points.items():
+    fig, ax = plt.subplots(figsize=(7.0, 4.6))
+    colors = plt.get_cmap("tab10")
+    for k, (name, pts) in enumerate(points.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color="0.8", zorder=1)
+        color = colors(k % 10)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=color, alpha=0.5, zorder=1)
         for x, y, b in pts:
-            ax.scatter(x, y, marker="o" if b == "tokens" else "s", zorder=2)
-        ax.annotate(name, pts[-1][:2], textcoords="offset points", xytext=(4, 2), fontsize=8)
-    ax.set_xlabel("training time (min, quiet-machine step time x steps)")
-    ax.set_ylabel(f"test perplexity at {tp['seq_len']} tokens")
-    ax.set_title("Equal tokens (o) and equal wall-clock (s): lower left is better", fontsize=9)
+            ax.scatter(x, y, marker="o" if b == "tokens" else "s", color=color, zorder=2)
+        ax.annotate(name, pts[-1][:2], textcoords="offset points", xytext=(5, -3), fontsize=8, color=color)
+    if noise_band:
+        ax.axhspan(*noise_band, color="0.85", zorder=0, label="two seeds of one model (alibi, plsh-t16)")
+        ax.legend(fontsize=8, loc="upper right")
+    ax.set_xlabel("training time (min: quiet-machine step time x steps)")
+    ax.set_ylabel(f"test perplexity at {tp['seq_len']} tokens (own attention)")
+    ax.set_title("Circles: equal tokens; squares: equal wall-clock (exact ALiBi's time). Lower left is better.",
+                 fontsize=9)  # fmt: skip
     ax.grid(alpha=0.3)
     fig.tight_layout()
     args.figures.mkdir(parents=True, exist_ok=True)
@@ -372,24 +458,27 @@ def report(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=("throughput", "train", "eval", "report", "all"))
+    ap.add_argument("stage", choices=("throughput", "train", "eval", "noise", "report", "all"))
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "long")
     ap.add_argument("--figures", type=Path, default=ROOT / "docs" / "figures")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=150, help="equal-tokens budget N (optimizer steps)")
+    ap.add_argument("--steps", type=int, default=80, help="equal-tokens budget N (optimizer steps)")
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--eval-interval", type=int, default=50)
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--eval-tokens", type=int, default=8192, help="test tokens scored per evaluation")
     ap.add_argument("--repeats", type=int, default=3, help="timed training steps per mode (throughput)")
+    ap.add_argument("--budgets", default="tokens,time", help="eval: which budgets' checkpoints to evaluate")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every stage (see docstring)")
     ap.add_argument("--nice", type=int, default=int(os.environ.get("NICE", "0")))
     args = ap.parse_args()
     os.environ.setdefault("PLSH_CACHE_DIR", str(ROOT / "runs" / "cache"))
-    stages = ("throughput", "train", "eval", "report") if args.stage == "all" else (args.stage,)
+    torch.set_num_threads(args.threads)
+    stages = ("throughput", "train", "eval", "noise", "report") if args.stage == "all" else (args.stage,)
     for stage in stages:
-        {"throughput": throughput, "train": train, "eval": evaluate, "report": report}[stage](args)
+        {"throughput": throughput, "train": train, "eval": evaluate, "noise": noise, "report": report}[stage](args)
 
 
 if __name__ == "__main__":
