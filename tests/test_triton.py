@@ -7,20 +7,26 @@ so that tiles, key blocks and the query-row intervals of the dk/dv kernel span s
 from __future__ import annotations
 
 import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
-
 import subprocess
 import sys
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
 from positional_lsh import dense_plsh_attention, plsh_attention, sample_partitions
-from positional_lsh.ops import triton_multiplicity as tm
-from positional_lsh.ops.triton_multiplicity import multiplicity_attention_triton, multiplicity_forward_triton
+
+# tests/conftest.py sets TRITON_INTERPRET=1 (before anything imports triton) on machines without CUDA: the kernels
+# then run in Triton's CPU interpreter on CPU tensors. With a GPU the interpreter tests are skipped and
+# test_cuda_against_the_torch_path runs the compiled kernels.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytest.importorskip("triton")
+interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+
+from positional_lsh.ops import triton_multiplicity as tm  # noqa: E402  (after the skip: it imports triton)
+from positional_lsh.ops.triton_multiplicity import (  # noqa: E402
+    multiplicity_attention_triton,
+    multiplicity_forward_triton,
+)
 
 SLOPES = torch.tensor([0.5, 0.1, 0.0, 0.03])
 
@@ -68,6 +74,7 @@ _CASES = [
 ]
 
 
+@interpreter
 @pytest.mark.parametrize(("scheme", "causal", "hq", "hkv", "lq", "lk", "t", "blk"), _CASES)
 def test_triton_matches_dense_oracle(blocks, scheme, causal, hq, hkv, lq, lk, t, blk):
     blocks(*(blk or (None, None)))
@@ -91,6 +98,7 @@ def test_triton_matches_dense_oracle(blocks, scheme, causal, hq, hkv, lq, lk, t,
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
 
 
+@interpreter
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 def test_triton_half_forward(blocks, dtype, atol):
     blocks(16, 16)
@@ -102,6 +110,7 @@ def test_triton_half_forward(blocks, dtype, atol):
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol)
 
 
+@interpreter
 def test_plsh_attention_backend_triton(blocks):
     blocks(16, 16)
     q, k, v = _qkv(4, 2, 32, 32)
@@ -114,6 +123,7 @@ def test_plsh_attention_backend_triton(blocks):
         plsh_attention(q, k, v, partitions=parts, backend="triton", method="samples")
 
 
+@interpreter
 def test_nan_keys_reach_the_same_rows_as_the_torch_path(blocks):
     blocks(16, 16)
     q, k, v = _qkv(2, 2, 40, 40, seed=4)
@@ -127,6 +137,7 @@ def test_nan_keys_reach_the_same_rows_as_the_torch_path(blocks):
     torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), rtol=0, atol=1e-5)
 
 
+@interpreter
 def test_triton_refusals(monkeypatch):
     q, k, v = _qkv(2, 2, 8, 8)
     parts = _parts(2, 8, 2, "discrete")
@@ -163,3 +174,22 @@ else:
 """
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU (compiled Triton kernels)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_against_the_torch_path(causal):
+    # The compiled kernels on a GPU against the torch tiles in float64 on the same device, GQA, n = 1000, T = 16.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g) for s in ((2, 8, 1000, 64), (2, 4, 1000, 64), (2, 4, 1000, 64)))
+    parts = sample_partitions(1000, [2.0**-i for i in range(1, 9)], 16, generator=1)
+    qc, kc, vc = (x.cuda().requires_grad_() for x in (q, k, v))
+    out = plsh_attention(qc, kc, vc, partitions=parts, causal=causal, backend="triton", method="multiplicity")
+    qd, kd, vd = (x.cuda().double().requires_grad_() for x in (q, k, v))
+    ref = plsh_attention(qd, kd, vd, partitions=parts, causal=causal, backend="math", method="multiplicity")
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+    gout = torch.randn(out.shape, generator=g).cuda()
+    for a, b in zip(
+        torch.autograd.grad(out, (qc, kc, vc), gout), torch.autograd.grad(ref, (qd, kd, vd), gout.double()), strict=True
+    ):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-4)
