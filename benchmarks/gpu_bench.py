@@ -6,7 +6,9 @@
 Per length, forward and forward + backward, on the same inputs:
 
 * ``plsh`` / ``plsh-mult`` — :func:`~positional_lsh.plsh_attention`, ``method="samples"`` / ``"multiplicity"``,
-  at each ``T`` of ``--samples`` (default 8 and 64), standard ALiBi slopes, scheme ``discrete``;
+  at each ``T`` of ``--samples`` (default 8 and 64), standard ALiBi slopes, scheme ``discrete``; on CUDA with
+  triton installed ``plsh-mult`` runs the Triton kernels, and ``plsh-mult-torch`` the torch tiles
+  (``backend="math"``);
 * ``flex-exact`` — exact causal ALiBi, FlexAttention with ``score_mod`` and the causal block mask;
 * ``flex-window`` — windowed ALiBi (keys within ``--window-factor * sigma``), FlexAttention with a band block
   mask (:func:`~positional_lsh.cli.bench_peers.band_block_mask`);
@@ -96,6 +98,9 @@ def cases(n: int, args: argparse.Namespace, device: torch.device) -> list[Case]:
             count = sample_pairs(parts, causal=True) if method == "samples" else union_pairs(parts, causal=True)
             fn = lambda a, b, c, p=parts, m=method: plsh_attention(a, b, c, partitions=p, method=m)  # noqa: E731
             out.append(Case(name, t, fn, count))
+        if device.type == "cuda":  # plsh-mult is the Triton kernel there (when triton is installed); the torch path:
+            fn = lambda a, b, c, p=parts: plsh_attention(a, b, c, partitions=p, method="multiplicity", backend="math")  # noqa: E731
+            out.append(Case("plsh-mult-torch", t, fn, union_pairs(parts, causal=True)))
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False) if args.compile else flex_attention

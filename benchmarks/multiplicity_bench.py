@@ -1,6 +1,7 @@
 """Issue #8 targets in one run: the multiplicity form vs the per-sample path on the same partitions.
 
     nice python benchmarks/multiplicity_bench.py --n 32768 --samples 8,64,256 --repeats 3 --slow-repeats 1
+    nice python benchmarks/multiplicity_bench.py --sweep 1024,4096,16384 --repeats 3   # auto vs samples
 
 Prints each timing with the peak memory beyond the inputs (growth of the peak RSS, in units of q), then a
 markdown table of medians and ratios (CPU, torch intra-op threads as set by torch). Compare ratios within one
@@ -47,7 +48,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--slow-repeats", type=int, default=1, help="repeats of the per-sample path at T >= 64")
     ap.add_argument("--bf16-n", type=int, default=4096, help="length of the bf16 error check (vs float64)")
+    ap.add_argument("--sweep", default=None, help="instead: auto vs samples at these n (e.g. 1024,4096,16384)")
+    ap.add_argument("--sweep-samples", default="1,4,8,16,64", help="T values of --sweep")
     args = ap.parse_args()
+    if args.sweep:
+        sweep(args)
+        return
     n, h, d = args.n, args.heads, args.dim
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, n, d, generator=g) for _ in range(3))
@@ -114,6 +120,34 @@ def main() -> None:
     print(f"| auto time(T=256) / time(T=8) | {ratio(('auto', 256), ('auto', 8))} | <= 4 |")
     print(f"| T=64 fwd+bwd samples / multiplicity | {ratio(('fb samples', 64), ('fb multiplicity', 64))} | >= 4 |")
     print(f"| T=8 fp32 auto / bf16 auto | {ratio(('auto', 8), ('bf16', 8))} | >= 2.5 |")
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """``method="auto"`` against the per-sample path (and the multiplicity form), forward and forward + backward."""
+    h, d = args.heads, args.dim
+    slopes = alibi_slopes(h)
+    print(f"threads={torch.get_num_threads()} H={h} d={d} causal fp32; medians of {args.repeats} after a warm-up\n")
+    print("| n | T | pass | samples | multiplicity | auto | samples / auto | best / auto |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for n in [int(x) for x in args.sweep.split(",")]:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, h, n, d, generator=g, requires_grad=True) for _ in range(3))
+        for t_ in [int(x) for x in args.sweep_samples.split(",")]:
+            parts = sample_partitions(n, slopes, t_, generator=0)
+            for label, backward in (("fwd", False), ("fwd+bwd", True)):
+
+                def call(method: str, p=parts, b=backward, x=(q, k, v)) -> None:
+                    out = plsh_attention(*x, partitions=p, method=method)
+                    if b:
+                        torch.autograd.grad(out, x, torch.ones_like(out))
+
+                t = {m: _median_time(lambda m=m: call(m), args.repeats) for m in ("samples", "multiplicity", "auto")}
+                best = min(t["samples"], t["multiplicity"])
+                print(
+                    f"| {n} | {t_} | {label} | {t['samples']:.3f} | {t['multiplicity']:.3f} | {t['auto']:.3f} | "
+                    f"{t['samples'] / t['auto']:.2f} | {best / t['auto']:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when positional_lsh.ops.triton_multiplicity is
+# first imported (tests/test_architecture.py imports every documented module, before tests/test_triton.py runs).
+# Without a GPU the kernels can only run in Triton's CPU interpreter, so set it here, before anything imports them
+# (importing torch does not import triton).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)  # tiny tensors: one thread avoids OpenMP hand-off costs on a busy machine
 

@@ -99,6 +99,23 @@ def test_auto_mixes_methods_per_head_and_stays_exact():
     _check(out, ref, (q, k, v), atol=1e-10)
 
 
+@pytest.mark.parametrize("n", [1024, 4096, 32768])
+def test_auto_cost_model_choices(n):
+    # Structural properties of the cost model (docs/implementation.md, "Choosing the method"): one sample is
+    # never worth a tile mask (the multiplicity form computes the same pairs plus the mask), and at T = 64 the
+    # wide heads, whose T blocks overlap the most, take the multiplicity form. The per-call term scales with
+    # Lq: a constant one sent T = 1 heads at n = 2048 to the multiplicity form at up to 9x the time.
+    from positional_lsh.ops.attention import _choose
+
+    slopes = alibi_slopes(8)
+    one = sample_partitions(n, slopes, 1, generator=0)
+    _, mplan = _choose(one, 8, n, True, "auto")
+    assert mplan is None
+    many = sample_partitions(n, slopes, 64, generator=0)
+    _, mplan = _choose(many, 8, n, True, "auto")
+    assert mplan is not None and 7 in mplan.heads
+
+
 def test_nan_keys_reach_the_same_rows():
     q, k, v = _qkv(1, 2, 2, 60, 60, 4)
     k = k.clone()

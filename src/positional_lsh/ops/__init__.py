@@ -5,6 +5,7 @@ integrations, cli). Tensors are ``(batch, heads, length, head_dim)``; the ALiBi 
 ``-slopes[h] * |i - j|``, added to the scaled score.
 """
 
+from positional_lsh.ops import compiled  # noqa: F401  (defines the custom ops for torch.compile)
 from positional_lsh.ops.attention import PositionalLSHAttention, plsh_attention
 from positional_lsh.ops.partitions import Partitions, sample_partitions
 from positional_lsh.ops.reference import alibi_attention, alibi_bias, alibi_matrix, dense_plsh_attention

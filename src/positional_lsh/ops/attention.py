@@ -48,13 +48,13 @@ from positional_lsh.ops._parallel import pool_size, run_all, work_items, workers
 from positional_lsh.ops.multiplicity import (
     AUTO_MARGIN,
     BLOCK_COST,
-    CALL_COST,
+    CALL_ROW_COST,
     ENTRY_COST,
     MultiplicityPlan,
     multiplicity_backward,
     multiplicity_forward,
     multiplicity_plan,
-    multiplicity_tiles,
+    tilings,
 )
 from positional_lsh.ops.partitions import Partitions, Segment, sample_partitions
 
@@ -143,15 +143,15 @@ def _choose(
     """Split the heads between the per-sample path and the multiplicity form (``method``, or the cost model)."""
     group = partitions.num_heads // num_kv_heads
     plan, multi = [], []
-    tiles = {}
-    for h in range(partitions.num_heads):
+    heads = list(range(partitions.num_heads))
+    tiles = tilings(partitions, heads, q_len, causal) if method == "auto" else {}
+    for h in heads:
         if method == "multiplicity":
             multi.append(h)
             continue
         work = _head_plan(partitions, h, group, q_len, causal)
         if method == "auto":
-            tiles[h] = multiplicity_tiles(partitions, h, q_len, causal)
-            if tiles[h][0] <= AUTO_MARGIN * _samples_cost(work):
+            if tiles[h][0] <= AUTO_MARGIN * _samples_cost(work, q_len):
                 multi.append(h)
                 continue
         plan.append(work)
@@ -159,10 +159,10 @@ def _choose(
     return plan, mplan
 
 
-def _samples_cost(work: _HeadWork) -> float:
+def _samples_cost(work: _HeadWork, q_len: int) -> float:
     """Estimated time (ns, per batch element) of the per-sample path for one head (docs/implementation.md)."""
     blocks = sum(s.count for segments, _ in work.samples for s in segments)
-    return ENTRY_COST * work.cost + BLOCK_COST * blocks + CALL_COST * work.calls
+    return ENTRY_COST * work.cost + BLOCK_COST * blocks + CALL_ROW_COST * q_len * work.calls
 
 
 def _rows(x: torch.Tensor, seg: Segment, start: int, length: int) -> torch.Tensor:
@@ -300,6 +300,76 @@ def _backward_item(
                 _add_rows(dv[b, hk], seg, seg.k_start, seg.k_len, gv)
 
 
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``q, k, v`` in the kernels' layout with non-finite keys zeroed, and those keys (``nonfinite_keys``)."""
+    # Once per call: every block kernel call gets a view of a kernel-friendly layout.
+    q, k, v = (kernel_layout(x, backend) for x in (q, k, v))
+    bad = nonfinite_keys(k, v)  # zeroed here, and the rows that keep them set to NaN by _forward
+    if bad is not None:
+        k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
+    return q, k, v, bad
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bad: torch.Tensor | None,
+    plan: list[_HeadWork],
+    mplan: MultiplicityPlan | None,
+    partitions: Partitions,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The estimator's ``(out, lse)`` (``out`` in ``q``'s dtype, ``lse`` in the accumulation dtype) for ``q, k, v``
+    from :func:`_prepare`. The one forward of the eager autograd Function and of the custom op (ops/compiled.py)."""
+    acc = acc_dtype(q.dtype)
+    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    items = _work_items(plan, q.shape[0], workers_for(q.device))
+    run = partial(_forward_item, q=q, k=k, v=v, out_acc=out_acc, lse=lse, causal=causal, scale=scale, backend=backend)
+    run_all(run, items, pool_size(len(items), q.device))
+    if mplan is not None:
+        multiplicity_forward(mplan, q, k, v, out_acc, lse, scale, backend)
+    if bad is not None:
+        poison_rows(out_acc, lse, _rows_reaching(bad, partitions, q.shape[2], causal).to(q.device))
+    return out_acc.to(q.dtype), lse
+
+
+def _backward(
+    saved: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    plan: list[_HeadWork],
+    mplan: MultiplicityPlan | None,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` in the inputs' dtypes, ``saved = (q, k, v, out, lse)`` with ``q, k, v`` from :func:`_prepare`
+    and ``out, lse`` from :func:`_forward`. The one backward of the eager autograd Function and of the custom op."""
+    q, k, v = saved[:3]
+    acc = acc_dtype(q.dtype)
+    grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+    items = _work_items(plan, q.shape[0], workers_for(q.device))
+    run = partial(
+        _backward_item,
+        saved=saved,
+        dout=dout.contiguous(),
+        grads=grads,
+        causal=causal,
+        scale=scale,
+        backend=backend,
+    )
+    run_all(run, items, pool_size(len(items), q.device))
+    if mplan is not None:
+        multiplicity_backward(mplan, saved, dout.contiguous(), grads, scale, backend)
+    dq, dk, dv = grads
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _PositionalLSHFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -314,24 +384,8 @@ class _PositionalLSHFunction(torch.autograd.Function):
         scale: float,
         backend: str,
     ) -> torch.Tensor:
-        # Once per call: every block kernel call below gets a view of a kernel-friendly layout.
-        q, k, v = (kernel_layout(x, backend) for x in (q, k, v))
-        bad = nonfinite_keys(k, v)  # zeroed here, and the rows that keep them set to NaN below
-        if bad is not None:
-            k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
-        acc = acc_dtype(q.dtype)
-        out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        items = _work_items(plan, q.shape[0], workers_for(q.device))
-        run = partial(
-            _forward_item, q=q, k=k, v=v, out_acc=out_acc, lse=lse, causal=causal, scale=scale, backend=backend
-        )
-        run_all(run, items, pool_size(len(items), q.device))
-        if mplan is not None:
-            multiplicity_forward(mplan, q, k, v, out_acc, lse, scale, backend)
-        if bad is not None:
-            poison_rows(out_acc, lse, _rows_reaching(bad, partitions, q.shape[2], causal).to(q.device))
-        out = out_acc.to(q.dtype)
+        q, k, v, bad = _prepare(q, k, v, backend)
+        out, lse = _forward(q, k, v, bad, plan, mplan, partitions, causal, scale, backend)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.mplan, ctx.causal, ctx.scale, ctx.backend = plan, mplan, causal, scale, backend
         return out
@@ -341,25 +395,8 @@ class _PositionalLSHFunction(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        saved = ctx.saved_tensors
-        q, k, v = saved[:3]
-        acc = acc_dtype(q.dtype)
-        grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
-        items = _work_items(ctx.plan, q.shape[0], workers_for(q.device))
-        run = partial(
-            _backward_item,
-            saved=saved,
-            dout=dout.contiguous(),
-            grads=grads,
-            causal=ctx.causal,
-            scale=ctx.scale,
-            backend=ctx.backend,
-        )
-        run_all(run, items, pool_size(len(items), q.device))
-        if ctx.mplan is not None:
-            multiplicity_backward(ctx.mplan, saved, dout.contiguous(), grads, ctx.scale, ctx.backend)
-        dq, dk, dv = grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        grads = _backward(ctx.saved_tensors, dout, ctx.plan, ctx.mplan, ctx.causal, ctx.scale, ctx.backend)
+        return *grads, None, None, None, None, None, None
 
 
 def plsh_attention(
@@ -375,7 +412,7 @@ def plsh_attention(
     generator: GeneratorLike = None,
     scale: float | None = None,
     backend: str = "auto",
-    method: str = "samples",
+    method: str = "auto",
 ) -> torch.Tensor:
     """Positional-LSH attention: the ALiBi estimator ``softmax(s + log Mbar) v`` in near-linear time.
 
@@ -396,13 +433,16 @@ def plsh_attention(
             with :func:`~positional_lsh.register_scheme` (see :func:`~positional_lsh.ops.schemes.scheme_names`).
         generator: CPU ``torch.Generator``, ``int`` seed, or ``None`` (torch's global RNG).
         scale: score scale, default ``1/sqrt(d)``.
-        backend: ``"auto"`` (CPU: torch's fused flash op; other devices: ``"math"``), ``"flash"``, ``"math"``.
+        backend: ``"auto"`` (CPU: torch's fused flash op; other devices: ``"math"``), ``"flash"``, ``"math"``,
+            or ``"triton"`` (the Triton kernels of the multiplicity form, for ``method="multiplicity"`` or
+            ``"auto"``; float32/bfloat16/float16 on CUDA). ``"auto"`` with ``method="multiplicity"`` on CUDA
+            uses them when triton is installed (docs/implementation.md, "The Triton kernel").
         method: ``"samples"`` (one kernel call per block group of every sample, merged by log-sum-exp),
             ``"multiplicity"`` (query tiles attending to the union of their blocks with the additive mask
             ``log c``, ``c[i,j]`` the number of samples in which ``i`` and ``j`` share a block), or ``"auto"``
             (chosen per head by a cost model). All three compute the same estimator from the same partitions
-            (docs/implementation.md). Default ``"samples"`` until the cost model is validated; use
-            ``"multiplicity"`` (or ``"auto"``) for ``T >= 32``.
+            (docs/implementation.md). Default ``"auto"``: one sample never takes the multiplicity form; at
+            T >= 16 most heads do. The choice changes the speed, not the result (beyond float rounding).
 
     Returns:
         ``(B, Hq, Lq, d)`` tensor in ``q``'s dtype. Differentiable w.r.t. ``q``, ``k``, ``v`` (exact gradients
@@ -411,14 +451,56 @@ def plsh_attention(
     """
     dims = check_qkv(q, k, v)
     hq, lk = dims[1], dims[4]
+    if partitions is None and torch.compiler.is_compiling():
+        from positional_lsh.ops.compiled import compiled_sampled_attention  # the custom ops (docs/implementation.md)
+
+        call = {"causal": causal, "scale": scale, "backend": backend, "method": method}
+        return compiled_sampled_attention(q, k, v, dims, slopes, num_samples, scheme, generator, **call)
     if partitions is None:
         partitions = sample_partitions(
             lk, as_slopes(slopes, hq), positive_int("num_samples", num_samples), scheme=scheme, generator=generator
         )
     elif slopes is not None and isinstance(partitions, Partitions) and partitions.num_heads == hq:
+        if torch.compiler.is_compiling():
+            raise ValueError("under torch.compile, pass partitions= without slopes= (comparing them reads the data)")
         if not torch.allclose(as_slopes(slopes, hq), partitions.slopes):
             raise ValueError("slopes differ from partitions.slopes; pass one or the other")
     return _plsh_checked(q, k, v, dims, partitions, causal=causal, scale=scale, backend=backend, method=method)
+
+
+def _use_triton(q: torch.Tensor, backend: object, method: object) -> bool:
+    """``backend="triton"``, or ``"auto"`` with ``method="multiplicity"`` on CUDA (not float64) with triton
+    installed: the Triton kernels of :mod:`positional_lsh.ops.triton_multiplicity`. Does not import triton."""
+    if isinstance(backend, str) and backend == "triton":
+        return True
+    if backend != "auto" or method != "multiplicity" or q.device.type != "cuda" or q.dtype == torch.float64:
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    partitions: Partitions,
+    *,
+    causal: object,
+    scale: object,
+    method: str,
+) -> torch.Tensor:
+    """The Triton kernels (ops/triton_multiplicity.py) with the op's non-finite-key rule (see ``nonfinite_keys``)."""
+    from positional_lsh.ops.triton_multiplicity import plsh_triton  # lazy: triton is optional
+
+    bad = nonfinite_keys(k, v)
+    if bad is not None:
+        k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
+    out = plsh_triton(q, k, v, partitions, causal=causal, scale=scale, method=method)  # type: ignore[arg-type]
+    if bad is not None:
+        rows = _rows_reaching(bad, partitions, q.shape[2], bool(causal)).to(q.device)
+        out = out.masked_fill(rows[..., None], float("nan"))
+    return out
 
 
 def _plsh_checked(
@@ -431,16 +513,10 @@ def _plsh_checked(
     causal: object,
     scale: float | None,
     backend: str,
-    method: str = "samples",
+    method: str = "auto",
 ) -> torch.Tensor:
     """:func:`plsh_attention` for ``q, k, v`` already checked by ``check_qkv`` (which returned ``dims``)."""
     _, hq, hkv, lq, lk, d = dims
-    scale_f = as_scale(scale, d)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    backend = resolve_backend(backend, q.device)
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(partitions, Partitions):
         raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
     if partitions.num_heads != hq:
@@ -450,8 +526,29 @@ def _plsh_checked(
             f"partitions were drawn for seq_len={partitions.seq_len}, but k has {lk} positions "
             "(use partitions.with_seq_len(n) to reuse them at another length)"
         )
+    if _use_triton(q, backend, method):
+        return _triton(q, k, v, partitions, causal=causal, scale=scale, method=method)
+    scale_f, backend = _check_call(d, q.device, causal, scale, backend, method)
+    if torch.compiler.is_compiling():
+        from positional_lsh.ops.compiled import compiled_attention
+
+        parts = (partitions.pitch, partitions.shift, partitions.slopes, partitions.scheme, partitions.max_block)
+        return compiled_attention(q, k, v, *parts, causal=causal, scale=scale_f, backend=backend, method=method)
     plan, mplan = _choose(partitions, hkv, lq, causal, method)
     return _PositionalLSHFunction.apply(q, k, v, plan, mplan, partitions, causal, scale_f, backend)
+
+
+def _check_call(
+    head_dim: int, device: torch.device, causal: object, scale: float | None, backend: str, method: str
+) -> tuple[float, str]:
+    """Validate the scalar arguments of a call: returns ``(scale, backend)`` resolved."""
+    scale_f = as_scale(scale, head_dim)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    backend = resolve_backend(backend, device)
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return scale_f, backend
 
 
 class PositionalLSHAttention(nn.Module):
@@ -461,6 +558,18 @@ class PositionalLSHAttention(nn.Module):
     ``seed``; ``None`` uses torch's global RNG). In eval mode every call draws partitions from a
     generator seeded with ``eval_seed``, so evaluation is deterministic. Call with ``q (B, Hq, Lq, d)``,
     ``k, v (B, Hkv, Lk, d)``; see :func:`plsh_attention`.
+
+    Under ``torch.compile`` (``fullgraph=True`` included) the draw is the custom op
+    ``positional_lsh::sample_partitions`` and the estimator the op ``positional_lsh::plsh_forward``
+    (:mod:`positional_lsh.ops.compiled`); the module's Python generator is not used:
+
+    * eval mode draws from ``eval_seed`` exactly as eager mode does: the same partitions, the same output;
+    * training mode with an int ``seed``: compiled training call ``c`` (``c = 0, 1, ...``, counted by the int64
+      buffer ``_calls``, advanced in place by each compiled training call, not saved in the state dict) draws
+      from a generator seeded with ``layer_seed(seed, c)`` (:mod:`positional_lsh.ops._seeds`). Every call gets
+      fresh partitions and a new module with the same ``seed`` repeats the sequence, but it is not the sequence
+      of eager training calls (which draw from one generator stream);
+    * training mode with ``seed=None`` draws from torch's global RNG inside the op, as eager training does.
     """
 
     def __init__(
@@ -475,7 +584,7 @@ class PositionalLSHAttention(nn.Module):
         eval_seed: int = 0,
         scale: float | None = None,
         backend: str = "auto",
-        method: str = "samples",
+        method: str = "auto",
     ) -> None:
         super().__init__()
         self.num_heads = positive_int("num_heads", num_heads)
@@ -494,6 +603,9 @@ class PositionalLSHAttention(nn.Module):
         self.method = method
         self.eval_seed = eval_seed
         self.generator = as_generator(seed)
+        self._seed = seed
+        # Compiled training calls so far: the key of their draws (see the class docstring).
+        self.register_buffer("_calls", torch.zeros((), dtype=torch.long), persistent=False)
 
     def get_extra_state(self) -> dict[str, list[float]]:
         return {"slopes": self.slopes.tolist()}
@@ -511,7 +623,26 @@ class PositionalLSHAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dims = check_qkv(q, k, v)  # validated once, here; sampling needs the key length
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(q, k, v, dims)
         partitions = self.sample(dims[4])
         return _plsh_checked(
             q, k, v, dims, partitions, causal=self.causal, scale=self.scale, backend=self.backend, method=self.method
         )
+
+    def _compiled_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: tuple[int, int, int, int, int, int]
+    ) -> torch.Tensor:
+        """:meth:`forward` under ``torch.compile``: the draw and the estimator as custom ops (class docstring)."""
+        from positional_lsh.ops.compiled import compiled_attention, sample_op
+
+        name, seed = ("seed", self._seed) if self.training else ("eval_seed", self.eval_seed)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"under torch.compile, {name} must be an int or None, got {type(seed).__name__}")
+        scale, backend = _check_call(dims[5], q.device, self.causal, self.scale, self.backend, self.method)
+        step = self._calls if self.training and seed is not None else None
+        pitch, shift = sample_op(step, seed, self.slopes, self.num_samples, self.scheme)
+        if self.training:
+            self._calls.add_(1)
+        parts = (pitch, shift, self.slopes, self.scheme, None)
+        return compiled_attention(q, k, v, *parts, causal=self.causal, scale=scale, backend=backend, method=self.method)

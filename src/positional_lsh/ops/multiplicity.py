@@ -45,13 +45,14 @@ from positional_lsh.ops.partitions import Partitions
 __all__ = [
     "AUTO_MARGIN",
     "BLOCK_COST",
-    "CALL_COST",
+    "CALL_ROW_COST",
     "ENTRY_COST",
     "MultiplicityPlan",
     "multiplicity_cost",
     "multiplicity_plan",
     "multiplicity_tiles",
     "sample_bounds",
+    "tilings",
 ]
 
 # Candidate query-tile heights; the plan picks the cheapest per head.
@@ -69,7 +70,9 @@ TILE_COST = 27700.0  # per tile (gathers, scatters, kernel bookkeeping)
 BOUND_COST = 24.0  # per (query row, sample): block bounds, scatter of the start
 ENTRY_COST = 0.82  # per-sample path: one score entry of a block ...
 BLOCK_COST = 420.0  # ... per block
-CALL_COST = 2.1e6  # ... per kernel call (absorbs the per-sample planning and merging, which grow with calls)
+CALL_ROW_COST = 64.0  # ... per (kernel call, query row): the planning and merging that grow with calls and Lq
+# (2.1e6 ns per call at the fitted n = 32768; a constant per call overrated the per-sample path at small n and
+# sent heads at T = 1-4, n = 2048, to the multiplicity form at 2-9x the time: docs/implementation.md).
 # method="auto" takes the multiplicity form for a head only when its estimate is at most this fraction of the
 # per-sample path's: the fits are good to about +-30 %, and at T = 8 the two methods measure within +-15 %.
 AUTO_MARGIN = 0.7
@@ -190,42 +193,48 @@ def _round_up(k: torch.Tensor, limit: int) -> torch.Tensor:
     return torch.minimum(out, torch.full_like(out, limit))
 
 
-def _tiles_for(partitions: Partitions, head: int, q_len: int, causal: bool, tile: int) -> tuple[torch.Tensor, ...]:
-    """``(q_start, k_start, k_len)`` of the tiles of one head for one tile height (CPU int64)."""
+def tilings(
+    partitions: Partitions, heads: list[int], q_len: int, causal: bool
+) -> dict[int, tuple[float, tuple[torch.Tensor, ...], int]]:
+    """The cheapest tiling of each of ``heads``: ``head -> (estimated ns, (q_start, k_start, k_len), tile)``.
+
+    For each candidate tile height the bounds of every head's tile rows come from one vectorized
+    :func:`sample_bounds` over ``(tiles, T, heads)`` (a per-head loop costs ~30 % of a short call's forward in
+    planning overhead). A tile's key window covers the union of its rows' intervals; both ends are monotone
+    in the row, so the first and last row fix it.
+    """
     n = partitions.seq_len
     q0 = n - q_len
-    q_start = torch.arange(0, q_len, tile, dtype=torch.long)
-    first = q_start + q0
-    last = torch.clamp(q_start + tile, max=q_len) - 1 + q0
-    pitch, shift = partitions.pitch[:, head], partitions.shift[:, head]
-    lo = sample_bounds(pitch, shift, n, first[:, None])[0].amin(1)
+    index = torch.tensor(heads, dtype=torch.long)
+    pitch, shift = partitions.pitch[:, index], partitions.shift[:, index]  # (T, heads)
+    # Every candidate height is a multiple of the smallest (or covers all rows in one tile), so the first and
+    # last rows of all tilings are among those of the finest: their bounds once, for all heads and heights.
+    unit = _TILES[0]
+    fine = torch.arange(0, q_len, unit, dtype=torch.long)
+    fine_last = torch.clamp(fine + unit, max=q_len) - 1 + q0
+    lo_fine = sample_bounds(pitch, shift, n, (fine + q0)[:, None, None])[0].amin(1)  # (fine tiles, heads)
     if causal:
-        end = last + 1
+        end_fine = (fine_last + 1)[:, None].expand_as(lo_fine)
     else:
-        end = sample_bounds(pitch, shift, n, last[:, None])[1].amax(1)
-    k_len = _round_up(end - lo, n)
-    k_start = torch.minimum(lo, n - k_len)
-    return q_start, k_start, k_len
-
-
-def _head_cost(k_len: torch.Tensor, tile: int, q_len: int, num_samples: int) -> float:
-    pairs = float(k_len.sum()) * tile
-    return pairs * (PAIR_COST + PAIR_COST_TILE / tile) + TILE_COST * k_len.numel() + BOUND_COST * q_len * num_samples
-
-
-def _best_tiles(
-    partitions: Partitions, head: int, q_len: int, causal: bool
-) -> tuple[float, tuple[torch.Tensor, ...], int]:
-    best: tuple[float, tuple[torch.Tensor, ...], int] | None = None
+        end_fine = sample_bounds(pitch, shift, n, fine_last[:, None, None])[1].amax(1)
+    best: dict[int, tuple[float, tuple[torch.Tensor, ...], int]] = {}
     for tile in _TILES:
         tile = min(tile, q_len)
-        tiles = _tiles_for(partitions, head, q_len, causal, tile)
-        cost = _head_cost(tiles[2], tile, q_len, partitions.num_samples)
-        if best is None or cost < best[0]:
-            best = (cost, tiles, tile)
+        step = tile // unit if tile < q_len else fine.numel()  # one tile: first row 0, last row Lq - 1
+        first_idx = torch.arange(0, fine.numel(), step)
+        last_idx = torch.clamp(first_idx + step - 1, max=fine.numel() - 1)
+        q_start = fine[first_idx]
+        lo, end = lo_fine[first_idx], end_fine[last_idx]  # (tiles, heads)
+        k_len = _round_up(end - lo, n)
+        k_start = torch.minimum(lo, n - k_len)
+        pairs = k_len.sum(0).to(torch.float64) * tile
+        fixed = TILE_COST * q_start.numel() + BOUND_COST * q_len * partitions.num_samples
+        costs = (pairs * (PAIR_COST + PAIR_COST_TILE / tile) + fixed).tolist()
+        for col, (h, cost) in enumerate(zip(heads, costs, strict=True)):
+            if h not in best or cost < best[h][0]:
+                best[h] = (cost, (q_start, k_start[:, col].contiguous(), k_len[:, col].contiguous()), tile)
         if tile >= q_len:
             break
-    assert best is not None
     return best
 
 
@@ -233,12 +242,12 @@ def multiplicity_tiles(
     partitions: Partitions, head: int, q_len: int, causal: bool
 ) -> tuple[float, tuple[torch.Tensor, ...], int]:
     """The cheapest tiling of one head: ``(estimated ns, (q_start, k_start, k_len), tile)``."""
-    return _best_tiles(partitions, head, q_len, causal)
+    return tilings(partitions, [head], q_len, causal)[head]
 
 
 def multiplicity_cost(partitions: Partitions, head: int, q_len: int, causal: bool) -> float:
     """Estimated time (ns, per batch element) of the multiplicity form for one head."""
-    return _best_tiles(partitions, head, q_len, causal)[0]
+    return multiplicity_tiles(partitions, head, q_len, causal)[0]
 
 
 def multiplicity_plan(
@@ -254,23 +263,27 @@ def multiplicity_plan(
     ``tiles``: the per-head choice of :func:`multiplicity_tiles` where already computed (``method="auto"``).
     """
     group_size = partitions.num_heads // num_kv_heads
-    by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
+    tiles = dict(tiles or {})
+    missing = [h for h in heads if h not in tiles]
+    if missing:
+        tiles.update(tilings(partitions, missing, q_len, causal))
+    # Every tile of every head as one row of (head, q_start, k_start, k_len), per tile height; sorted by k_len,
+    # each run of equal k_len is one group (vectorized: a per-head loop was most of a short call's planning).
+    by_tile: dict[int, list[tuple[torch.Tensor, ...]]] = {}
     for h in heads:
-        best = tiles[h] if tiles is not None and h in tiles else _best_tiles(partitions, h, q_len, causal)
-        _, (q_start, k_start, k_len), tile = best
-        for kl in torch.unique(k_len).tolist():
-            sel = k_len == kl
-            m = int(sel.sum())
-            hh = torch.full((m,), h, dtype=torch.long)
-            pitch = partitions.pitch[:, h].expand(m, -1)
-            shift = partitions.shift[:, h].expand(m, -1)
-            by_shape.setdefault((tile, int(kl)), []).append(
-                (hh, hh // group_size, q_start[sel], k_start[sel], pitch, shift)
-            )
+        _, (q_start, k_start, k_len), tile = tiles[h]
+        by_tile.setdefault(tile, []).append((torch.full_like(q_start, h), q_start, k_start, k_len))
     groups = []
-    for (tile, kl), parts in sorted(by_shape.items()):
-        cols = [torch.cat(c) for c in zip(*parts, strict=True)]
-        groups.append(_Group(tile, kl, *(c.contiguous() for c in cols)))
+    for tile in sorted(by_tile):
+        head, q_start, k_start, k_len = (torch.cat(c) for c in zip(*by_tile[tile], strict=True))
+        k_len, order = torch.sort(k_len, stable=True)
+        head, q_start, k_start = head[order], q_start[order], k_start[order]
+        lengths, counts = torch.unique_consecutive(k_len, return_counts=True)
+        pitch, shift = partitions.pitch.t()[head], partitions.shift.t()[head]  # (tiles, T)
+        cols = (head, head // group_size, q_start, k_start, pitch, shift)
+        splits = [c.split(counts.tolist()) for c in cols]
+        for kl, *parts in zip(lengths.tolist(), *splits, strict=True):
+            groups.append(_Group(tile, int(kl), *(c.contiguous() for c in parts)))
     return MultiplicityPlan(tuple(heads), tuple(groups), q_len, partitions.seq_len, causal, partitions.num_samples)
 
 
@@ -324,10 +337,10 @@ def _mask(g: _Group, rows: torch.Tensor, plan: MultiplicityPlan, dtype: torch.dt
         minus_t = torch.full(above.shape, -float(start.shape[-1]), dtype=dtype, device=rows.device)
         counts.scatter_add_(-1, above, minus_t)
     c = counts[..., :kl].cumsum_(-1)  # integer-valued: exactly 0 outside every block
-    # log(0) takes the math library's slow path (~3x the cost of the whole mask here): take logs of the
-    # nonzero counts only and write -inf where the count is 0. Same values as c.log_().
-    zero = c == 0
-    return c.masked_fill_(zero, 1.0).log_().masked_fill_(zero, -math.inf)
+    # log(0) takes the math library's slow path (about 2x the whole mask when most entries are 0, as in causal
+    # tiles): take logs of max(c, 1) and select -inf where c = 0. Same values as c.log_(); of the exact forms
+    # measured (two masked fills, a table lookup on int32 counts, this) the fastest.
+    return torch.where(c > 0, c.clamp_min(1.0).log_(), -math.inf)
 
 
 def _gather(x: torch.Tensor, head: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
