@@ -59,6 +59,8 @@ __all__ = [
 _TILES = (16, 32, 64, 128, 256)
 # Key-window lengths are rounded up to one of this many sizes per octave (fewer distinct shapes, fewer calls).
 _STEPS_PER_OCTAVE = 4
+# Planning evaluates block bounds over at most about this many (tile, sample, head) entries at once.
+_BOUNDS_ELEMENTS = 2**18
 # One kernel call materializes about this many elements (gathered keys/values, mask, per-row bounds).
 _CHUNK_ELEMENTS = 2**23
 # Cost model, in nanoseconds on the measured 2-core CPU (n = 32768, d = 64, fp32, causal, torch's CPU flash op):
@@ -212,11 +214,17 @@ def tilings(
     unit = _TILES[0]
     fine = torch.arange(0, q_len, unit, dtype=torch.long)
     fine_last = torch.clamp(fine + unit, max=q_len) - 1 + q0
-    lo_fine = sample_bounds(pitch, shift, n, (fine + q0)[:, None, None])[0].amin(1)  # (fine tiles, heads)
-    if causal:
-        end_fine = (fine_last + 1)[:, None].expand_as(lo_fine)
-    else:
-        end_fine = sample_bounds(pitch, shift, n, fine_last[:, None, None])[1].amax(1)
+    # (fine tiles, T, heads) bounds, a few heads at a time: sample_bounds holds ~10 float64 temporaries of that
+    # shape, which for all heads at once would dominate the call's peak memory at large n and T.
+    chunk = max(1, _BOUNDS_ELEMENTS // max(1, fine.numel() * pitch.shape[0]))
+    lo_cols, end_cols = [], []
+    for a in range(0, len(heads), chunk):
+        p, sh = pitch[:, a : a + chunk], shift[:, a : a + chunk]
+        lo_cols.append(sample_bounds(p, sh, n, (fine + q0)[:, None, None])[0].amin(1))
+        if not causal:
+            end_cols.append(sample_bounds(p, sh, n, fine_last[:, None, None])[1].amax(1))
+    lo_fine = torch.cat(lo_cols, 1)  # (fine tiles, heads)
+    end_fine = (fine_last + 1)[:, None].expand_as(lo_fine) if causal else torch.cat(end_cols, 1)
     best: dict[int, tuple[float, tuple[torch.Tensor, ...], int]] = {}
     for tile in _TILES:
         tile = min(tile, q_len)
