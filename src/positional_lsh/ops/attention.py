@@ -144,6 +144,8 @@ def _choose(
     group = partitions.num_heads // num_kv_heads
     plan, multi = [], []
     heads = list(range(partitions.num_heads))
+    if method == "auto" and partitions.num_samples == 1:
+        method = "samples"  # one sample: the multiplicity form computes the same pairs plus a mask; skip the estimate
     tiles = tilings(partitions, heads, q_len, causal) if method == "auto" else {}
     for h in heads:
         if method == "multiplicity":
