@@ -75,9 +75,11 @@ BLOCK_COST = 420.0  # ... per block
 CALL_ROW_COST = 64.0  # ... per (kernel call, query row): the planning and merging that grow with calls and Lq
 # (2.1e6 ns per call at the fitted n = 32768; a constant per call overrated the per-sample path at small n and
 # sent heads at T = 1-4, n = 2048, to the multiplicity form at 2-9x the time: docs/implementation.md).
-# method="auto" takes the multiplicity form for a head only when its estimate is at most this fraction of the
-# per-sample path's: the fits are good to about +-30 %, and at T = 8 the two methods measure within +-15 %.
-AUTO_MARGIN = 0.7
+# method="auto" takes the multiplicity form (for all heads of a call) when the sum of its estimates is at most this
+# fraction of the per-sample path's. The multiplicity-form constants were fitted before its planning and mask got
+# faster, so they overrate it: at T = 8 (estimated 0.77-0.99x) it now measures 1.0-2.3x faster, at T = 4 (estimated
+# 1.3-1.6x) slower (docs/implementation.md, "Choosing the method").
+AUTO_MARGIN = 1.0
 
 
 _ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds a float64 |x| < 2**51 to an integer
