@@ -445,6 +445,8 @@ def report(args: argparse.Namespace) -> None:
     if noise_band:
         ax.axhspan(*noise_band, color="0.85", zorder=0, label="two seeds of one model (alibi, plsh-t16)")
         ax.legend(fontsize=8, loc="upper right")
+    right = max(p[0] for pts in points.values() for p in pts)
+    ax.set_xlim(right=right * 1.15)  # room for the labels
     ax.set_xlabel("training time (min: quiet-machine step time x steps)")
     ax.set_ylabel(f"test perplexity at {tp['seq_len']} tokens (own attention)")
     ax.set_title("Circles: equal tokens; squares: equal wall-clock (exact ALiBi's time). Lower left is better.",

@@ -101,19 +101,18 @@ def test_auto_mixes_methods_per_head_and_stays_exact():
 
 @pytest.mark.parametrize("n", [1024, 4096, 32768])
 def test_auto_cost_model_choices(n):
-    # Structural properties of the cost model (docs/implementation.md, "Choosing the method"): one sample is
-    # never worth a tile mask (the multiplicity form computes the same pairs plus the mask), and at T = 64 the
-    # wide heads, whose T blocks overlap the most, take the multiplicity form. The per-call term scales with
-    # Lq: a constant one sent T = 1 heads at n = 2048 to the multiplicity form at up to 9x the time.
+    # The call-level decision of method="auto" (docs/implementation.md, "Choosing the method"): one sample takes
+    # the per-sample path without estimating; at T = 4 the summed estimates keep it there (the multiplicity form
+    # measures slower at T = 4; with a constant per-call term instead of one scaling with Lq, the estimate sent
+    # small-n calls to the multiplicity form at up to 9x the time); at T = 64 every head takes the multiplicity form.
     from positional_lsh.ops.attention import _choose
 
     slopes = alibi_slopes(8)
-    one = sample_partitions(n, slopes, 1, generator=0)
-    _, mplan = _choose(one, 8, n, True, "auto")
-    assert mplan is None
-    many = sample_partitions(n, slopes, 64, generator=0)
-    _, mplan = _choose(many, 8, n, True, "auto")
-    assert mplan is not None and 7 in mplan.heads
+    for t in (1, 4):
+        plan, mplan = _choose(sample_partitions(n, slopes, t, generator=0), 8, n, True, "auto")
+        assert mplan is None and len(plan) == 8
+    plan, mplan = _choose(sample_partitions(n, slopes, 64, generator=0), 8, n, True, "auto")
+    assert plan == [] and mplan is not None and mplan.heads == tuple(range(8))
 
 
 def test_nan_keys_reach_the_same_rows():
