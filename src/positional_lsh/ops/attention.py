@@ -56,7 +56,7 @@ from positional_lsh.ops.multiplicity import (
     multiplicity_plan,
     tilings,
 )
-from positional_lsh.ops.partitions import Partitions, Segment, sample_partitions
+from positional_lsh.ops.partitions import Partitions, Segment, check_partitions, sample_partitions
 
 __all__ = ["METHODS", "PositionalLSHAttention", "plsh_attention"]
 
@@ -519,15 +519,7 @@ def _plsh_checked(
 ) -> torch.Tensor:
     """:func:`plsh_attention` for ``q, k, v`` already checked by ``check_qkv`` (which returned ``dims``)."""
     _, hq, hkv, lq, lk, d = dims
-    if not isinstance(partitions, Partitions):
-        raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
-    if partitions.num_heads != hq:
-        raise ValueError(f"partitions were drawn for {partitions.num_heads} heads, but q has {hq} heads")
-    if partitions.seq_len != lk:
-        raise ValueError(
-            f"partitions were drawn for seq_len={partitions.seq_len}, but k has {lk} positions "
-            "(use partitions.with_seq_len(n) to reuse them at another length)"
-        )
+    check_partitions(partitions, hq, lk)
     if _use_triton(q, backend, method):
         return _triton(q, k, v, partitions, causal=causal, scale=scale, method=method)
     scale_f, backend = _check_call(d, q.device, causal, scale, backend, method)

@@ -21,7 +21,7 @@ import torch
 from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
 from positional_lsh.ops.schemes import get_scheme
 
-__all__ = ["MAX_DENSE_ELEMENTS", "Partitions", "Segment", "sample_partitions"]
+__all__ = ["MAX_DENSE_ELEMENTS", "Partitions", "Segment", "check_partitions", "sample_partitions"]
 
 # Dense validation helpers refuse to build more than this many mask entries.
 MAX_DENSE_ELEMENTS = 2**28
@@ -408,3 +408,16 @@ def _cap(
     u = torch.rand(pitch.shape, generator=gen, dtype=torch.float64)
     fresh = torch.floor(u * cap).clamp_max(cap - 1.0) if integer else u * cap
     return torch.where(over, float(cap), pitch), torch.where(over, fresh, shift)
+
+
+def check_partitions(partitions: object, num_heads: int, seq_len: int) -> None:
+    """Raise unless ``partitions`` is a :class:`Partitions` drawn for ``num_heads`` query heads and ``seq_len`` keys."""
+    if not isinstance(partitions, Partitions):
+        raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
+    if partitions.num_heads != num_heads:
+        raise ValueError(f"partitions were drawn for {partitions.num_heads} heads, but q has {num_heads} heads")
+    if partitions.seq_len != seq_len:
+        raise ValueError(
+            f"partitions were drawn for seq_len={partitions.seq_len}, but k has {seq_len} positions "
+            "(use partitions.with_seq_len(n) to reuse them at another length)"
+        )

@@ -42,7 +42,7 @@ import torch
 
 from positional_lsh.ops._checks import as_scale, check_qkv
 from positional_lsh.ops.multiplicity import sample_bounds
-from positional_lsh.ops.partitions import Partitions
+from positional_lsh.ops.partitions import Partitions, check_partitions
 
 try:  # optional dependency: the package imports without it
     import triton
@@ -421,15 +421,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions:
             "q: the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
             "(the slow CPU interpreter, for tests); got tensors on cpu"
         )
-    if not isinstance(partitions, Partitions):
-        raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
-    if partitions.num_heads != hq:
-        raise ValueError(f"partitions were drawn for {partitions.num_heads} heads, but q has {hq} heads")
-    if partitions.seq_len != lk:
-        raise ValueError(
-            f"partitions were drawn for seq_len={partitions.seq_len}, but k has {lk} positions "
-            "(use partitions.with_seq_len(n) to reuse them at another length)"
-        )
+    check_partitions(partitions, hq, lk)
     if partitions.num_samples >= 2**31 or lk >= 2**31:
         raise ValueError("partitions: num_samples and seq_len must fit in int32")
     return d
