@@ -355,3 +355,40 @@ def test_cross_entropy_convention() -> None:
     got = E.sliding_window_metrics(lambda x: torch.zeros(*x.shape, 9), tokens, 10)
     assert got["ppl"] == pytest.approx(9.0) and got["bits_per_token"] == pytest.approx(math.log2(9))
     assert F.cross_entropy(torch.zeros(1, 9), torch.tensor([0])).item() == pytest.approx(math.log(9))
+
+
+def _long_context_module(monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "long_context.py"
+    spec = importlib.util.spec_from_file_location("long_context", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "long_context", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_long_context_cost_accounting_against_dense_masks(monkeypatch):
+    # benchmarks/long_context.py chooses the equal-cost window from these counts: check them against masks built
+    # from the definitions (the union of a query's T blocks, causal; a window of w keeps |i - j| <= w).
+    lc = _long_context_module(monkeypatch)
+    n, heads, t = 96, 4, 5
+    from positional_lsh.lm.config import ModelConfig
+
+    slopes = ModelConfig(n_head=heads, seq_len=n).slopes()
+    union = 0.0
+    for seed in range(4):
+        parts = sample_partitions(n, slopes, t, generator=torch.Generator().manual_seed(seed))
+        lab = parts.labels()  # (T, H, n)
+        same = (lab[..., :, None] == lab[..., None, :]).any(0)  # (H, n, n): i and j share a block in some sample
+        union += float((same & torch.ones(n, n, dtype=torch.bool).tril()).sum()) / 4
+    assert lc.union_entries(n, heads, t) == pytest.approx(union / (heads * n), rel=1e-12)
+    f = 3.0
+    w = torch.floor(f / slopes)
+    dist = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    keep = [((dist >= 0) & (dist <= wh)).sum() for wh in w.tolist()]
+    assert lc.window_entries(n, heads, f) == pytest.approx(float(sum(keep)) / (heads * n), rel=1e-12)
+    g = lc.equal_cost_window_factor(n, heads, t)
+    assert lc.window_entries(n, heads, g) == pytest.approx(lc.union_entries(n, heads, t), rel=0.05)
