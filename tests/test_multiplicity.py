@@ -146,3 +146,23 @@ def test_plan_is_a_few_calls_and_bad_method():
     q, k, v = _qkv(1, 1, 1, 8, 8, 4)
     with pytest.raises(ValueError, match="method"):
         plsh_attention(q, k, v, num_samples=2, method="dense")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_integer_row_bounds_equal_the_general_ones(causal, monkeypatch):
+    # Integer pitches take i - ((i - shift) mod pitch); the general path (labels + running max/min) must agree on
+    # every row of every tile, including the clamping at 0 and n and the padded rows past Lq.
+    import positional_lsh.ops.multiplicity as mult
+
+    n, lq = 300, 290
+    parts = sample_partitions(n, SLOPES[SLOPES > 0], 7, generator=5)  # discrete: integers (slope 0: infinite pitch)
+    plan = multiplicity_plan(parts, list(range(parts.num_heads)), parts.num_heads, lq, causal)
+    for g in plan.groups:
+        rows, _ = mult._rows(g, lq)
+        pos = rows + (n - lq)
+        assert mult._integer_blocks(g) is not None
+        fast = mult._row_bounds(g, pos, n, True)
+        with monkeypatch.context() as m:
+            m.setattr(mult, "_integer_blocks", lambda g: None)
+            slow = mult._row_bounds(g, pos, n, True)
+        assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])

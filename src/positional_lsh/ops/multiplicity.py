@@ -310,15 +310,33 @@ def _rows(g: _Group, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return r.clamp(max=q_len - 1), r < q_len
 
 
+def _integer_blocks(g: _Group) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(pitch, shift)`` as int64 ``(N, 1, T)`` when every pitch is a finite integer ``>= 1`` and every shift an
+    integer (the integer schemes, e.g. ``discrete`` and ``fixed``, without slope-0 heads); else ``None``."""
+    pitch, shift = g.pitch, g.shift
+    ok = torch.isfinite(pitch) & (pitch >= 1) & (_floor(pitch) == pitch) & (_floor(shift) == shift)
+    if not bool(ok.all()):
+        return None
+    return pitch.long()[:, None, :], shift.long()[:, None, :]
+
+
 def _row_bounds(g: _Group, pos: torch.Tensor, n: int, need_end: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``start_t``/``end_t`` of every tile row: int64 ``(N, tile, T)``.
 
-    Exact bounds (:func:`sample_bounds`) are computed for the first (and last) row of each tile only; inside a
-    tile the rows are consecutive positions, so a block starts wherever the label ``floor((i - shift) / pitch)``
-    changes: ``start`` is a running maximum of those positions, ``end`` a reversed running minimum.
+    Integer pitches and shifts: block ``floor((i - shift) / pitch)`` starts at ``i - ((i - shift) mod pitch)``
+    and ends ``pitch`` later, clamped to ``[0, n]`` — a few integer passes. Otherwise exact bounds
+    (:func:`sample_bounds`) are computed for the first (and last) row of each tile only; inside a tile the rows
+    are consecutive positions, so a block starts wherever the label ``floor((i - shift) / pitch)`` changes:
+    ``start`` is a running maximum of those positions, ``end`` a reversed running minimum.
     """
-    pitch, shift = g.pitch[:, None, :], g.shift[:, None, :]
     p = pos[..., None]  # (N, tile, 1)
+    whole = _integer_blocks(g)
+    if whole is not None:  # integer pitches >= 1 and shifts: the block start is i - ((i - shift) mod pitch)
+        b, sh = whole
+        start = p - torch.remainder(p - sh, b)  # before clamping: the end below is start + pitch
+        end = (start + b).clamp_(max=n) if need_end else None
+        return start.clamp_(min=0), end
+    pitch, shift = g.pitch[:, None, :], g.shift[:, None, :]
     lab = _floor((p.to(torch.float64) - shift) / pitch)  # (N, tile, T)
     change = lab[:, 1:] != lab[:, :-1]  # label of row r+1 differs from row r: a block starts at row r+1
     lo0, _ = sample_bounds(g.pitch, g.shift, n, pos[:, :1])  # (N, T)
