@@ -435,13 +435,22 @@ def report(args: argparse.Namespace) -> None:
         return
     fig, ax = plt.subplots(figsize=(7.0, 4.6))
     colors = plt.get_cmap("tab10")
+    ends = sorted((pts[-1][1], name) for name, pts in ((n, sorted(p)) for n, p in points.items()))
+    gap = 0.035 * (
+        max(p[1] for pts in points.values() for p in pts) - min(p[1] for pts in points.values() for p in pts)
+    )
+    label_y: dict[str, float] = {}
+    for y, name in ends:  # labels of the last points, spread apart vertically so they do not overlap
+        label_y[name] = max(y, max(label_y.values(), default=-math.inf) + gap)
     for k, (name, pts) in enumerate(points.items()):
         pts.sort()
         color = colors(k % 10)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=color, alpha=0.5, zorder=1)
         for x, y, b in pts:
             ax.scatter(x, y, marker="o" if b == "tokens" else "s", color=color, zorder=2)
-        ax.annotate(name, pts[-1][:2], textcoords="offset points", xytext=(5, -3), fontsize=8, color=color)
+        x_end = pts[-1][0]
+        ax.annotate(name, (x_end, pts[-1][1]), xytext=(x_end * 1.02, label_y[name]), fontsize=8, color=color,
+                    va="center")  # fmt: skip
     if noise_band:
         ax.axhspan(*noise_band, color="0.85", zorder=0, label="two seeds of one model (alibi, plsh-t16)")
         ax.legend(fontsize=8, loc="upper right")
