@@ -474,7 +474,7 @@ def main() -> None:
     ap.add_argument("--figures", type=Path, default=ROOT / "docs" / "figures")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=80, help="equal-tokens budget N (optimizer steps)")
+    ap.add_argument("--steps", type=int, default=70, help="equal-tokens budget N (optimizer steps)")
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--eval-interval", type=int, default=50)
