@@ -295,47 +295,30 @@ def noise(args: argparse.Namespace) -> None:
         _train_to(
             args, f"{name}-seed1", args.out / f"{name}-seed1", args.steps, _flags(info["fields"], info["best"]), 1
         )
-    out = args.out / "eval-noise"
-    if not (out / "results.csv").is_file():
-        runs = [str(args.out / f"{m}-seed1") for m in NOISE_MODELS]
-        cmd = [sys.executable, "-m", "positional_lsh.cli", "eval", *runs, "--factors", "1", "--max-tokens"]
-        cmd += [str(args.eval_tokens), "--samples", "none", "--out", str(out), "--no-progress"]
-        cmd += [f"--threads={args.threads}"]
-        with open(args.out / "eval-noise.log", "w") as log:
-            subprocess.run(_nice(args) + cmd, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    _eval(args, [args.out / f"{m}-seed1" for m in NOISE_MODELS], "1", "noise")
 
 
 # --------------------------------------------------------------------------------------------------------- eval
 
 
+def _eval(args: argparse.Namespace, runs: list[Path], factors: str, label: str) -> None:
+    """``plsh eval`` of ``runs`` at ``factors`` into ``eval-<label>/`` (log ``eval-<label>.log``), unless done."""
+    out = args.out / f"eval-{label}"
+    if (out / "results.csv").is_file():
+        print(f"== eval-{label}: done")
+        return
+    cmd = [sys.executable, "-m", "positional_lsh.cli", "eval", *map(str, runs), "--factors", factors]
+    cmd += ["--max-tokens", str(args.eval_tokens), "--samples", "none", "--out", str(out), "--no-progress"]
+    cmd += [f"--threads={args.threads}"]
+    print(f"== eval-{label} ({time.strftime('%H:%M:%S')})", flush=True)
+    with open(args.out / f"eval-{label}.log", "w") as log:
+        subprocess.run(_nice(args) + cmd, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
 def evaluate(args: argparse.Namespace) -> None:
     tp = json.loads((args.out / "throughput.json").read_text())
     for budget in args.budgets.split(","):
-        out = args.out / f"eval-{budget}"
-        if (out / "results.csv").is_file():
-            print(f"== eval-{budget}: done")
-            continue
-        runs = [str(args.out / f"{m}@{budget}") for m in tp["modes"]]
-        cmd = [
-            sys.executable,
-            "-m",
-            "positional_lsh.cli",
-            "eval",
-            *runs,
-            "--factors",
-            "1,2,4",
-            "--max-tokens",
-            str(args.eval_tokens),
-            "--samples",
-            "none",
-            "--out",
-            str(out),
-            "--no-progress",
-            f"--threads={args.threads}",
-        ]
-        print(f"== eval-{budget} ({time.strftime('%H:%M:%S')})", flush=True)
-        with open(args.out / f"eval-{budget}.log", "w") as log:
-            subprocess.run(_nice(args) + cmd, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        _eval(args, [args.out / f"{m}@{budget}" for m in tp["modes"]], "1,2,4", budget)
 
 
 # ------------------------------------------------------------------------------------------------------- report

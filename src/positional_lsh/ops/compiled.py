@@ -27,19 +27,34 @@ import torch
 from positional_lsh.ops._checks import positive_int
 from positional_lsh.ops._kernels import acc_dtype
 from positional_lsh.ops._seeds import layer_seed
-from positional_lsh.ops.attention import _backward, _check_call, _choose, _forward, _prepare
+from positional_lsh.ops.attention import _backward, _check_call, _choose, _forward, _HeadWork, _prepare
+from positional_lsh.ops.multiplicity import MultiplicityPlan
 from positional_lsh.ops.partitions import Partitions, sample_partitions
 from positional_lsh.ops.slopes import alibi_slopes
 
 __all__ = ["compiled_attention", "compiled_sampled_attention", "plsh_backward", "plsh_forward", "sample_op"]
 
 
-def _partitions(
-    k: torch.Tensor, pitch: torch.Tensor, shift: torch.Tensor, slopes: torch.Tensor, scheme: str, max_block: int | None
-) -> Partitions:
-    """The partitions the op's tensors describe. The estimator reads only the pitches and shifts, the scheme
-    (integer blocks or not) and the length (``Lk``); a decay's tables are not needed to compute it."""
-    return Partitions(k.shape[2], slopes, pitch, shift, scheme, max_block=max_block)
+def _planned(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pitch: torch.Tensor,
+    shift: torch.Tensor,
+    slopes: torch.Tensor,
+    scheme: str,
+    max_block: int | None,
+    causal: bool,
+    backend: str,
+    method: str,
+) -> tuple[Partitions, list[_HeadWork], MultiplicityPlan | None, tuple[torch.Tensor | None, ...]]:
+    """What both ops start from: the partitions the tensors describe, their plan and ``_prepare``'s
+    ``(q, k, v, bad)`` (the tensors eager mode saves: same layout, same zeroed keys). The estimator reads only the
+    pitches and shifts, the scheme (integer blocks or not) and the length (``Lk``); a decay's tables are not
+    needed. The backward plans again: nothing host-side survives between the two ops."""
+    partitions = Partitions(k.shape[2], slopes, pitch, shift, scheme, max_block=max_block)
+    plan, mplan = _choose(partitions, k.shape[1], q.shape[2], causal, method)
+    return partitions, plan, mplan, _prepare(q, k, v, backend)
 
 
 @torch.library.custom_op("positional_lsh::plsh_forward", mutates_args=())
@@ -57,9 +72,9 @@ def plsh_forward(
     backend: str,
     method: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    partitions = _partitions(k, pitch, shift, slopes, scheme, max_block)
-    plan, mplan = _choose(partitions, k.shape[1], q.shape[2], causal, method)
-    qp, kp, vp, bad = _prepare(q, k, v, backend)
+    partitions, plan, mplan, (qp, kp, vp, bad) = _planned(
+        q, k, v, pitch, shift, slopes, scheme, max_block, causal, backend, method
+    )
     return _forward(qp, kp, vp, bad, plan, mplan, partitions, causal, scale, backend)
 
 
@@ -87,9 +102,9 @@ def plsh_backward(
     backend: str,
     method: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    partitions = _partitions(k, pitch, shift, slopes, scheme, max_block)
-    plan, mplan = _choose(partitions, k.shape[1], q.shape[2], causal, method)
-    qp, kp, vp, _ = _prepare(q, k, v, backend)  # the tensors eager mode saves: same layout, same zeroed keys
+    _, plan, mplan, (qp, kp, vp, _) = _planned(
+        q, k, v, pitch, shift, slopes, scheme, max_block, causal, backend, method
+    )
     return _backward((qp, kp, vp, out, lse), dout, plan, mplan, causal, scale, backend)
 
 
