@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from positional_lsh import alibi_slopes, plsh_attention, sample_partitions
-from positional_lsh.cli.bench import _peak_since, _reset_peak
+from positional_lsh.cli.bench import gemm_peak, peak_rss_growth_mib, reset_peak_rss
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -30,13 +30,6 @@ def _median_time(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def gemm_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 3) -> float:
-    """torch.matmul GFLOP/s for ``size x size`` matrices of ``dtype`` (current intra-op threads)."""
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    t = _median_time(lambda: a @ b, repeats)
-    return 2 * size**3 / t / 1e9
 
 
 def main() -> None:
@@ -64,10 +57,10 @@ def main() -> None:
 
     def run(label: str, fn: Callable[[], object], repeats: int) -> float:
         t = _median_time(fn, repeats)
-        base = _reset_peak()
+        base = reset_peak_rss()
         if repeats > 1:  # one more call for the peak memory (outputs included, inputs excluded)
             fn()
-        peak = _peak_since(base) if repeats > 1 else float("nan")
+        peak = peak_rss_growth_mib(base) if repeats > 1 else float("nan")
         rows.append((label, t))
         print(f"{label}: {t:.3f} s, peak +{peak:.0f} MiB ({peak / q_mib:.2f}x q)", flush=True)
         return t

@@ -97,8 +97,6 @@ def test_validate_adversarial_writes_table_csv_and_plot(tmp_path):
 
 
 def test_row_vertex_error_is_the_vertex_inputs_error():
-    from positional_lsh.theory.adversarial import _row_weights
-
     n, c = 80, 1.0
     parts = sample_partitions(n, [1 / 8], 4, generator=5)
     b = uniform_error_bound(parts, 0, c)
@@ -109,6 +107,6 @@ def test_row_vertex_error_is_the_vertex_inputs_error():
         ratio = (mbar[row, :keys] - a).abs() / a
         s = torch.full((keys,), -c, dtype=torch.float64)
         s[torch.argsort(ratio, descending=True)[: int(b.vertex[row])]] = c
-        w, wt = _row_weights(s, torch.log(mbar[row, :keys]), torch.log(a))
+        w, wt = torch.softmax(s + torch.log(a), -1), torch.softmax(s + torch.log(mbar[row, :keys]), -1)  # ALiBi, LSH
         assert b.row_vertex_error[row] == pytest.approx(float((w - wt).abs().sum()), rel=1e-10, abs=1e-14)
     assert (b.row_vertex_error <= np.minimum(2.0, b.row_tight) + 1e-12).all()

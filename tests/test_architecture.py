@@ -1,79 +1,140 @@
-"""The house rules of docs/architecture.md: import direction between rooms, a light ``import positional_lsh``,
-self-contained documentation."""
+"""The house rules of docs/architecture.md ("Who may import whom"), read from every module's imports with ``ast``:
+
+* each room imports only what its rule allows (``ROOM_RULES``);
+* no module imports another module's ``_private`` name (``src/positional_lsh``, ``benchmarks/``, ``scripts/``,
+  ``tests/``), nor reaches one as an attribute of an imported module (``mult._rows``, ``schemes._REGISTRY``,
+  ``monkeypatch.setattr(mult, "_name", ...)``);
+* no import cycle inside a room (module level and inside functions), and no module-level import cycle in the
+  package;
+* ``import positional_lsh`` loads no module outside ``positional_lsh.ops``;
+
+and the documentation is self-contained and names modules that exist. Every failure names the module, the import
+(file:line and the statement) and the rule it breaks. The checks are plain functions of parsed sources, so the
+``test_checker_*`` tests can show on small made-up sources that each one does fail.
+"""
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
+import itertools
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "positional_lsh"
+SCRIPT_DIRS = ("benchmarks", "scripts", "tests")  # files run as scripts or by pytest: modules "<dir>.<stem>"
 
-# (room, rooms it must not import, also not inside functions?): the rules of docs/architecture.md. Room names are
-# relative to positional_lsh; "hf" and "model" are the alias modules that load integrations.hf and lm.
-RULES = [
-    ("ops", ("theory", "lm", "integrations", "cli", "distributed", "hf", "model"), True),
-    ("theory", ("lm", "integrations", "cli", "hf", "model"), False),
-    ("lm", ("theory", "integrations", "cli", "hf"), False),
-]
+ROOMS = ("ops", "theory", "lm", "integrations", "distributed", "cli")
+ABOVE_OPS = ("theory", "lm", "integrations", "distributed", "cli")
+# room -> (rooms it must not import at module level, rooms it must not import even inside a function, the rule).
+# The package itself (positional_lsh/__init__.py) is the op layer's front door and counts as ops.
+ROOM_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
+    "ops": (ABOVE_OPS, ABOVE_OPS, "ops imports nothing above it, not even inside a function"),
+    "theory": (
+        ("lm", "integrations", "distributed", "cli"),
+        (),
+        "theory imports ops, and not lm, integrations, distributed or cli at module level",
+    ),
+    "lm": (
+        ("theory", "integrations", "distributed", "cli"),
+        ("cli",),
+        "lm imports ops, and not theory, integrations or distributed at module level, nor cli anywhere",
+    ),
+    "integrations": (
+        ("distributed", "cli"),
+        ("distributed", "cli"),
+        "integrations imports ops, theory and lm, and not distributed or cli, not even inside a function",
+    ),
+    "distributed": (
+        ("theory", "lm", "integrations", "cli"),
+        ("theory", "lm", "integrations", "cli"),
+        "distributed imports ops only, not even inside a function (lm loads it inside functions; it reaches the "
+        "language model's layers through their attributes)",
+    ),
+    "cli": ((), (), "cli may import everything"),
+}
+PRIVATE_RULE = "no module imports another module's _private name (give the name a public name and a docstring)"
+PRIVATE_ATTRIBUTE_RULE = "no module reaches another module's _private name through it (give the name a public name)"
+ROOM_CYCLE_RULE = "no import cycle inside a room (module level or inside functions)"
+PACKAGE_CYCLE_RULE = "no module-level import cycle in the package"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Parsing
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """One module: its dotted name, its path (for messages), its text, and whether it is a package ``__init__``."""
+
+    module: str
+    path: str
+    text: str
+    is_package: bool = False
+
+    @functools.cached_property
+    def tree(self) -> ast.Module:
+        """The parsed text (once per source: every check walks the same tree)."""
+        return ast.parse(self.text)
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported name (one alias of an import statement), resolved against the known modules.
+
+    ``target`` is the module that the import loads (``from pkg import sub`` of a submodule: ``pkg.sub``; of a name:
+    ``pkg``; of one of ``positional_lsh``'s lazily served names: the module serving it). ``base`` is the module after
+    ``from`` (``None`` for ``import x``) and ``name`` the imported name. ``lazy``: the statement does not run on
+    import (inside a function or lambda, under ``if __name__ == "__main__":`` or ``if TYPE_CHECKING:``).
+    """
+
+    importer: str
+    where: str
+    statement: str
+    target: str
+    base: str | None
+    name: str | None
+    lazy: bool
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+    """``positional_lsh.x.y`` for a file of the package, ``<dir>.<stem>`` for one of ``SCRIPT_DIRS``."""
+    if path.is_relative_to(PACKAGE):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        return ".".join(parts)
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 
-def _lazy_names() -> dict[str, str]:
+def repository_sources() -> list[Source]:
+    """Every Python file of the package, ``benchmarks/``, ``scripts/`` and ``tests/``."""
+    paths = sorted(PACKAGE.rglob("*.py")) + [p for d in SCRIPT_DIRS for p in sorted((ROOT / d).rglob("*.py"))]
+    return [
+        Source(_module_name(p), str(p.relative_to(ROOT)), p.read_text(encoding="utf-8"), p.name == "__init__.py")
+        for p in paths
+    ]
+
+
+def lazy_names(sources: Iterable[Source]) -> dict[str, str]:
     """Names the top-level package serves lazily (``positional_lsh._LAZY``), read without importing it."""
-    tree = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
-            return ast.literal_eval(node.value)
+    for src in sources:
+        if src.module == "positional_lsh":
+            for node in src.tree.body:
+                if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets
+                ):
+                    return ast.literal_eval(node.value)
     return {}
-
-
-def _imports(path: Path) -> list[tuple[str, int, bool]]:
-    """``(imported module, line, inside a function)`` for every import statement of a source file."""
-    return _imports_in(path.read_text(encoding="utf-8"), _module_name(path), path.name == "__init__.py")
-
-
-def _imports_in(source: str, module: str, is_package: bool) -> list[tuple[str, int, bool]]:
-    package = module if is_package else module.rpartition(".")[0]
-    lazy = _lazy_names()
-    found: list[tuple[str, int, bool]] = []
-
-    def visit(node: ast.AST, in_function: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.Import):
-                found.extend((alias.name, child.lineno, in_function) for alias in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:  # relative: resolve against this module's package
-                    anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
-                    base = ".".join([*anchor, *([base] if base else [])])
-                for alias in child.names:
-                    # ``from pkg import x``: x is a submodule or a name in pkg; either way it is under pkg
-                    name = (
-                        lazy[alias.name] if base == "positional_lsh" and alias.name in lazy else f"{base}.{alias.name}"
-                    )
-                    found.append((name, child.lineno, in_function))
-            visit(
-                child,
-                in_function
-                or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
-                or _is_main_guard(child),
-            )
-
-    visit(ast.parse(source), False)
-    return found
 
 
 def _is_main_guard(node: ast.AST) -> bool:
@@ -84,37 +145,313 @@ def _is_main_guard(node: ast.AST) -> bool:
     return isinstance(left, ast.Name) and left.id == "__name__" and getattr(right, "value", None) == "__main__"
 
 
-def _under(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
+def _is_type_checking(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` / ``if typing.TYPE_CHECKING:`` — never runs."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
-def test_rooms_import_only_downwards() -> None:
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        module = _module_name(path)
-        for room, forbidden, also_in_functions in RULES:
-            if not _under(module, f"positional_lsh.{room}"):
-                continue
-            for name, line, in_function in _imports(path):
-                if in_function and not also_in_functions:
+def _runs_later(node: ast.AST) -> bool:
+    """Whether the code under ``node`` does not run on import (a function body, the main guard, TYPE_CHECKING)."""
+    functions = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+    return isinstance(node, functions) or _is_main_guard(node) or _is_type_checking(node)
+
+
+class Resolver:
+    """Turns the names in import statements into the dotted names of known modules."""
+
+    def __init__(self, sources: Iterable[Source]) -> None:
+        sources = list(sources)
+        self.modules = {s.module for s in sources}
+        self.lazy = lazy_names(sources)
+
+    def absolute(self, src: Source, name: str, level: int) -> str:
+        """The absolute name of module ``name`` written with ``level`` leading dots in ``src``.
+
+        A script (``tests/test_x.py``) has its own folder on ``sys.path``, so ``conftest`` there is ``tests.conftest``.
+        """
+        if level:
+            package = src.module if src.is_package else src.module.rpartition(".")[0]
+            anchor = package.split(".")[: len(package.split(".")) - (level - 1)]
+            return ".".join([*anchor, *([name] if name else [])])
+        folder = src.module.split(".")[0]
+        if folder in SCRIPT_DIRS and f"{folder}.{name.split('.')[0]}" in self.modules:
+            return f"{folder}.{name}"
+        return name
+
+    def target(self, base: str, name: str) -> str:
+        """The module that ``from base import name`` loads: the submodule, the lazy server, or ``base``."""
+        if f"{base}.{name}" in self.modules:
+            return f"{base}.{name}"
+        if base == "positional_lsh" and name in self.lazy:
+            return self.lazy[name]
+        return base
+
+
+def parse_imports(src: Source, resolver: Resolver) -> list[Import]:
+    """Every imported name of ``src`` (module level and inside functions), in source order."""
+    found: list[Import] = []
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            where = f"{src.path}:{getattr(child, 'lineno', 0)}"
+            if isinstance(child, ast.Import):
+                for a in child.names:
+                    statement = f"import {a.name}" + (f" as {a.asname}" if a.asname else "")
+                    target = resolver.absolute(src, a.name, 0)
+                    found.append(Import(src.module, where, statement, target, None, None, lazy))
+            elif isinstance(child, ast.ImportFrom):
+                base = resolver.absolute(src, child.module or "", child.level)
+                for a in child.names:
+                    statement = f"from {'.' * child.level}{child.module or ''} import {a.name}"
+                    statement += f" as {a.asname}" if a.asname else ""
+                    found.append(
+                        Import(src.module, where, statement, resolver.target(base, a.name), base, a.name, lazy)
+                    )
+            visit(child, lazy or _runs_later(child))
+
+    visit(src.tree, False)
+    return found
+
+
+def parse_all(sources: list[Source]) -> tuple[list[Import], Resolver]:
+    resolver = Resolver(sources)
+    return [imp for src in sources for imp in parse_imports(src, resolver)], resolver
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The checks: each returns one message per violation, naming the module, the import and the rule
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def room_of(module: str) -> str | None:
+    """The room of a module of the package (``positional_lsh`` itself: ``ops``); ``None`` outside the rooms."""
+    if module == "positional_lsh":
+        return "ops"
+    parts = module.split(".")
+    if parts[0] != "positional_lsh" or parts[1] not in ROOMS:
+        return None
+    return parts[1]
+
+
+def room_violations(imports: Iterable[Import]) -> list[str]:
+    """Imports from one room into another that the importing room's rule forbids."""
+    out = []
+    for imp in imports:
+        room, to = room_of(imp.importer), room_of(imp.target)
+        if room is None or to is None or to == room:
+            continue
+        at_module_level, even_in_functions, rule = ROOM_RULES[room]
+        if to in even_in_functions or (to in at_module_level and not imp.lazy):
+            when = "inside a function" if imp.lazy else "at module level"
+            out.append(f"{imp.where}: {imp.importer} `{imp.statement}` imports {imp.target} ({to}) {when} "
+                       f"-- rule: {rule}")  # fmt: skip
+    return out
+
+
+def private_violations(imports: Iterable[Import], resolver: Resolver) -> list[str]:
+    """``from x import _y`` where ``x`` is one of our modules and ``_y`` a name in it, not a submodule (importing a
+    ``_``-prefixed helper module, or a public name from one, is fine; dunder names are public)."""
+    out = []
+    for imp in imports:
+        name, base = imp.name, imp.base
+        if name is None or base is None or not name.startswith("_") or (name.startswith("__") and name.endswith("__")):
+            continue
+        if base not in resolver.modules or f"{base}.{name}" in resolver.modules or base == imp.importer:
+            continue
+        out.append(f"{imp.where}: {imp.importer} `{imp.statement}` imports the private name {name} of {base} "
+                   f"-- rule: {PRIVATE_RULE}")  # fmt: skip
+    return out
+
+
+def _is_private(name: str) -> bool:
+    """``_name`` (dunder names such as ``__name__`` are public)."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def module_aliases(src: Source, resolver: Resolver) -> dict[str, set[str]]:
+    """The names that ``src`` binds to one of the known modules, anywhere in the file: ``import a.b as m`` binds
+    ``m`` to ``a.b``, ``import a.b`` binds ``a`` to ``a`` (when it is known), ``from a import b`` binds ``b`` to
+    ``a.b`` when that is a module (not a name in ``a``)."""
+    aliases: dict[str, set[str]] = {}
+    for node in ast.walk(src.tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                module = resolver.absolute(src, a.name if a.asname else a.name.split(".")[0], 0)
+                if module in resolver.modules:
+                    aliases.setdefault(a.asname or a.name.split(".")[0], set()).add(module)
+        elif isinstance(node, ast.ImportFrom):
+            base = resolver.absolute(src, node.module or "", node.level)
+            for a in node.names:
+                if f"{base}.{a.name}" in resolver.modules:
+                    aliases.setdefault(a.asname or a.name, set()).add(f"{base}.{a.name}")
+    return aliases
+
+
+def _modules_of(node: ast.AST, aliases: dict[str, set[str]], modules: set[str]) -> set[str]:
+    """The known modules an expression may be: an alias, or ``m.sub`` of one where ``sub`` is a submodule."""
+    if isinstance(node, ast.Name):
+        return aliases.get(node.id, set())
+    if isinstance(node, ast.Attribute):
+        return {f"{m}.{node.attr}" for m in _modules_of(node.value, aliases, modules) if f"{m}.{node.attr}" in modules}
+    return set()
+
+
+_ATTRIBUTE_CALLS = ("getattr", "setattr", "delattr", "hasattr")  # also monkeypatch.setattr / .delattr
+
+
+def private_attribute_violations(sources: Iterable[Source], resolver: Resolver) -> list[str]:
+    """``m._y`` where ``m`` names one of our modules (an import alias, or a submodule reached through one) and
+    ``_y`` is not a submodule; also ``getattr(m, "_y")``/``setattr``/``delattr``/``hasattr`` (and
+    ``monkeypatch.setattr``) with the name as a string, and ``monkeypatch.setattr("pkg.mod._y", ...)``. A module
+    may reach its own private names; dunder names are public."""
+    out = []
+    for src in sources:
+        aliases = module_aliases(src, resolver)
+        found: list[tuple[int, int, str]] = []
+        for node in ast.walk(src.tree):
+            reached: list[tuple[str, str]] = []  # (module, private name)
+            if isinstance(node, ast.Attribute) and _is_private(node.attr):
+                reached += [(m, node.attr) for m in _modules_of(node.value, aliases, resolver.modules)]
+            elif isinstance(node, ast.Call) and node.args:
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+                first, rest = node.args[0], node.args[1:]
+                if name not in _ATTRIBUTE_CALLS:
                     continue
-                if any(_under(name, f"positional_lsh.{f}") for f in forbidden):
-                    offenders.append(f"{path.relative_to(ROOT)}:{line} imports {name} ({room} must not)")
+                if rest and isinstance(rest[0], ast.Constant) and isinstance(rest[0].value, str):
+                    if _is_private(rest[0].value):
+                        reached += [(m, rest[0].value) for m in _modules_of(first, aliases, resolver.modules)]
+                elif isinstance(first, ast.Constant) and isinstance(first.value, str):  # monkeypatch's "mod.name"
+                    module, _, attr = first.value.rpartition(".")
+                    if module in resolver.modules and _is_private(attr):
+                        reached.append((module, attr))
+            for module, attr in sorted(set(reached)):
+                if module == src.module or f"{module}.{attr}" in resolver.modules:
+                    continue
+                message = (f"{src.path}:{node.lineno}: {src.module} `{ast.unparse(node)[:80]}` reaches the private "
+                           f"name {attr} of {module} -- rule: {PRIVATE_ATTRIBUTE_RULE}")  # fmt: skip
+                found.append((node.lineno, node.col_offset, message))
+        out += [message for *_, message in sorted(found)]
+    return out
+
+
+Graph = dict[str, dict[str, Import]]  # importer -> imported module -> the first import statement making that edge
+
+
+def import_graph(imports: Iterable[Import], keep: Callable[[Import], bool]) -> Graph:
+    """The modules of the package and the imports between them that ``keep`` accepts (self-imports dropped)."""
+    edges: Graph = {}
+    for imp in imports:
+        if room_of(imp.importer) and room_of(imp.target) and imp.target != imp.importer and keep(imp):
+            edges.setdefault(imp.importer, {}).setdefault(imp.target, imp)
+    return edges
+
+
+def find_cycles(edges: Graph) -> list[list[str]]:
+    """One shortest cycle (``[a, b, ..., a]``) per strongly connected component of two or more modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, {})):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(comp) > 1:
+                components.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return [_shortest_cycle(comp, edges) for comp in sorted(components)]
+
+
+def _shortest_cycle(component: list[str], edges: Graph) -> list[str]:
+    """Breadth-first from the component's first module back to itself, inside the component."""
+    start, members = component[0], set(component)
+    paths, queue = {start: [start]}, [start]
+    for v in queue:
+        for w in sorted(edges.get(v, {})):
+            if w == start:
+                return [*paths[v], start]
+            if w in members and w not in paths:
+                paths[w] = [*paths[v], w]
+                queue.append(w)
+    raise AssertionError(f"no cycle through {start}")  # unreachable for a strongly connected component
+
+
+def _describe(cycle: list[str], edges: Graph, rule: str) -> str:
+    steps = [f"    {edges[a][b].where}: {a} `{edges[a][b].statement}`" for a, b in itertools.pairwise(cycle)]
+    return "\n".join([f"import cycle {' -> '.join(cycle)} -- rule: {rule}", *steps])
+
+
+def cycle_violations(imports: Iterable[Import]) -> list[str]:
+    """Cycles inside each room (every import, in functions too), then module-level cycles in the whole package."""
+    imports = list(imports)
+    out, seen = [], set()
+    for room in ROOMS:
+        edges = import_graph(imports, lambda i, room=room: room_of(i.importer) == room_of(i.target) == room)
+        for cycle in find_cycles(edges):
+            seen.add(tuple(cycle))
+            out.append(_describe(cycle, edges, f"{ROOM_CYCLE_RULE} (room {room})"))
+    edges = import_graph(imports, lambda i: not i.lazy)
+    out += [_describe(c, edges, PACKAGE_CYCLE_RULE) for c in find_cycles(edges) if tuple(c) not in seen]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The rules, on this repository
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sources() -> list[Source]:
+    return repository_sources()
+
+
+@pytest.fixture(scope="module")
+def parsed(sources: list[Source]) -> tuple[list[Import], Resolver]:
+    return parse_all(sources)
+
+
+def test_rooms_import_only_what_their_rule_allows(parsed) -> None:
+    offenders = room_violations(parsed[0])
     assert not offenders, "imports against docs/architecture.md:\n" + "\n".join(offenders)
 
 
-def test_the_import_parser_sees_function_level_and_relative_imports() -> None:
-    source = (
-        "import os\nfrom . import sibling\n\ndef f():\n    from positional_lsh import TransformerLM\n"
-        "if __name__ == '__main__':\n    import positional_lsh.cli\n"
-    )
-    found = _imports_in(source, "positional_lsh.ops.probe", is_package=False)
-    assert found == [
-        ("os", 1, False),
-        ("positional_lsh.ops.sibling", 2, False),
-        ("positional_lsh.lm", 5, True),
-        ("positional_lsh.cli", 7, True),
-    ]
+def test_no_module_imports_a_private_name_of_another(parsed) -> None:
+    offenders = private_violations(*parsed)
+    assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
+
+
+def test_no_module_reaches_a_private_name_of_another_through_the_module(sources, parsed) -> None:
+    offenders = private_attribute_violations(sources, parsed[1])
+    assert not offenders, "private names reached through another module:\n" + "\n".join(offenders)
+
+
+def test_no_import_cycles(parsed) -> None:
+    offenders = cycle_violations(parsed[0])
+    assert not offenders, "import cycles:\n" + "\n".join(offenders)
+
+
+def test_every_module_of_the_package_is_in_a_room(parsed) -> None:
+    resolver = parsed[1]
+    homeless = sorted(m for m in resolver.modules if m.startswith("positional_lsh") and room_of(m) is None)
+    assert not homeless, f"modules outside the rooms of docs/architecture.md: {homeless}"
 
 
 def test_import_positional_lsh_loads_only_the_op_layer() -> None:
@@ -125,6 +462,166 @@ def test_import_positional_lsh_loads_only_the_op_layer() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "", f"import positional_lsh also loaded: {out.stdout.split()}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The checker itself, on made-up sources: each check does fail
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _fake_sources(files: dict[str, str]) -> list[Source]:
+    """Sources from ``{module: text}`` (a module ending in ``/`` is a package ``__init__``)."""
+    sources = []
+    for module, text in files.items():
+        name, is_package = module.rstrip("/"), module.endswith("/")
+        path = name.replace(".", "/") + ("/__init__.py" if is_package else ".py")
+        sources.append(Source(name, path, text, is_package))
+    return sources
+
+
+def _fake(files: dict[str, str]) -> tuple[list[Import], Resolver]:
+    """The imports of :func:`_fake_sources` ``(files)``, and their resolver."""
+    return parse_all(_fake_sources(files))
+
+
+def test_checker_parses_every_form_of_import() -> None:
+    imports, _ = _fake({
+        "positional_lsh/": "_LAZY = {'TransformerLM': 'positional_lsh.lm'}\n",
+        "positional_lsh.ops/": "",
+        "positional_lsh.ops.probe": (
+            "import os\nfrom . import sibling\nfrom .sibling import (\n    a,\n    _b,\n)\n"
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import positional_lsh.theory\n"
+            "def f():\n    from positional_lsh import TransformerLM\n"
+            "if __name__ == '__main__':\n    import positional_lsh.cli as c\n"
+        ),
+        "positional_lsh.ops.sibling": "",
+        "positional_lsh.lm/": "",
+        "tests.conftest": "",
+        "tests.test_x": "from conftest import helper\n",
+    })  # fmt: skip
+    got = [(i.importer, i.where.rsplit(":", 1)[1], i.statement, i.target, i.lazy) for i in imports]
+    probe = "positional_lsh.ops.probe"
+    assert got == [
+        (probe, "1", "import os", "os", False),
+        (probe, "2", "from . import sibling", "positional_lsh.ops.sibling", False),
+        (probe, "3", "from .sibling import a", "positional_lsh.ops.sibling", False),
+        (probe, "3", "from .sibling import _b", "positional_lsh.ops.sibling", False),
+        (probe, "7", "from typing import TYPE_CHECKING", "typing", False),
+        (probe, "9", "import positional_lsh.theory", "positional_lsh.theory", True),
+        (probe, "11", "from positional_lsh import TransformerLM", "positional_lsh.lm", True),
+        (probe, "13", "import positional_lsh.cli as c", "positional_lsh.cli", True),
+        ("tests.test_x", "1", "from conftest import helper", "tests.conftest", False),
+    ]
+
+
+def test_checker_flags_imports_against_the_room_rules() -> None:
+    imports, _ = _fake({
+        "positional_lsh.ops.a": "def f():\n    import positional_lsh.lm.model\n",
+        "positional_lsh.lm.model": "import positional_lsh.ops.a\ndef f():\n    import positional_lsh.cli\n",
+        "positional_lsh.theory.t": "from positional_lsh.distributed import x\n",
+        "positional_lsh.distributed/": "def f():\n    from positional_lsh.lm import model\n",
+        "positional_lsh.cli/": "import positional_lsh.distributed\n",
+    })  # fmt: skip
+    offenders = room_violations(imports)
+    assert len(offenders) == 4, offenders
+    assert offenders[0].startswith("positional_lsh/ops/a.py:2: positional_lsh.ops.a `import positional_lsh.lm.model`")
+    assert "inside a function -- rule: ops imports nothing above it" in offenders[0]
+    assert "lm/model.py:3" in offenders[1] and "nor cli anywhere" in offenders[1]
+    assert (
+        "theory/t.py:1" in offenders[2] and "(distributed) at module level -- rule: theory imports ops" in offenders[2]
+    )
+    assert "distributed/__init__.py:2" in offenders[3] and "rule: distributed imports ops only" in offenders[3]
+
+
+def test_checker_flags_private_names() -> None:
+    imports, resolver = _fake({
+        "positional_lsh.ops/": "",
+        "positional_lsh.ops._checks": "",
+        "positional_lsh.ops.attention": "",
+        "positional_lsh.ops.user": (
+            "from positional_lsh.ops._checks import check_int\nfrom positional_lsh.ops import _checks\n"
+            "import positional_lsh.ops.attention as _attention\nfrom positional_lsh.ops.attention import (\n"
+            "    plsh,\n    _plan as plan,\n)\nfrom torch._dynamo import _private_of_torch\n"
+            "from __future__ import annotations\nfrom positional_lsh.ops import __version__\n"
+        ),
+        "tests.conftest": "",
+        "tests.test_y": "def f():\n    from conftest import _helper\n",
+    })  # fmt: skip
+    offenders = private_violations(imports, resolver)
+    assert offenders == [
+        "positional_lsh/ops/user.py:4: positional_lsh.ops.user `from positional_lsh.ops.attention import _plan as "
+        f"plan` imports the private name _plan of positional_lsh.ops.attention -- rule: {PRIVATE_RULE}",
+        f"tests/test_y.py:2: tests.test_y `from conftest import _helper` imports the private name _helper of "
+        f"tests.conftest -- rule: {PRIVATE_RULE}",
+    ]
+
+
+def test_checker_flags_private_names_reached_through_a_module() -> None:
+    sources = _fake_sources({
+        "positional_lsh/": "",
+        "positional_lsh.ops/": "",
+        "positional_lsh.ops._kernels": "",
+        "positional_lsh.ops.mult": "import positional_lsh.ops.mult as me\nme._own_private\n",
+        "positional_lsh.ops.schemes": "",
+        "tests.conftest": "",
+        "tests.test_z": (
+            "import positional_lsh.ops.mult as mult\nfrom positional_lsh.ops import schemes, _kernels\n"
+            "import positional_lsh.ops.schemes\nimport conftest\nimport torch\n"
+            "def test(monkeypatch):\n"
+            "    mult._rows(1)\n"
+            "    schemes._REGISTRY.clear()\n"
+            "    positional_lsh.ops.schemes._BUILT_IN\n"
+            "    monkeypatch.setattr(mult, '_integer_blocks', None)\n"
+            "    monkeypatch.setattr('positional_lsh.ops.mult._floor', None)\n"
+            "    getattr(conftest, '_helper')()\n"
+            "    mult.tile_rows, mult.__name__, _kernels.attend, positional_lsh.ops._kernels.attend, torch._dynamo\n"
+            "    getattr(mult, 'tile_rows'), setattr(mult, '__doc__', ''), positional_lsh.ops.mult.__file__\n"
+        ),
+    })  # fmt: skip
+    offenders = private_attribute_violations(sources, Resolver(sources))
+    reached = [
+        ("7", "mult._rows", "_rows of positional_lsh.ops.mult"),
+        ("8", "schemes._REGISTRY", "_REGISTRY of positional_lsh.ops.schemes"),
+        ("9", "positional_lsh.ops.schemes._BUILT_IN", "_BUILT_IN of positional_lsh.ops.schemes"),
+        ("10", "monkeypatch.setattr(mult, '_integer_blocks', None)", "_integer_blocks of positional_lsh.ops.mult"),
+        ("11", "monkeypatch.setattr('positional_lsh.ops.mult._floor', None)", "_floor of positional_lsh.ops.mult"),
+        ("12", "getattr(conftest, '_helper')", "_helper of tests.conftest"),
+    ]
+    assert offenders == [
+        f"tests/test_z.py:{line}: tests.test_z `{expr}` reaches the private name {what} -- rule: "
+        f"{PRIVATE_ATTRIBUTE_RULE}"
+        for line, expr, what in reached
+    ]
+
+
+def test_checker_finds_cycles_in_a_room_and_in_the_package() -> None:
+    imports, _ = _fake({
+        "positional_lsh.ops/": "from positional_lsh.ops import a\n",
+        "positional_lsh.ops.a": "from positional_lsh.ops import b\n",
+        "positional_lsh.ops.b": "def f():\n    from positional_lsh.ops import name_in_init\n",
+        "positional_lsh.lm.m": "import positional_lsh.theory.t\n",
+        "positional_lsh.theory.t": "import positional_lsh.lm.m\n",
+        "positional_lsh.cli.c": "import positional_lsh.cli.d\n",
+        "positional_lsh.cli.d": "def f():\n    import positional_lsh.cli.c\n",
+        "positional_lsh.integrations.i": "import positional_lsh.theory.u\n",
+        "positional_lsh.theory.u": "def f():\n    import positional_lsh.integrations.i\n",
+    })  # fmt: skip
+    offenders = cycle_violations(imports)
+    assert len(offenders) == 3, offenders
+    assert offenders[0].startswith("import cycle positional_lsh.ops -> positional_lsh.ops.a -> positional_lsh.ops.b "
+                                   "-> positional_lsh.ops -- rule: no import cycle inside a room")  # fmt: skip
+    assert (
+        "positional_lsh/ops/b.py:2: positional_lsh.ops.b `from positional_lsh.ops import name_in_init`" in offenders[0]
+    )
+    assert offenders[1].startswith("import cycle positional_lsh.cli.c -> positional_lsh.cli.d -> positional_lsh.cli.c")
+    assert offenders[2].startswith(
+        "import cycle positional_lsh.lm.m -> positional_lsh.theory.t -> positional_lsh.lm.m -- rule: no module-level"
+    )  # the integrations <-> theory cycle goes through a function: allowed across rooms
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Documentation
+# ------------------------------------------------------------------------------------------------------------------
 
 
 def test_documentation_is_self_contained() -> None:

@@ -250,12 +250,12 @@ def test_module_bad_input():
 @pytest.mark.parametrize("backend", ["flash", "math"])
 def test_long_causal_blocks_are_split_and_exact(backend):
     # Slopes this small give blocks of hundreds of positions, which the fast path splits into sub-blocks.
-    from positional_lsh.ops.attention import _plan
+    from positional_lsh.ops.per_sample import samples_plan
 
     n = 900
     q, k, v = _qkv(1, 3, 3, n, n, 8, seed=4, grad=True)
     parts = sample_partitions(n, torch.tensor([0.004, 0.002, 0.0]), 3, generator=1)
-    pieces = [seg for work in _plan(parts, 3, n, True) for segs, _ in work.samples for seg in segs]
+    pieces = [seg for work in samples_plan(parts, 3, n, True) for segs, _ in work.samples for seg in segs]
     assert any(not seg.masked for seg in pieces) and any(seg.stride for seg in pieces)
     out = plsh_attention(q, k, v, partitions=parts, backend=backend)
     ref = dense_plsh_attention(q, k, v, parts)
@@ -287,13 +287,13 @@ def test_worker_pool_matches_sequential(b, hq, hkv):
 
 
 def test_work_items_cover_every_head_and_batch_row_once():
-    from positional_lsh.ops.attention import _plan, _work_items
+    from positional_lsh.ops.per_sample import samples_plan, work_items_of
 
     parts = sample_partitions(64, alibi_slopes(6), 2, generator=0)
-    plan = _plan(parts, 3, 64, True)
+    plan = samples_plan(parts, 3, 64, True)
     for batch, workers in ((1, 2), (5, 4), (2, 16), (3, 1)):
         seen = torch.zeros(batch, 6, dtype=torch.long)
-        for works, sl in _work_items(plan, batch, workers):
+        for works, sl in work_items_of(plan, batch, workers):
             assert len({w.kv_head for w in works}) == 1  # key/value gradients never shared across items
             for w in works:
                 seen[sl, w.head] += 1
@@ -349,16 +349,16 @@ def test_every_layout_equals_contiguous_values_and_gradients(layout, op, backend
 
 
 def test_kernel_inputs_are_row_major_views_of_one_copy(monkeypatch):
-    import positional_lsh.ops.attention as attention
+    import positional_lsh.ops.per_sample as per_sample
 
     seen = []
-    real = attention.attend
+    real = per_sample.attend
 
     def spy(q, k, v, **kw):
         seen.append((q.stride()[-2:], k.stride()[-2:], q.untyped_storage().data_ptr()))
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(attention, "attend", spy)
+    monkeypatch.setattr(per_sample, "attend", spy)
     g = torch.Generator().manual_seed(0)
     q, k, v = (LAYOUTS["fused projection (Falcon)"](g) for _ in range(3))
     plsh_attention(q, k[:, :1], v[:, :1], num_samples=4, generator=0)

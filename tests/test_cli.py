@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from positional_lsh.cli import main
-from positional_lsh.cli.bench import growth_exponents, run_benchmark, write_outputs
-from positional_lsh.cli.config import (
+from positional_lsh.cli.bench import BenchConfig, growth_exponents, run_benchmark, write_outputs
+from positional_lsh.cli.demo import attention_table, mask_convergence_table
+from positional_lsh.cli.parsers import (
     add_arguments,
     comma_list,
     config_from_args,
@@ -19,7 +20,6 @@ from positional_lsh.cli.config import (
     positive_int_text,
     to_argv,
 )
-from positional_lsh.cli.demo import attention_table, mask_convergence_table
 
 
 def test_help_lists_commands(capsys):
@@ -74,15 +74,9 @@ def test_validate_defaults_to_the_shipped_model():
 
 
 def test_bench_rows_and_outputs(tmp_path):
-    rows = run_benchmark(
-        [256, 512],
-        samples=(1, 4),
-        methods=("sdpa-mask", "alibi-chunked", "plsh", "plsh-mult"),
-        num_heads=2,
-        head_dim=8,
-        repeats=1,
-        progress=False,
-    )
+    cfg = BenchConfig(lengths=(256, 512), samples=(1, 4), methods=("sdpa-mask", "alibi-chunked", "plsh", "plsh-mult"),
+                      heads=2, head_dim=8, repeats=1, progress=False)  # fmt: skip
+    rows = run_benchmark(cfg)
     kinds = {(r.method, r.samples, r.mode, r.seq_len) for r in rows}
     assert ("plsh", 4, "fwd+bwd", 512) in kinds and ("sdpa-mask", None, "fwd", 256) in kinds
     plsh = [r for r in rows if r.method == "plsh" and r.mode == "fwd"]
@@ -143,9 +137,13 @@ def test_bench_gemm_peak_and_useful_gflops():
 
 def test_bench_bad_input():
     with pytest.raises(ValueError, match="unknown methods"):
-        run_benchmark([128], methods=("cuda-magic",), progress=False)
+        BenchConfig(lengths=(128,), methods=("cuda-magic",))
     with pytest.raises(ValueError, match="lengths"):
-        run_benchmark([0], methods=("plsh",), progress=False)
+        BenchConfig(lengths=(0,), methods=("plsh",))
+    with pytest.raises(ValueError, match="dtype"):
+        BenchConfig(lengths=(128,), dtype="float16")
+    with pytest.raises(TypeError, match="BenchConfig"):
+        run_benchmark({"lengths": (128,)})  # type: ignore[arg-type]
 
 
 def test_cli_rejects_bad_lengths(capsys):
@@ -305,3 +303,136 @@ def test_gpu_bench_preset_runs_tiny_on_cpu(tmp_path, monkeypatch):
     assert ("flex-window", "fwd") in kinds and ("flex-exact", "fwd+bwd") not in kinds  # no CPU flex backward
     assert all(r.seconds > 0 and r.pairs > 0 for r in rows)
     assert (tmp_path / "gpu_bench.md").exists() and (tmp_path / "gpu_bench.csv").exists()
+
+
+# ------------------------------------------------------------------------------ one error path for every command
+
+# Each command with the fewest arguments it runs with, and the function its ``func`` hands the settings to.
+_COMMANDS = {
+    "bench": (["--lengths", "64"], "positional_lsh.cli.bench", "run_bench_command"),
+    "train": (["--out", "{tmp}/run"], "positional_lsh.cli.train", "train"),
+    "eval": ([], "positional_lsh.cli.eval", "run_eval"),
+    "validate": (["--out", "{tmp}/val"], "positional_lsh.cli.validate", "run_validation"),
+}
+
+
+def _argv(command: str, tmp_path, *extra: str) -> list[str]:
+    return [command, *(a.format(tmp=tmp_path) for a in _COMMANDS[command][0]), *extra]
+
+
+@pytest.mark.parametrize("command", list(_COMMANDS))
+@pytest.mark.parametrize(
+    ("exc", "message"),
+    [
+        (ValueError, "seq_len must be >= 1,\n  got 0"),
+        (TypeError, "steps must be an int, got float"),
+        ("UserError", "--data nowhere: no such corpus"),
+        (FileNotFoundError, None),
+    ],
+)
+def test_every_command_reports_a_user_error_as_one_line_and_exit_2(command, exc, message, tmp_path, monkeypatch,
+                                                                   capsys):  # fmt: skip
+    import importlib
+
+    from positional_lsh.ops.errors import UserError
+
+    exc = UserError if exc == "UserError" else exc
+    error = exc(2, "No such file or directory", "missing.txt") if exc is FileNotFoundError else exc(message)
+
+    def refuse(*args, **kwargs):
+        raise error
+
+    _, module, worker = _COMMANDS[command]
+    monkeypatch.setattr(importlib.import_module(module), worker, refuse)
+    monkeypatch.delenv("PLSH_DEBUG", raising=False)
+    assert main(_argv(command, tmp_path)) == 2
+    captured = capsys.readouterr()
+    expected = "missing.txt: No such file or directory" if message is None else " ".join(message.split())
+    assert captured.err.splitlines() == [f"plsh {command}: error: {expected}"]
+    with pytest.raises(exc):  # --debug: the exception itself, with its traceback
+        main(["--debug", *_argv(command, tmp_path)])
+    monkeypatch.setenv("PLSH_DEBUG", "1")
+    with pytest.raises(exc):
+        main(_argv(command, tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "name"),
+    [
+        ("bench", ["--heads", "0"], "heads"),
+        ("train", ["--batch-size", "0"], "batch_size"),
+        ("eval", ["--batch-tokens", "0"], "batch_tokens"),
+        ("validate", ["--num-inputs", "0"], "num_inputs"),
+    ],
+)
+def test_every_command_refuses_a_bad_setting_in_one_line(command, flag, name, tmp_path, monkeypatch, capsys):
+    # A setting the parser accepts and the settings dataclass refuses: exit 2, one line naming it, no work done.
+    import importlib
+
+    _, module, worker = _COMMANDS[command]
+    monkeypatch.setattr(importlib.import_module(module), worker, lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.delenv("PLSH_DEBUG", raising=False)
+    assert main(_argv(command, tmp_path, *flag)) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"plsh {command}: error: ") and name in err[0], err
+
+
+def test_command_functions_are_plsh_with_the_command_in_front(tmp_path, monkeypatch, capsys):
+    from positional_lsh.cli import eval as cli_eval
+    from positional_lsh.cli import train as cli_train
+
+    monkeypatch.delenv("PLSH_DEBUG", raising=False)
+    assert cli_train.main(["--out", str(tmp_path), "--batch-size", "0"]) == 2
+    assert capsys.readouterr().err.startswith("plsh train: error: ")
+    assert cli_eval.main(["--batch-tokens", "0"]) == 2
+    assert capsys.readouterr().err.startswith("plsh eval: error: ")
+
+
+def test_shims_are_gone_and_lm_never_imports_cli():
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    import positional_lsh
+
+    assert importlib.util.find_spec("positional_lsh.model") is None
+    assert importlib.util.find_spec("positional_lsh.hf") is None
+    root = Path(positional_lsh.__file__).parent
+    found = []
+    for path in sorted((root / "lm").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):  # imports inside functions included
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found += [f"{path.name}:{node.lineno}" for n in names if n.startswith("positional_lsh.cli")]
+    assert found == []
+
+
+def test_cli_and_benchmarks_import_no_private_names():
+    # A name starting with "_" (not a dunder such as __version__) stays in its module: shared helpers are public.
+    import ast
+    from pathlib import Path
+
+    import positional_lsh
+
+    def private(name: str | None) -> bool:
+        return name is not None and name.startswith("_") and not name.endswith("__")
+
+    root = Path(positional_lsh.__file__).parent
+    files = [*sorted((root / "cli").rglob("*.py")), *sorted((root.parents[1] / "benchmarks").glob("*.py"))]
+    assert len(files) > 10
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("positional_lsh"):
+                found += [f"{path.name}: {node.module}.{a.name}" for a in node.names if private(a.name)]
+                found += [f"{path.name}: as {a.asname}" for a in node.names if private(a.asname)]
+    assert found == []
+
+
+def test_backend_and_method_flags_take_the_op_layer_option_sets():
+    from positional_lsh.cli.train import MODEL_FLAGS
+    from positional_lsh.ops.options import BACKENDS, METHODS
+
+    assert tuple(MODEL_FLAGS["attn_backend"].choices) == BACKENDS
+    assert tuple(MODEL_FLAGS["plsh_method"].choices) == METHODS

@@ -124,6 +124,64 @@ def test_no_process_group_falls_back_to_plsh_attention():
     out = context_parallel_plsh_attention(q, k, v, generator=7, num_samples=3)
     ref = plsh_attention(q, k, v, generator=7, num_samples=3)
     assert torch.equal(out, ref)
+    for method in ("samples", "multiplicity"):
+        out = context_parallel_plsh_attention(q, k, v, generator=7, num_samples=3, backend="math", method=method)
+        assert torch.equal(out, plsh_attention(q, k, v, generator=7, num_samples=3, backend="math", method=method))
+    with pytest.raises(ValueError, match="method must be one of"):
+        context_parallel_plsh_attention(q, k, v, generator=7, method="fast")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        context_parallel_plsh_attention(q, k, v, generator=7, backend="cuda")
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        context_parallel_plsh_attention(q, k, v, generator=7, causal=1)
+    with pytest.raises(TypeError, match=r"q must be a torch\.Tensor"):
+        context_parallel_plsh_attention(q.tolist(), k, v, generator=7)
+    with pytest.raises(ValueError, match="shard_lengths"):
+        context_parallel_plsh_attention(q, k, v, generator=7, shard_lengths=[63])
+
+
+def test_check_slopes_match():
+    from positional_lsh.ops.partitions import check_slopes_match
+
+    p = sample_partitions(64, alibi_slopes(4), 2, generator=0)
+    check_slopes_match(None, p, 4)
+    check_slopes_match(alibi_slopes(4), p, 4)
+    check_slopes_match(alibi_slopes(4).tolist(), p, 4)
+    check_slopes_match([0.5] * 2, p, 2)  # partitions for other heads: check_partitions's to report
+    with pytest.raises(ValueError, match=r"slopes differ from partitions\.slopes; pass one or the other"):
+        check_slopes_match(0.5, p, 4)
+    with pytest.raises(ValueError, match="one entry per head"):
+        check_slopes_match([0.5] * 3, p, 4)
+
+
+def _recording(module, seen: list):
+    """A stand-in for ``module.plsh_attention`` that records each call's ``(backend, method)`` and computes."""
+    real = module.plsh_attention
+
+    def call(*args, **kwargs):
+        seen.append((kwargs.get("backend"), kwargs.get("method")))
+        return real(*args, **kwargs)
+
+    return call
+
+
+def test_lm_hook_passes_the_model_backend_and_method(monkeypatch):
+    """Under context parallelism the language model's ``attn_backend`` and ``plsh_method`` reach the attention."""
+    import positional_lsh.distributed.attention as cp_attention
+    from positional_lsh import ModelConfig, TransformerLM
+    from positional_lsh.distributed import set_context_group
+
+    cfg = ModelConfig(vocab_size=61, seq_len=32, n_layer=2, n_head=2, d_model=16, position="plsh", sigma=8.0,
+                      attn_backend="math", plsh_method="samples")  # fmt: skip
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).double().eval()
+    idx = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(1))
+    ref = model(idx)
+    seen: list = []
+    monkeypatch.setattr(cp_attention, "plsh_attention", _recording(cp_attention, seen))
+    set_context_group(model, object(), shard_lengths=[32])  # no process group: one rank, plsh_attention
+    out = model(idx)
+    assert seen == [("math", "samples")] * cfg.n_layer
+    assert torch.equal(out, ref)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -158,12 +216,13 @@ def _compare(rank: int, lengths: list[int], *, causal: bool, slopes, scheme: str
 
 
 def _compare_partitions(rank: int, lengths: list[int], partitions, *, causal: bool, hkv: int, **kw) -> float:
-    """Like :func:`_compare`, for given whole-sequence partitions."""
+    """Like :func:`_compare`, for given whole-sequence partitions (the reference gets the same backend/method)."""
     n, d, hq = sum(lengths), 8, partitions.num_heads
     q, k, v, w = _data(n, hq, hkv, d, seed=n + hq)
     s, e = sum(lengths[:rank]), sum(lengths[: rank + 1])
     qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
-    ref = plsh_attention(qf, kf, vf, partitions=partitions, causal=causal)
+    options = {key: kw[key] for key in ("backend", "method") if key in kw}
+    ref = plsh_attention(qf, kf, vf, partitions=partitions, causal=causal, **options)
     (ref * w).sum().backward()
     ql, kl, vl = (x[:, :, s:e].clone().requires_grad_() for x in (q, k, v))
     out = context_parallel_plsh_attention(ql, kl, vl, partitions=partitions, causal=causal, **kw)
@@ -195,11 +254,53 @@ def _cases_decay(rank: int) -> dict[str, object]:
 
 
 def _expect_value_error(fn) -> str:
+    """``"ValueError: message"`` (or ``"TypeError: ..."``) of what ``fn()`` raises, else ``"no error"``."""
     try:
         fn()
-    except ValueError as exc:
-        return "ValueError: " + str(exc)[:80]
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {str(exc)[:100]}"
     return "no error"
+
+
+def _cases_options(rank: int) -> dict[str, object]:
+    """backend= and method= on 2 ranks reach every local plsh_attention call (plain and head-chunked), and the
+    result equals one process with the same partitions and options; bad options fail alike on every rank."""
+    import positional_lsh.distributed.chunked as cp_chunked
+
+    res: dict[str, object] = {}
+    p = sample_partitions(160, [1 / 500, 1 / 8, 0.0, 0.05], 4, generator=5)
+    seen: list = []
+    real = cp_chunked.plsh_attention
+    cp_chunked.plsh_attention = _recording(cp_chunked, seen)
+    try:
+        for method in ("samples", "multiplicity"):
+            for chunk in (None, 1):
+                for causal in (True, False):
+                    key = f"{method}_chunk{chunk}_{'causal' if causal else 'bidir'}"
+                    seen.clear()
+                    opts = {"backend": "math", "method": method, "head_chunk": chunk}
+                    res[key] = _compare_partitions(rank, [70, 90], p, causal=causal, hkv=2, **opts)
+                    res[f"seen_{key}"] = sorted(set(seen))
+    finally:
+        cp_chunked.plsh_attention = real
+    res["halo"] = halo_plan(p, [70, 90], causal=True).halo_positions(1)
+    q, k, v, _ = _data(160, 4, 2, 8, seed=3)
+    ql, kl, vl = (x[:, :, 70 * rank : 70 + 90 * rank] for x in (q, k, v))
+    res["err_method"] = _expect_value_error(lambda: context_parallel_plsh_attention(ql, kl, vl, partitions=p, method=1))
+    res["err_backend"] = _expect_value_error(
+        lambda: context_parallel_plsh_attention(ql, kl, vl, partitions=p, backend="fast")
+    )
+    res["err_causal"] = _expect_value_error(
+        lambda: context_parallel_plsh_attention(ql, kl, vl, partitions=p, causal="yes")
+    )
+    res["err_slopes"] = _expect_value_error(
+        lambda: context_parallel_plsh_attention(ql, kl, vl, [0.5] * 4, partitions=p)
+    )
+    # A bad shard on rank 1 only: rank 1 raises its own TypeError, rank 0 a ValueError naming rank 1.
+    bad_q = ql.tolist() if rank == 1 else ql
+    res["err_one_rank"] = _expect_value_error(lambda: context_parallel_plsh_attention(bad_q, kl, vl, partitions=p))
+    res["after_errors"] = _compare_partitions(rank, [70, 90], p, causal=True, hkv=2, method="multiplicity")
+    return res
 
 
 def _cases_4(rank: int) -> dict[str, object]:
@@ -417,6 +518,25 @@ def test_context_parallel_decay_and_capped_partitions(tmp_path):
         assert res.pop("halo") > 0
         for key, val in res.items():
             assert val < TOL, f"rank {r} {key}: max error {val}"
+
+
+def test_context_parallel_backend_and_method(tmp_path):
+    """backend= and method= reach the local computation; each method equals one process with the same options."""
+    for r, res in enumerate(_spawn(2, "_cases_options", tmp_path)):
+        assert res.pop("halo") > 0
+        for method in ("samples", "multiplicity"):
+            for chunk in (None, 1):
+                for c in ("causal", "bidir"):
+                    key = f"{method}_chunk{chunk}_{c}"
+                    assert res[key] < TOL, f"rank {r} {key}: max error {res[key]}"
+                    assert res[f"seen_{key}"] == [["math", method]], f"rank {r} {key}: {res[f'seen_{key}']}"
+        assert res["err_method"].startswith("ValueError: method must be one of"), res["err_method"]
+        assert res["err_backend"].startswith("ValueError: backend must be one of"), res["err_backend"]
+        assert res["err_causal"].startswith("TypeError: causal must be a bool"), res["err_causal"]
+        assert res["err_slopes"].startswith("ValueError: slopes differ from partitions.slopes"), res["err_slopes"]
+        want = "TypeError: q must be a torch.Tensor" if r == 1 else "ValueError: invalid input on rank(s) [1]"
+        assert res["err_one_rank"].startswith(want), res["err_one_rank"]
+        assert res["after_errors"] < TOL
 
 
 def test_context_parallel_lm_step(tmp_path):

@@ -23,7 +23,8 @@ from transformers import (  # noqa: E402
     Qwen3Config,
 )
 
-from positional_lsh import alibi_slopes, hf  # noqa: E402
+from positional_lsh import alibi_slopes  # noqa: E402
+from positional_lsh.integrations import hf  # noqa: E402
 from positional_lsh.ops.reference import alibi_bias  # noqa: E402
 
 V = 97
@@ -360,6 +361,75 @@ def test_partitions_reproducible_and_independent_per_layer():
     hf.restore(model)
 
 
+def _seed_formula(seed: int, key: int) -> int:
+    """The package's seed formula, written out here independently of positional_lsh.ops.sampling.layer_seed."""
+    return (seed * 1_000_003 + key * 7_919 + 1) % 2**62
+
+
+def test_partitions_follow_the_layer_seed_formula():
+    # Eval: layer l draws from layer_seed(seed, l); training step c: from layer_seed(layer_seed(seed, l), c).
+    from positional_lsh import sample_partitions
+
+    model = tiny("bloom")
+    x = ids(length=12)
+
+    def expected(seed: int, n: int):
+        return sample_partitions(1, swap.slopes, 3, scheme="gamma", generator=seed).with_seq_len(n)
+
+    def assert_same(got, want, n):
+        assert got.seq_len == n and got.scheme == want.scheme
+        assert torch.equal(got.pitch, want.pitch) and torch.equal(got.shift, want.shift)
+
+    with hf.use_positional_lsh(model, num_samples=3, scheme="gamma", seed=11) as swap:
+        for layer in (0, 1):
+            assert_same(swap.partitions(layer, 17), expected(_seed_formula(11, layer), 17), 17)
+        model.train()
+        model(x)
+        model(x)
+        assert swap.step == 2
+        for layer in (0, 1):
+            want = expected(_seed_formula(_seed_formula(11, layer), 2), 9)
+            assert_same(swap.partitions(layer, 9, training=True), want, 9)
+            assert_same(swap.partitions(layer, 9), expected(_seed_formula(11, layer), 9), 9)  # eval unchanged
+    with hf.use_positional_lsh(model, num_samples=3, scheme="gamma", seed=11, resample_in_training=False) as swap:
+        model(x)  # (still in training mode)
+        assert swap.step == 1
+        for layer in (0, 1):  # no resampling: the eval partitions in training mode too
+            assert_same(swap.partitions(layer, 9, training=True), expected(_seed_formula(11, layer), 9), 9)
+    model.eval()
+    with hf.use_alibi(model) as swap, pytest.raises(ValueError, match="positional-LSH mode"):
+        swap.partitions(0, 9)
+
+
+def test_method_and_backend_are_passed_to_plsh_attention(monkeypatch):
+    from positional_lsh.integrations.hf import attention_swap
+
+    calls = []
+    original = attention_swap.plsh_attention
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs["method"], kwargs["backend"]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention_swap, "plsh_attention", recording)
+    model = tiny("llama")
+    x = ids(length=24)
+    out = {}
+    for method in ("auto", "samples", "multiplicity"):
+        calls.clear()
+        with hf.use_positional_lsh(model, num_samples=4, seed=3, method=method, backend="math") as swap:
+            assert swap.method == method and swap.backend == "math"
+            out[method] = logits(model, x)
+        assert calls and set(calls) == {(method, "math")}, calls  # every layer's call
+    # The two methods compute the same estimator with the same partitions.
+    torch.testing.assert_close(out["multiplicity"], out["samples"], rtol=0, atol=1e-10)
+    torch.testing.assert_close(out["auto"], out["samples"], rtol=0, atol=1e-10)
+    with hf.use_positional_lsh(model, backend="triton") as swap:  # accepted (the kernels need a GPU to run)
+        assert swap.backend == "triton" and swap.method == "auto"
+    with hf.use_alibi(model) as swap:
+        assert swap.method is None and swap.backend == "auto"
+
+
 # ------------------------------------------------------------------------------------------------
 # Generation with a KV cache
 # ------------------------------------------------------------------------------------------------
@@ -471,10 +541,10 @@ def test_training_fresh_partitions_and_gradient_checkpointing():
             step_two = swap.partitions(0, 24, training=True)
             eval_parts = swap.partitions(0, 24)
             if not checkpointing:  # (checkpointing turns the cache off)
-                step = swap._step
+                step = swap.step
                 cache = model(x[:, :20], use_cache=True).cache
                 model(x[:, 20:], cache=cache, use_cache=True)  # continuing a cache keeps the step's partitions
-                assert swap._step == step + 1
+                assert swap.step == step + 1
         return {n: p.grad.clone() for n, p in model.named_parameters()}, step_one, step_two, eval_parts
 
     g_plain, one, two, ev = grads(False)
@@ -538,11 +608,20 @@ def test_bad_input():
         ({"slopes": [0.5, 0.25]}, ValueError, "slopes"),
         ({"slopes": -1.0}, ValueError, "slopes"),
         ({"backend": "cuda"}, ValueError, "backend"),
+        ({"backend": None}, ValueError, "backend"),
+        ({"method": "fast"}, ValueError, "method"),
+        ({"method": None}, ValueError, "method"),
+        ({"resample_in_training": 1}, TypeError, "resample_in_training"),
     ]:
         with pytest.raises(err, match=match):
             hf.use_positional_lsh(model, **kwargs)
     with pytest.raises(ValueError, match="window"):
         hf.use_alibi(model, window=-1.0)
+    for window in (None, 4.0):  # exact and windowed ALiBi have no Triton kernels: refused at swap time
+        with pytest.raises(ValueError, match=r"backend='triton'.*no Triton kernels"):
+            hf.use_alibi(model, window=window, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        hf.use_alibi(model, backend="cuda")
     assert hf.current_swap(model) is None and torch.equal(logits(model, x), ref)  # failed swaps change nothing
 
     with hf.use_positional_lsh(model, num_samples=2):

@@ -280,11 +280,33 @@ def test_checkpoint_bad_input(tmp_path, tokenizer: D.BPETokenizer) -> None:
         ({"position": "rope", "n_head": 32}, ValueError, "even head dimension"),
         ({"alibi_impl": "flex"}, ValueError, "alibi_impl"),
         ({"attn_fp32": "yes"}, TypeError, "attn_fp32"),
+        ({"attn_backend": "cuda"}, ValueError, "attn_backend"),
+        ({"plsh_method": "blocks"}, ValueError, "plsh_method"),
+        ({"seed": -1}, ValueError, "seed"),
+        ({"eval_seed": 1.0}, TypeError, "eval_seed"),
+        ({"position": "alibi", "attn_backend": "triton"}, ValueError, "attn_backend='triton'.*no Triton path"),
+        ({"position": "window-alibi", "attn_backend": "triton", "alibi_impl": "chunked"}, ValueError, "attn_backend"),
     ],
 )
 def test_config_bad_input(kw: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         ModelConfig(**{**TINY, **kw})
+
+
+def test_config_backends_and_methods_are_the_op_layer_options() -> None:
+    from positional_lsh.ops.options import BACKENDS, METHODS
+
+    for backend in BACKENDS:  # positional LSH takes every backend, triton included
+        assert ModelConfig(**{**TINY, "position": "plsh", "attn_backend": backend}).attn_backend == backend
+    for method in METHODS:
+        assert ModelConfig(**{**TINY, "position": "plsh", "plsh_method": method}).plsh_method == method
+    # exact ALiBi through SDPA never reaches alibi_attention, so triton is accepted there
+    sdpa = ModelConfig(**{**TINY, "position": "alibi", "attn_backend": "triton", "alibi_impl": "sdpa"})
+    assert sdpa.attn_backend == "triton"
+    # switching a triton plsh config to exact ALiBi is refused at the switch, naming the field
+    plsh = ModelConfig(**{**TINY, "position": "plsh", "attn_backend": "triton"})
+    with pytest.raises(ValueError, match="attn_backend"):
+        ModelConfig(**{**plsh.to_dict(), "position": "alibi"})
 
 
 def test_forward_and_generate_bad_input() -> None:
@@ -316,10 +338,9 @@ def test_forward_and_generate_bad_input() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_public_lm_names_and_the_old_model_module() -> None:
+def test_public_lm_names() -> None:
     import positional_lsh
     import positional_lsh.lm as lm
-    import positional_lsh.model as old
     from positional_lsh.lm import checkpoint, config, model
 
     assert lm.ModelConfig is config.ModelConfig and lm.TransformerLM is model.TransformerLM
@@ -328,14 +349,87 @@ def test_public_lm_names_and_the_old_model_module() -> None:
     for name in ("ModelConfig", "TransformerLM", "load_checkpoint", "load_shipped_model"):
         assert getattr(positional_lsh, name) is getattr(lm, name)  # lazily re-exported
     homes = {**vars(config), **vars(model), **vars(checkpoint)}
-    for name in old.__all__:  # positional_lsh.model re-exports the public lm names
-        assert getattr(old, name) is homes[name], name
+    for name in lm.__all__:  # each public lm name is the object of its home module
+        assert getattr(lm, name) is homes[name], name
 
 
 @pytest.mark.skipif(not (shipped_checkpoint_path() / "model.safetensors").is_file(), reason="no shipped model")
-def test_shipped_model_loads_from_the_old_module() -> None:
-    from positional_lsh.model import load_shipped_model
+def test_shipped_model_loads_with_positional_lsh() -> None:
+    from positional_lsh.lm import load_shipped_model
 
     ck = load_shipped_model(position="plsh", num_samples=2)
     assert ck.model.cfg.position == "plsh" and not ck.model.training
     assert ck.tokenizer is not None and ck.tokenizer.vocab_size <= ck.model.cfg.vocab_size
+
+
+# ------------------------------------------------------------------ issue 16: one sampling policy, compile
+
+
+def test_layer_partitions_follow_the_one_policy() -> None:
+    # Layer l's eval partitions are drawn from layer_seed(eval_seed, l), training call c from
+    # layer_seed(layer_seed(seed, l), c); the seeds are computed here from the formula, not by the library.
+    from positional_lsh import plsh_attention, sample_partitions
+
+    def formula(seed: int, key: int) -> int:
+        return (seed * 1_000_003 + key * 7_919 + 1) % 2**62
+
+    model = tiny("plsh", num_samples=3, seed=5, eval_seed=9)
+    attn = model.blocks[1].attn
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, attn.n_head, 20, attn.head_dim, generator=g) for _ in range(3))
+    model.eval()
+    want = sample_partitions(20, attn.slopes, 3, generator=formula(9, 1))
+    torch.testing.assert_close(attn.attend(q, k, v), plsh_attention(q, k, v, partitions=want), rtol=0, atol=0)
+    model.train()
+    for c in range(3):
+        want = sample_partitions(20, attn.slopes, 3, generator=formula(formula(5, 1), c))
+        torch.testing.assert_close(attn.attend(q, k, v), plsh_attention(q, k, v, partitions=want), rtol=0, atol=0)
+    assert model.rng_state()[1] == 3 and model.rng_state()[0] == 0
+    with pytest.raises(TypeError, match="states must be an int"):
+        model.set_rng_state([0, "x"] + [0] * (len(model.blocks) - 2))
+
+
+@pytest.mark.parametrize("position", ["plsh", "alibi"])
+def test_model_compiles_fullgraph_for_eval_and_a_training_step(position: str) -> None:
+    torch._dynamo.reset()
+    x = ids(2, 24)
+    eager, comp = tiny(position, num_samples=2, seed=3), tiny(position, num_samples=2, seed=3)
+    compiled = torch.compile(comp, fullgraph=True)
+    eager.eval(), comp.eval()
+    torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+    # Training steps: the compiled model draws the same fresh partitions as the eager one, step after step.
+    eager.train(), comp.train()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, comp)]
+    for _ in range(2):
+        losses = []
+        for fn, opt in zip((eager, compiled), opts, strict=True):
+            logits = fn(x)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    assert comp.rng_state() == eager.rng_state() == [2 if position == "plsh" else 0] * len(comp.blocks)
+    for a, b in zip(eager.parameters(), comp.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="out of range"):  # the ids' range is checked inside the graph
+        compiled(x + TINY["vocab_size"])
+
+
+@pytest.mark.skipif(not (shipped_checkpoint_path() / "model.safetensors").is_file(), reason="no shipped model")
+def test_shipped_model_reported_figures_are_unchanged() -> None:
+    # docs/experiments.md, the sweep on the shipped model (`plsh eval runs/lm/alibi --factors 1,4,16 --stride window
+    # --max-tokens 8192 --samples 1,4,16,64 ...`), window of 1x the training length: own exact ALiBi 132.01,
+    # plsh T=1 discrete 247.34, T=4 discrete 165.02, T=4 gamma 153.86 (perplexity, 2 decimals as reported).
+    from positional_lsh.lm import evaluate as E
+
+    kw = dict(data=None, split="test", train_len=None, tokenizer=None, cache_dir=None, seed=0)
+    adapter, stream = E.load_for_eval(None, label="alibi", device=torch.device("cpu"), **kw)
+    run = dict(factors=(1,), stride="window", max_tokens=8192, samples=(1, 4), schemes=("discrete", "gamma"))
+    rows = E.evaluate_model(adapter, stream, **run, equal_cost=False, progress=False)
+    got = {r.attention: round(r.ppl, 2) for r in rows}
+    assert got["own: alibi"] == 132.01
+    assert got["plsh T=1 discrete"] == 247.34
+    assert got["plsh T=4 discrete"] == 165.02
+    assert got["plsh T=4 gamma"] == 153.86

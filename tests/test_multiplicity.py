@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from positional_lsh import alibi_slopes, dense_plsh_attention, plsh_attention, sample_partitions
-from positional_lsh.ops.multiplicity import _floor, multiplicity_plan, sample_bounds
+from positional_lsh.ops.multiplicity import exact_ceil, exact_floor, multiplicity_plan, sample_bounds
 from positional_lsh.ops.schemes import scheme_names
 
 from conftest import naive_estimator, naive_mean_mask
@@ -105,14 +105,16 @@ def test_auto_cost_model_choices(n):
     # the per-sample path without estimating; at T = 4 the summed estimates keep it there (the multiplicity form
     # measures slower at T = 4; with a constant per-call term instead of one scaling with Lq, the estimate sent
     # small-n calls to the multiplicity form at up to 9x the time); at T = 64 every head takes the multiplicity form.
-    from positional_lsh.ops.attention import _choose
+    from positional_lsh.ops import engine
 
     slopes = alibi_slopes(8)
+    q = torch.zeros(1, 8, n, 64)
+    route = engine.dispatch(q, causal=True, scale=None, backend="auto", method="auto")
     for t in (1, 4):
-        plan, mplan = _choose(sample_partitions(n, slopes, t, generator=0), 8, n, True, "auto")
-        assert mplan is None and len(plan) == 8
-    plan, mplan = _choose(sample_partitions(n, slopes, 64, generator=0), 8, n, True, "auto")
-    assert plan == [] and mplan is not None and mplan.heads == tuple(range(8))
+        p = engine.plan(route, sample_partitions(n, slopes, t, generator=0), 8, n, q.device)
+        assert p.method == "samples" and len(p.work) == 8
+    p = engine.plan(route, sample_partitions(n, slopes, 64, generator=0), 8, n, q.device)
+    assert p.method == "multiplicity" and p.work.heads == tuple(range(8))
 
 
 def test_nan_keys_reach_the_same_rows():
@@ -128,7 +130,7 @@ def test_nan_keys_reach_the_same_rows():
 
 def test_bounds_and_floor_are_exact():
     x = torch.cat([torch.randn(10000, dtype=torch.float64) * 1e6, torch.arange(-50, 50, dtype=torch.float64) / 7])
-    assert torch.equal(_floor(x), torch.floor(x))
+    assert torch.equal(exact_floor(x), torch.floor(x)) and torch.equal(exact_ceil(x), torch.ceil(x))
     parts = sample_partitions(500, SLOPES, 9, scheme="gamma", generator=4)
     lab = parts.labels()  # (T, H, n)
     pos = torch.arange(500)
@@ -158,11 +160,11 @@ def test_integer_row_bounds_equal_the_general_ones(causal, monkeypatch):
     parts = sample_partitions(n, SLOPES[SLOPES > 0], 7, generator=5)  # discrete: integers (slope 0: infinite pitch)
     plan = multiplicity_plan(parts, list(range(parts.num_heads)), parts.num_heads, lq, causal)
     for g in plan.groups:
-        rows, _ = mult._rows(g, lq)
+        rows, _ = mult.tile_rows(g, lq)
         pos = rows + (n - lq)
-        assert mult._integer_blocks(g) is not None
-        fast = mult._row_bounds(g, pos, n, True)
+        assert mult.integer_pitch_shift(g) is not None
+        fast = mult.row_bounds(g, pos, n, True)
         with monkeypatch.context() as m:
-            m.setattr(mult, "_integer_blocks", lambda g: None)
-            slow = mult._row_bounds(g, pos, n, True)
+            m.setattr(mult, "integer_pitch_shift", lambda g: None)
+            slow = mult.row_bounds(g, pos, n, True)
         assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])

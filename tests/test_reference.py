@@ -1,3 +1,5 @@
+"""The exact/windowed ALiBi op (positional_lsh.ops.alibi) and the dense references (positional_lsh.ops.reference)."""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import positional_lsh.ops.reference as reference
+import positional_lsh.ops.alibi as alibi_module
 from positional_lsh import (
     alibi_attention,
     alibi_bias,
@@ -35,7 +37,7 @@ WINDOWS = [None, 3.0, torch.tensor([1.0, 2.5, 10.0, 0.0])]
 @pytest.mark.parametrize("shape", [(4, 4, 33, 33), (4, 2, 33, 33), (4, 1, 5, 33)])
 @pytest.mark.parametrize("backend", ["flash", "math"])
 def test_alibi_attention_matches_explicit_bias(causal, window, shape, backend, monkeypatch):
-    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 64)  # force many chunks
+    monkeypatch.setattr(alibi_module, "CHUNK_ELEMENTS", 64)  # force many chunks
     hq, hkv, lq, lk = shape
     q, k, v = _qkv(2, hq, hkv, lq, lk, 8)
     # float64 slopes that are not powers of two: any float32 rounding inside would show (> 1e-9)
@@ -102,6 +104,23 @@ def test_dense_oracle_with_one_block_is_softmax():
     )
 
 
+def test_dense_references_refuse_a_non_bool_causal():
+    q = torch.randn(1, 1, 6, 2)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        dense_plsh_attention(q, q, q, sample_partitions(6, [0.1], 1, generator=0), causal=1)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        alibi_bias(2, 4, torch.tensor([0.5]), causal=None)
+
+
+def test_alibi_attention_is_the_op_of_ops_alibi():
+    import positional_lsh
+    import positional_lsh.ops.reference as reference
+
+    assert positional_lsh.alibi_attention is alibi_module.alibi_attention
+    assert not hasattr(reference, "alibi_attention")  # reference.py holds the dense references only
+    assert alibi_module.ALIBI_BACKENDS == ("auto", "flash", "math")
+
+
 def test_dense_helpers_refuse_large_sizes():
     with pytest.raises(ValueError, match="small sizes"):
         alibi_matrix(100_000, [0.5])
@@ -120,6 +139,8 @@ def test_dense_helpers_refuse_large_sizes():
         ({"slopes": [0.1] * 3}, ValueError, "slopes"),
         ({"scale": 0.0}, ValueError, "scale"),
         ({"causal": "yes"}, TypeError, "causal"),
+        ({"backend": "cuda"}, ValueError, r"backend must be one of \('auto', 'flash', 'math'\)"),
+        ({"backend": "triton"}, ValueError, r"exact ALiBi has no Triton path.*\('auto', 'flash', 'math'\)"),
     ],
 )
 def test_alibi_attention_bad_input(kwargs, exc, match):

@@ -16,7 +16,7 @@ from positional_lsh import (
 )
 from positional_lsh.ops import schemes
 from positional_lsh.ops._checks import check_int, nonnegative_int, positive_int
-from positional_lsh.ops.schemes import Scheme, get_scheme, register_scheme, scheme_names
+from positional_lsh.ops.schemes import Scheme, get_scheme, register_scheme, scheme_names, unregister_scheme
 
 from conftest import naive_mean_mask
 
@@ -248,10 +248,12 @@ def test_single_float_slope_needs_num_heads():
 
 @pytest.fixture
 def restore_registry():
-    saved = dict(schemes._REGISTRY)
+    saved = {name: get_scheme(name) for name in scheme_names()}
     yield
-    schemes._REGISTRY.clear()
-    schemes._REGISTRY.update(saved)
+    for name in reversed(scheme_names()):  # derived schemes were registered after their base
+        if name not in saved:
+            unregister_scheme(name)
+    assert {name: get_scheme(name) for name in scheme_names()} == saved, "a test replaced a registered scheme"
 
 
 def test_registry_properties():
@@ -319,6 +321,23 @@ def test_register_scheme_replace(restore_registry):
     coupled = register_scheme("test-c", schemes.sample_discrete, unbiased=True, integer=True, coupled=True,
                               base="test-new")
     assert coupled.base == "test-new" and "test-c" in scheme_names(coupled=True)
+
+
+def test_unregister_scheme(restore_registry):
+    register_scheme("test-new", schemes.sample_gamma, unbiased=True, integer=False)
+    register_scheme("test-c", schemes.sample_discrete, unbiased=True, integer=True, coupled=True, base="test-new")
+    with pytest.raises(ValueError, match=r"scheme 'test-new' is the base of \['test-c'\]"):
+        unregister_scheme("test-new")
+    unregister_scheme("test-c")
+    unregister_scheme("test-new")
+    assert "test-new" not in scheme_names() and "test-c" not in scheme_names()
+    with pytest.raises(ValueError, match="unknown scheme 'test-new'"):
+        get_scheme("test-new")
+    for name, match in (("test-new", "'test-new' is not registered"), (3, "3 is not registered"),
+                        ("discrete", "'discrete' is built in")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            unregister_scheme(name)
+    assert "discrete" in scheme_names()
 
 
 def test_int_validators():

@@ -15,7 +15,9 @@ from positional_lsh.theory import (
     alibi_matvec,
     alibi_norm_bound,
     alibi_spectral_norm,
+    block_starts,
     dense_mask_errors,
+    dense_max_error,
     expected_error_bound,
     fit_power_law,
     mask_errors,
@@ -29,7 +31,6 @@ from positional_lsh.theory import (
     tail_bound,
     tail_bound_epsilon,
 )
-from positional_lsh.theory.operators import _block_starts
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -143,7 +144,7 @@ def test_block_starts_match_label_runs():
         else:
             labels = np.floor((pos - shift) / pitch)
         runs = np.flatnonzero(np.r_[True, labels[1:] != labels[:-1]])
-        np.testing.assert_array_equal(_block_starts(pitch, shift, n), runs, err_msg=f"{pitch}, {shift}")
+        np.testing.assert_array_equal(block_starts(pitch, shift, n), runs, err_msg=f"{pitch}, {shift}")
 
 
 @pytest.mark.parametrize("scheme", scheme_names())
@@ -177,6 +178,19 @@ def test_spectral_and_max_error_match_dense(scheme):
         assert est.value <= ds * (1 + 1e-9)  # a Rayleigh quotient never exceeds the norm
         assert est.residual <= 1e-6 * max(ds, 1e-300) or ds == 0
         assert max_error(parts, h) == pytest.approx(dm, rel=1e-12, abs=1e-15)
+        dense_mx = dense_max_error(parts.mean_mask()[h].numpy(), float(slopes[h]))
+        assert dense_mx == pytest.approx(dm, rel=1e-12, abs=1e-15)
+
+
+def test_distinct_samples_merge_repeats_and_count_every_sample():
+    fixed = sample_partitions(64, [0.1], 40, scheme="fixed", generator=2)  # every sample: pitch 2/m, shift 0
+    uniq, counts = MeanMaskOperator(fixed, 0).distinct_samples
+    np.testing.assert_allclose(uniq, [[20.0, 0.0]])
+    assert counts.tolist() == [40]
+    parts = sample_partitions(64, [0.1], 40, generator=2)
+    uniq, counts = MeanMaskOperator(parts, 0).distinct_samples
+    assert uniq.shape == (len(counts), 2) and int(counts.sum()) == 40
+    assert len(np.unique(uniq, axis=0)) == len(counts)
 
 
 def test_spectral_error_cross_check_n1024():

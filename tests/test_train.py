@@ -141,8 +141,10 @@ def test_two_process_ddp_equals_one_process_with_double_batch(
     assert "cpu x 2" in proc.stdout
     assert cli_train.main(["--out", str(tmp_path / "single"), "--batch-size", "4", *args]) == 0
     wd, ws = weights(tmp_path / "ddp"), weights(tmp_path / "single")
+    # float32 all-reduce vs one batch sums in another order; Adam divides by sqrt(v) + eps, so a weight whose gradient
+    # is near zero can move by a visible fraction of lr (3e-3) from that alone: allow ~lr/60 absolute.
     for k in wd:
-        torch.testing.assert_close(wd[k], ws[k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(wd[k], ws[k], rtol=1e-4, atol=5e-5)
     ld, ls = log(tmp_path / "ddp"), log(tmp_path / "single")
     assert [r["tokens"] for r in ld if "loss" in r] == [r["tokens"] for r in ls if "loss" in r]
     vd = [r["val_loss"] for r in ld if "val_loss" in r]
@@ -214,6 +216,6 @@ def test_memory_estimate_counts_a_ranks_shard(tmp_path: Path, monkeypatch: pytes
     assert T.estimate_step_bytes(split, odd) == quarter
     monkeypatch.setattr(errors, "memory_bytes", lambda: int(whole / 2))
     with pytest.raises(errors.UserError, match="of memory"):
-        T._resolve_configs(one, model_cfg, resume=False, overwrite=False, changes={})
-    cfg, _, _ = T._resolve_configs(split, model_cfg, resume=False, overwrite=False, changes={})
+        T.resolve_run_configs(one, model_cfg, resume=False, overwrite=False, changes={})
+    cfg, _, _ = T.resolve_run_configs(split, model_cfg, resume=False, overwrite=False, changes={})
     assert cfg.context_parallel == 4

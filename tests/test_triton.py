@@ -22,11 +22,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton")
 interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
 
+from positional_lsh.ops import engine  # noqa: E402
 from positional_lsh.ops import triton_multiplicity as tm  # noqa: E402  (after the skip: it imports triton)
-from positional_lsh.ops.triton_multiplicity import (  # noqa: E402
-    multiplicity_attention_triton,
-    multiplicity_forward_triton,
-)
 
 SLOPES = torch.tensor([0.5, 0.1, 0.0, 0.03])
 
@@ -39,6 +36,20 @@ def _qkv(hq, hkv, lq, lk, d=16, dtype=torch.float32, seed=0, b=2):
 
 def _parts(hq, lk, t, scheme):
     return sample_partitions(lk, SLOPES[:hq] if hq <= 4 else None, t, scheme=scheme, generator=3)
+
+
+def _triton(q, k, v, parts, causal=True):
+    """``plsh_attention`` on the Triton kernels (the multiplicity form)."""
+    return plsh_attention(q, k, v, partitions=parts, causal=causal, backend="triton", method="multiplicity")
+
+
+def _triton_forward(q, k, v, parts, causal):
+    """``(out, lse)`` of the Triton route of the engine, without autograd."""
+    route = engine.dispatch(q, causal=causal, scale=None, backend="triton", method="multiplicity")
+    assert route.kernel == "triton"
+    with torch.no_grad():
+        out, lse, _ = engine.forward(engine.plan(route, parts, k.shape[1], q.shape[2], q.device), q, k, v)
+    return out, lse
 
 
 def _dense_lse(q, k, v, parts, causal):
@@ -58,7 +69,7 @@ def _dense_lse(q, k, v, parts, causal):
 def blocks(monkeypatch):
     def set_blocks(bm, bn):
         if bm is not None:
-            monkeypatch.setattr(tm, "_blocks", lambda d: (bm, bn))
+            monkeypatch.setattr(tm, "block_sizes", lambda d: (bm, bn))
 
     return set_blocks
 
@@ -81,7 +92,7 @@ def test_triton_matches_dense_oracle(blocks, scheme, causal, hq, hkv, lq, lk, t,
     q, k, v = _qkv(hq, hkv, lq, lk)
     parts = _parts(hq, lk, t, scheme)
     # Forward and lse (one launch), fp32 against float64.
-    out, lse = multiplicity_forward_triton(q, k, v, parts, causal=causal)
+    out, lse = _triton_forward(q, k, v, parts, causal)
     qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
     ref = dense_plsh_attention(qd, kd, vd, parts, causal=causal)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
@@ -89,7 +100,7 @@ def test_triton_matches_dense_oracle(blocks, scheme, causal, hq, hkv, lq, lk, t,
     torch.testing.assert_close(lse.double(), _dense_lse(q, k, v, parts, causal), rtol=1e-6, atol=1e-5)
     # Gradients (the dq and dk/dv kernels) against autograd through the float64 oracle.
     qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
-    out2 = multiplicity_attention_triton(qf, kf, vf, parts, causal=causal)
+    out2 = _triton(qf, kf, vf, parts, causal=causal)
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     got = torch.autograd.grad(out2, (qf, kf, vf), g)
@@ -104,7 +115,7 @@ def test_triton_half_forward(blocks, dtype, atol):
     blocks(16, 16)
     q, k, v = _qkv(4, 2, 77, 77, dtype=dtype)
     parts = _parts(4, 77, 5, "gamma")
-    out = multiplicity_attention_triton(q, k, v, parts, causal=True)
+    out = _triton(q, k, v, parts)
     ref = dense_plsh_attention(q.double(), k.double(), v.double(), parts, causal=True)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol)
@@ -116,7 +127,7 @@ def test_plsh_attention_backend_triton(blocks):
     q, k, v = _qkv(4, 2, 32, 32)
     parts = _parts(4, 32, 5, "discrete")
     out = plsh_attention(q, k, v, partitions=parts, backend="triton", method="multiplicity")
-    torch.testing.assert_close(out, multiplicity_attention_triton(q, k, v, parts), rtol=0, atol=0)
+    torch.testing.assert_close(out, plsh_attention(q, k, v, partitions=parts, backend="triton"), rtol=0, atol=0)
     cpu = plsh_attention(q, k, v, partitions=parts, method="multiplicity")  # the torch path
     torch.testing.assert_close(out, cpu, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="backend='triton' computes method='multiplicity'"):
@@ -142,9 +153,9 @@ def test_triton_refusals(monkeypatch):
     q, k, v = _qkv(2, 2, 8, 8)
     parts = _parts(2, 8, 2, "discrete")
     with pytest.raises(ValueError, match="float64"):
-        multiplicity_attention_triton(q.double(), k.double(), v.double(), parts)
+        _triton(q.double(), k.double(), v.double(), parts)
     with pytest.raises(ValueError, match="partitions were drawn for 2 heads"):
-        multiplicity_attention_triton(*_qkv(4, 2, 8, 8), parts)
+        _triton(*_qkv(4, 2, 8, 8), parts)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="need CUDA tensors"):
         plsh_attention(q, k, v, partitions=parts, backend="triton", method="multiplicity")

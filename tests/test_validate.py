@@ -417,8 +417,10 @@ def test_cli_roundtrip_and_run(tmp_path, capsys):
     rows = _read(tmp_path / "cli" / "measurements.csv")
     assert {r["slope_set"] for r in rows} == {"standard", "sigma=32"}
     assert {float(r["slope"]) for r in rows if r["slope_set"] == "sigma=32"} == {1 / 32}
-    args = _parser().parse_args(["validate", "--out", str(tmp_path / "y"), "--schemes", "nope"])
-    assert args.func(args) == 2
+    from positional_lsh.cli import main  # every command's errors go through positional_lsh.cli.guarded
+
+    assert main(["validate", "--out", str(tmp_path / "y"), "--schemes", "nope"]) == 2
+    assert "unknown scheme 'nope'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import torch
 from scipy.special import ndtri
 
 from positional_lsh import dense_plsh_attention, plsh_attention, sample_partitions
-from positional_lsh.ops import schemes, variance_reduced
-from positional_lsh.ops.schemes import get_scheme, register_scheme, scheme_names
+from positional_lsh.ops import variance_reduced
+from positional_lsh.ops.schemes import get_scheme, register_scheme, scheme_names, unregister_scheme
 from positional_lsh.theory import (
     MeanMaskOperator,
     alibi_spectral_norm,
@@ -44,7 +44,7 @@ def test_schemes_are_registered():
         "gamma-strat": "gamma",
         "discrete-antithetic": "discrete",
     }
-    assert [variance_reduced._strat_group_size(t) for t in (1, 3, 9, 16, 64, 256, 10000)] == [1, 1, 2, 2, 4, 8, 50]
+    assert [variance_reduced.stratified_group_size(t) for t in (1, 3, 9, 16, 64, 256, 10000)] == [1, 1, 2, 2, 4, 8, 50]
 
 
 # ------------------------------------------------------------------------------------------ exactness
@@ -57,14 +57,6 @@ def test_every_mask_is_marginally_exact(scheme, slope, num_samples):
     r = unbiasedness_test(scheme, slope, num_samples=num_samples, replicates=3000, generator=12345)
     assert r.passed, r
     assert r.max_z < r.threshold and r.mean_max_z < r.threshold
-
-
-def _register_temporary(name, sampler, integer):
-    register_scheme(name, sampler, unbiased=True, integer=integer)
-
-
-def _unregister(name):
-    schemes._REGISTRY.pop(name, None)
 
 
 @pytest.mark.parametrize(
@@ -83,19 +75,19 @@ def _unregister(name):
     ],
 )
 def test_unbiasedness_test_detects_broken_couplings(name, sampler):
-    _register_temporary(name, sampler, integer=True)
+    register_scheme(name, sampler, unbiased=True, integer=True)
     try:
         r = unbiasedness_test(name, 0.2, num_samples=16, replicates=3000, generator=1)
     finally:
-        _unregister(name)
+        unregister_scheme(name)
     assert not r.passed, r
 
 
 def _no_permutation(m, t, g):
-    k = variance_reduced._strat_group_size(t)
+    k = variance_reduced.stratified_group_size(t)
     groups = -(-t // k)
     u = (torch.arange(groups, dtype=torch.float64)[:, None] + torch.rand((groups, m.numel()), generator=g)) / groups
-    pitch = variance_reduced._discrete_pitch_quantile(1.0 - u, m[None, :]).repeat_interleave(k, 0)[:t]
+    pitch = variance_reduced.discrete_pitch_quantile(1.0 - u, m[None, :]).repeat_interleave(k, 0)[:t]
     shift = torch.floor(torch.rand((t, m.numel()), generator=g, dtype=torch.float64) * pitch)
     return pitch, shift
 

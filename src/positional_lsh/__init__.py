@@ -7,7 +7,7 @@ The op layer (:mod:`positional_lsh.ops`) is re-exported here: :func:`plsh_attent
 The language model (:class:`TransformerLM`, :class:`ModelConfig`, :func:`load_checkpoint`,
 :func:`load_shipped_model`) is re-exported lazily, so ``import positional_lsh`` loads only the op layer.
 The rooms (see ``docs/architecture.md``): :mod:`positional_lsh.theory`, :mod:`positional_lsh.lm`,
-:mod:`positional_lsh.integrations.hf` (alias :mod:`positional_lsh.hf`), :mod:`positional_lsh.cli`.
+:mod:`positional_lsh.integrations.hf`, :mod:`positional_lsh.cli`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from positional_lsh.ops import (
     Partitions,
+    PartitionSampler,
     PositionalLSHAttention,
     Scheme,
     alibi_attention,
@@ -29,6 +30,7 @@ from positional_lsh.ops import (
     register_scheme,
     sample_partitions,
     scheme_names,
+    unregister_scheme,
 )
 
 # Names served from the language-model room on first access (module-level __getattr__, PEP 562).
@@ -41,6 +43,7 @@ _LAZY = {
 
 __all__ = [
     "ModelConfig",
+    "PartitionSampler",
     "Partitions",
     "PositionalLSHAttention",
     "Scheme",
@@ -57,6 +60,7 @@ __all__ = [
     "register_scheme",
     "sample_partitions",
     "scheme_names",
+    "unregister_scheme",
 ]
 __version__ = "0.1.0"
 

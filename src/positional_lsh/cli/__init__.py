@@ -1,8 +1,10 @@
 """The ``plsh`` command line.
 
 Each subcommand is a module of this package exposing ``register_cli(subparsers)``, which adds its parser
-(generated from the command's settings dataclass by :mod:`positional_lsh.cli.config`) and sets ``func`` to a
-callable taking the parsed namespace and returning an exit code. ``python -m positional_lsh.cli`` is ``plsh``.
+(generated from the command's settings dataclass by :mod:`positional_lsh.cli.parsers`) and sets ``func`` to a
+callable taking the parsed namespace and returning an exit code (most are
+:func:`~positional_lsh.cli.parsers.run_command`). :func:`main` runs it through :func:`guarded`, the one place
+where errors become exit codes. ``python -m positional_lsh.cli`` is ``plsh``.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 
 from positional_lsh.ops.errors import UserError
 
-__all__ = ["UserError", "build_parser", "guarded", "main"]
+__all__ = ["USER_ERRORS", "UserError", "build_parser", "guarded", "main"]
 
 # Modules that contribute subcommands, in the order they appear in --help.
 _COMMAND_MODULES = (
@@ -44,27 +47,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``plsh ARGV``; return the exit code.
+    """Run ``plsh ARGV`` (default ``sys.argv[1:]``); return the exit code.
 
-    A problem the user caused (:class:`~positional_lsh.ops.errors.UserError`, and ``ValueError``/``OSError``
-    from the commands) prints one line ``plsh <command>: error: <message>`` and returns 2; ``--debug`` (or
-    ``PLSH_DEBUG=1``) shows the traceback instead. Ctrl-C outside training returns 130 with one line.
+    Every command runs through :func:`guarded`: a problem the user caused prints one line
+    ``plsh <command>: error: <message>`` and returns 2; ``--debug`` (or ``PLSH_DEBUG=1``) shows the traceback
+    instead. The command line is recorded as ``args.command_line`` (``plsh ...``, e.g. in a training run's
+    checkpoint).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    args.command_line = shlex.join(["plsh", *argv])
     return guarded(f"plsh {args.command}", lambda: int(args.func(args) or 0), debug=bool(args.debug))
 
 
+USER_ERRORS = (ValueError, TypeError, OSError, FloatingPointError)
+"""The exceptions :func:`guarded` reports as a user's mistake (exit code 2): a refused setting or argument
+(``ValueError``, :class:`~positional_lsh.ops.errors.UserError` among them, and ``TypeError``), a file that is
+missing or unreadable (``OSError``), a training run that diverged (``FloatingPointError``)."""
+
+
 def guarded(prog: str, call: Callable[[], int], *, debug: bool = False) -> int:
-    """Run ``call()`` and return its exit code; a user-caused error prints ``<prog>: error: <one line>`` and
-    returns 2, Ctrl-C prints one line and returns 130 (with ``debug`` or ``PLSH_DEBUG=1``: the traceback)."""
+    """Run ``call()`` and return its exit code: the one error-to-exit-code path of every ``plsh`` command.
+
+    An exception of :data:`USER_ERRORS` prints ``<prog>: error: <message on one line>`` on stderr and returns 2;
+    Ctrl-C prints ``<prog>: interrupted`` and returns 130. With ``debug`` (or the environment ``PLSH_DEBUG=1``)
+    both are raised instead, with their traceback. Other exceptions always propagate.
+    """
     debug = debug or os.environ.get("PLSH_DEBUG", "") not in ("", "0")
     try:
         return call()
-    except (ValueError, OSError, FloatingPointError) as exc:  # UserError is a ValueError; TypeError = a bug
+    except USER_ERRORS as exc:
         if debug:
             raise
         print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
@@ -77,13 +93,9 @@ def guarded(prog: str, call: Callable[[], int], *, debug: bool = False) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    """The message of ``exc`` on one line (an ``OSError`` with its file name)."""
+    """The message of ``exc`` on one line (an ``OSError`` as ``<file name>: <reason>``)."""
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         text = f"{exc.filename}: {exc.strerror}"
     else:
         text = str(exc) or type(exc).__name__
     return " ".join(text.split())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

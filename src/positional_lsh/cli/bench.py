@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import dataclasses
 import gc
 import itertools
 import math
@@ -62,9 +63,9 @@ from positional_lsh.cli.bench_peers import (
     sampled_rows,
     useful_gflops,
 )
-from positional_lsh.cli.config import add_arguments, comma_list, config_from_args, option, positive_int_text
+from positional_lsh.cli.parsers import add_arguments, comma_list, option, positive_int_text, run_command
 from positional_lsh.ops import alibi_slopes
-from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops._checks import check_choice, positive_int
 from positional_lsh.ops.errors import check_memory
 
 __all__ = [
@@ -76,7 +77,10 @@ __all__ = [
     "format_table",
     "gemm_peak",
     "growth_exponents",
+    "peak_rss_growth_mib",
     "register_cli",
+    "reset_peak_rss",
+    "run_bench_command",
     "run_benchmark",
     "write_outputs",
 ]
@@ -112,8 +116,12 @@ def _status_kib(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _reset_peak() -> int | None:
-    """Release freed heap memory, reset the peak RSS and return the current RSS (KiB)."""
+def reset_peak_rss() -> int | None:
+    """Release freed heap memory, reset this process's peak resident set and return the current one (KiB).
+
+    Linux only (``/proc/self/clear_refs``, glibc's ``malloc_trim``); ``None`` where that is not possible. Pass
+    the result to :func:`peak_rss_growth_mib` after the work to measure.
+    """
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -123,7 +131,9 @@ def _reset_peak() -> int | None:
     return _status_kib("VmRSS")
 
 
-def _peak_since(base: int | None) -> float:
+def peak_rss_growth_mib(base: int | None) -> float:
+    """How far the peak resident set (``VmHWM``) has risen above ``base`` (KiB, from :func:`reset_peak_rss`),
+    in MiB (at least 0); ``nan`` where either is unknown."""
     peak = _status_kib("VmHWM")
     if base is None or peak is None:
         return float("nan")
@@ -139,11 +149,11 @@ def _measure(
     out: torch.Tensor | None = None
     for _ in range(repeats):
         out = None
-        base = _reset_peak()
+        base = reset_peak_rss()
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
-        peak = max(peak, _peak_since(base))
+        peak = max(peak, peak_rss_growth_mib(base))
         if times[-1] > long_seconds:
             break
     return times, peak, out
@@ -164,14 +174,6 @@ class _Inputs:
     rows_ref: torch.Tensor
     ref: torch.Tensor
     exact: torch.Tensor | None = None
-
-
-def _check_args(lengths: list[int], methods: tuple[str, ...]) -> None:
-    unknown = set(methods) - set(ALL_METHODS)
-    if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}; expected some of {ALL_METHODS}")
-    if not lengths or any(n < 1 for n in lengths):
-        raise ValueError(f"lengths must be positive integers, got {lengths}")
 
 
 def _inputs(n: int, num_heads: int, head_dim: int, dtype: torch.dtype, seed: int, causal: bool) -> _Inputs:
@@ -214,52 +216,98 @@ def _measure_method(m: Method, x: _Inputs, *, backward: bool, repeats: int, long
     return rows
 
 
-def run_benchmark(
-    lengths: list[int],
-    *,
-    samples: tuple[int, ...] = (1, 4, 8, 16),
-    methods: tuple[str, ...] = DEFAULT_METHODS,
-    num_heads: int = 8,
-    head_dim: int = 64,
-    causal: bool = True,
-    dtype: torch.dtype = torch.float32,
-    scheme: str = "discrete",
-    window_factor: float = 12.0,
-    backward: bool = True,
-    repeats: int = 3,
-    long_seconds: float = 20.0,
-    sdpa_max_gib: float = 20.0,
-    backward_max_len: int = 1 << 17,
-    seed: int = 0,
-    progress: bool = True,
-) -> list[BenchRow]:
-    """Measure every method at every length; see the module docstring. Returns one row per measurement."""
-    _check_args(lengths, methods)
-    slopes = alibi_slopes(num_heads)
-    window = window_factor / slopes.double()
-    compiled_flex = flex() if {"flex-exact", "flex-window"} & set(methods) else None
-    rows: list[BenchRow] = []
-    per_length = len([m for m in methods if m not in PLSH_METHODS]) + len(samples) * len(
-        [m for m in methods if m in PLSH_METHODS]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class BenchConfig:
+    """Settings of ``plsh bench`` and of :func:`run_benchmark` (see the module docstring for what is measured).
+
+    Every field but the last two is a flag of ``plsh bench``; ``window_factor`` (the windowed peers keep keys
+    within ``window_factor * sigma_h`` of the query) and ``progress`` (a progress bar) are set from code only.
+    """
+
+    lengths: tuple[int, ...] = option(
+        (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
+        "sequence lengths n, comma-separated",
+        parse=comma_list(positive_int_text),
     )
-    bar = tqdm(total=len(lengths) * per_length, desc="plsh bench", disable=not progress)
-    for n in lengths:
+    samples: tuple[int, ...] = option(
+        (1, 4, 8, 16), "T values for plsh and plsh-mult, e.g. 1,8,64,256", parse=comma_list(positive_int_text)
+    )
+    methods: tuple[str, ...] = option(DEFAULT_METHODS, f"comma-separated, from {ALL_METHODS}", choices=ALL_METHODS)
+    heads: int = option(8, "attention heads H (standard ALiBi slopes)")
+    head_dim: int = option(64, "head dimension d")
+    dtype: str = option("float32", "dtype of q, k, v and the computation", choices=tuple(_DTYPES))
+    scheme: str = option("discrete", "positional-LSH sampling scheme")
+    causal: bool = option(True, "non-causal attention", name="--bidirectional")
+    backward: bool = option(True, "forward only", name="--no-backward")
+    backward_max_len: int = option(1 << 17, "longest n timed with a backward")
+    repeats: int = option(3, "timed calls per measurement (median reported)")
+    long_seconds: float = option(20.0, "run once when a call takes longer")
+    sdpa_max_gib: float = option(
+        20.0, "skip sdpa-mask where its (H, n, n) float mask (plus 25%) would exceed this many GiB"
+    )
+    threads: int = option(0, "torch threads (0: torch's default)")
+    seed: int = option(0, "seed of the inputs and the partitions")
+    out: str = option("runs/bench", "output directory (bench.csv, bench.md, bench.png)")
+    window_factor: float = 12.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "head_dim", "repeats", "backward_max_len"):
+            positive_int(name, getattr(self, name))
+        for n in self.lengths:
+            positive_int("lengths", n)
+        if self.lengths:  # q, k, v, gradients and outputs in float32, O(n) kernels
+            check_memory(64.0 * self.heads * self.head_dim * max(self.lengths), f"--lengths {max(self.lengths)}")
+        unknown = set(self.methods) - set(ALL_METHODS)
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; expected some of {ALL_METHODS}")
+        check_choice("dtype", self.dtype, tuple(_DTYPES))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """:attr:`dtype` as a ``torch.dtype``."""
+        return _DTYPES[self.dtype]
+
+
+def run_benchmark(cfg: BenchConfig) -> list[BenchRow]:
+    """Measure every method of ``cfg`` at every length of ``cfg``; see the module docstring.
+
+    Reads the fields ``lengths``, ``samples``, ``methods``, ``heads``, ``head_dim``, ``causal``, ``dtype``,
+    ``scheme``, ``window_factor``, ``backward``, ``backward_max_len``, ``repeats``, ``long_seconds``,
+    ``sdpa_max_gib``, ``seed`` and ``progress`` (not ``threads`` or ``out``: :func:`run_bench_command` applies
+    those). Returns one row per measurement.
+    """
+    if not isinstance(cfg, BenchConfig):
+        raise TypeError(f"cfg must be a BenchConfig, got {type(cfg).__name__}")
+    slopes = alibi_slopes(cfg.heads)
+    window = cfg.window_factor / slopes.double()
+    compiled_flex = flex() if {"flex-exact", "flex-window"} & set(cfg.methods) else None
+    rows: list[BenchRow] = []
+    per_length = len([m for m in cfg.methods if m not in PLSH_METHODS]) + len(cfg.samples) * len(
+        [m for m in cfg.methods if m in PLSH_METHODS]
+    )
+    bar = tqdm(total=len(cfg.lengths) * per_length, desc="plsh bench", disable=not cfg.progress)
+    for n in cfg.lengths:
         if compiled_flex is not None:
             # Each length compiles FlexAttention anew (static shapes); forget earlier lengths so that torch's
             # recompile limit is never hit (past it, flex_attention silently runs unfused and materializes n x n).
             torch._dynamo.reset()
-        x = _inputs(n, num_heads, head_dim, dtype, seed, causal)
+        x = _inputs(n, cfg.heads, cfg.head_dim, cfg.torch_dtype, cfg.seed, cfg.causal)
         # The prebuilt mask dominates SDPA's memory (the fused kernel never materializes the scores).
-        mask_gib = num_heads * n * n * x.q.element_size() / 2**30
+        mask_gib = cfg.heads * n * n * x.q.element_size() / 2**30
         todo = methods_for_length(
-            n, methods, samples, slopes, window, causal=causal, dtype=dtype, scheme=scheme, seed=seed,
-            flex=compiled_flex, sdpa_fits=mask_gib * 1.25 <= sdpa_max_gib, window_factor=window_factor,
+            n, cfg.methods, cfg.samples, slopes, window, causal=cfg.causal, dtype=cfg.torch_dtype, scheme=cfg.scheme,
+            seed=cfg.seed, flex=compiled_flex, sdpa_fits=mask_gib * 1.25 <= cfg.sdpa_max_gib,
+            window_factor=cfg.window_factor,
         )  # fmt: skip
         bar.update(per_length - len(todo))  # methods that do not run at this length
         for m in todo:
             bar.set_postfix_str(f"n={n} {m.name}{'' if m.samples is None else f' T={m.samples}'}")
-            bwd = backward and n <= backward_max_len
-            rows += _measure_method(m, x, backward=bwd, repeats=repeats, long_seconds=long_seconds)
+            bwd = cfg.backward and n <= cfg.backward_max_len
+            rows += _measure_method(m, x, backward=bwd, repeats=cfg.repeats, long_seconds=cfg.long_seconds)
             bar.update(1)
         del todo, x
     bar.close()
@@ -418,48 +466,6 @@ def _plot_times(
 
 # ------------------------------------------------------------------------------------------ command line
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-@dataclass
-class BenchConfig:
-    """Settings of ``plsh bench`` (see :func:`run_benchmark` for their meaning)."""
-
-    lengths: tuple[int, ...] = option(
-        (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
-        "sequence lengths n, comma-separated",
-        parse=comma_list(positive_int_text),
-    )
-    samples: tuple[int, ...] = option(
-        (1, 4, 8, 16), "T values for plsh and plsh-mult, e.g. 1,8,64,256", parse=comma_list(positive_int_text)
-    )
-    methods: tuple[str, ...] = option(DEFAULT_METHODS, f"comma-separated, from {ALL_METHODS}", choices=ALL_METHODS)
-    heads: int = option(8, "attention heads H (standard ALiBi slopes)")
-    head_dim: int = option(64, "head dimension d")
-    dtype: str = option("float32", "dtype of q, k, v and the computation", choices=tuple(_DTYPES))
-    scheme: str = option("discrete", "positional-LSH sampling scheme")
-    causal: bool = option(True, "non-causal attention", name="--bidirectional")
-    backward: bool = option(True, "forward only", name="--no-backward")
-    backward_max_len: int = option(1 << 17, "longest n timed with a backward")
-    repeats: int = option(3, "timed calls per measurement (median reported)")
-    long_seconds: float = option(20.0, "run once when a call takes longer")
-    sdpa_max_gib: float = option(
-        20.0, "skip sdpa-mask where its (H, n, n) float mask (plus 25%) would exceed this many GiB"
-    )
-    threads: int = option(0, "torch threads (0: torch's default)")
-    seed: int = option(0, "seed of the inputs and the partitions")
-    out: str = option("runs/bench", "output directory (bench.csv, bench.md, bench.png)")
-
-    def __post_init__(self) -> None:
-        for name in ("heads", "head_dim", "repeats", "backward_max_len"):
-            positive_int(name, getattr(self, name))
-        if self.lengths:  # q, k, v, gradients and outputs in float32, O(n) kernels
-            check_memory(64.0 * self.heads * self.head_dim * max(self.lengths), f"--lengths {max(self.lengths)}")
-        unknown = set(self.methods) - set(ALL_METHODS)
-        if unknown:
-            raise ValueError(f"unknown methods {sorted(unknown)}; expected some of {ALL_METHODS}")
-
-
 _PEAK32 = "GEMM peak fp32 (torch.matmul 1024², GFLOP/s)"
 _PEAK16 = "GEMM peak bf16 (torch.matmul 1024², GFLOP/s)"
 
@@ -485,22 +491,7 @@ def run_bench_command(cfg: BenchConfig) -> list[BenchRow]:
     rows: list[BenchRow] = []
     paths: list[Path] = []
     for n in cfg.lengths:  # one length at a time, writing the outputs after each: long runs keep partial results
-        rows += run_benchmark(
-            [n],
-            samples=tuple(cfg.samples),
-            methods=tuple(cfg.methods),
-            num_heads=cfg.heads,
-            head_dim=cfg.head_dim,
-            causal=cfg.causal,
-            dtype=_DTYPES[cfg.dtype],
-            scheme=cfg.scheme,
-            backward=cfg.backward,
-            repeats=cfg.repeats,
-            long_seconds=cfg.long_seconds,
-            sdpa_max_gib=cfg.sdpa_max_gib,
-            seed=cfg.seed,
-            backward_max_len=cfg.backward_max_len,
-        )
+        rows += run_benchmark(dataclasses.replace(cfg, lengths=(n,)))
         paths = write_outputs(rows, Path(cfg.out), meta)
     print(format_table(rows))
     print(f"GEMM peaks ({torch.get_num_threads()} threads): fp32 {meta[_PEAK32]} GFLOP/s, bf16 {meta[_PEAK16]} GFLOP/s")
@@ -512,13 +503,7 @@ def run_bench_command(cfg: BenchConfig) -> list[BenchRow]:
 
 
 def _main(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_from_args(args, BenchConfig)
-    except (TypeError, ValueError) as exc:
-        print(f"plsh bench: error: {exc}", file=sys.stderr)
-        return 2
-    run_bench_command(cfg)
-    return 0
+    return run_command(args, BenchConfig, run_bench_command)
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from positional_lsh.cli.config import add_arguments, comma_list, option, positive_int_text, run_command
+from positional_lsh.cli.parsers import add_arguments, comma_list, option, positive_int_text, run_command
 from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops.alibi import alibi_attention
 from positional_lsh.ops.attention import plsh_attention
 from positional_lsh.ops.errors import check_memory
 from positional_lsh.ops.partitions import sample_partitions
-from positional_lsh.ops.reference import alibi_attention, alibi_matrix
+from positional_lsh.ops.reference import alibi_matrix
 from positional_lsh.ops.slopes import alibi_slopes
 
 __all__ = ["DemoConfig", "attention_table", "mask_convergence_table", "register_cli", "run_demo"]
@@ -163,7 +164,7 @@ def run_demo(cfg: DemoConfig) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    return run_command("demo", args, DemoConfig, run_demo)
+    return run_command(args, DemoConfig, run_demo)
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:

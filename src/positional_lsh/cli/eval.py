@@ -10,14 +10,15 @@ the rows as they come and writes ``results.csv``, ``loss_by_position.csv``, ``re
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from positional_lsh.cli import guarded
-from positional_lsh.cli.config import (
+from positional_lsh.cli import main as plsh_main
+from positional_lsh.cli.parsers import (
     add_arguments,
     comma_list,
     option,
@@ -148,8 +149,7 @@ def run_eval(cfg: EvalConfig) -> list[EvalRow]:
 
 
 def _main(args: argparse.Namespace) -> int:
-    # Refused settings and user-caused errors: one line and exit code 2 (run_command, positional_lsh.cli.guarded).
-    return run_command("eval", args, EvalConfig, run_eval)
+    return run_command(args, EvalConfig, run_eval)
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:
@@ -164,8 +164,8 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``plsh eval ARGS`` as a function (``argv``: the arguments after ``eval``; default ``sys.argv[1:]``)."""
-    parser = argparse.ArgumentParser(prog="plsh eval")
-    add_arguments(parser, EvalConfig)
-    args = parser.parse_args(argv)
-    return guarded("plsh eval", lambda: _main(args))
+    """``plsh eval ARGS`` as a function (``argv``: the arguments after ``eval``; default ``sys.argv[1:]``).
+
+    It is :func:`positional_lsh.cli.main` with ``eval`` in front: the same parser and the same error handling.
+    """
+    return plsh_main(["eval", *(sys.argv[1:] if argv is None else argv)])

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import sys
 from collections.abc import Sequence
@@ -19,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from positional_lsh.cli import guarded
-from positional_lsh.cli.config import Flag, add_arguments, option, values_from_args
-from positional_lsh.lm.config import ALIBI_IMPLS, PLSH_METHODS, POSITIONS, ModelConfig
+from positional_lsh.cli import main as plsh_main
+from positional_lsh.cli.parsers import Flag, add_arguments, option, values_from_args
+from positional_lsh.lm.config import ALIBI_IMPLS, POSITIONS, ModelConfig
 from positional_lsh.lm.run_dir import RESUME_MAY_CHANGE, read_train_config
 from positional_lsh.lm.train import AUTOCAST_CHOICES, QUICK_PRESET, TrainConfig, train
 from positional_lsh.ops.errors import UserError
+from positional_lsh.ops.options import BACKENDS, METHODS
 
 __all__ = ["MODEL_FLAGS", "TRAIN_FLAGS", "TrainCommand", "add_train_arguments", "configs_from_args", "main"]
 
@@ -76,9 +76,9 @@ MODEL_FLAGS = {
     "seq_len": Flag("training context length", group="model"),
     "rope_base": Flag("RoPE base", group="model"),
     "alibi_impl": Flag("exact ALiBi kernel", choices=ALIBI_IMPLS, group="model"),
-    "attn_backend": Flag("plsh/alibi kernel backend", choices=("auto", "flash", "math"), group="model"),
+    "attn_backend": Flag("plsh/alibi kernel backend", choices=BACKENDS, group="model"),
     "plsh_method": Flag("positional-LSH method: per-sample blocks, multiplicity tiles or auto (same result)",
-                        choices=PLSH_METHODS, group="model"),
+                        choices=METHODS, group="model"),
     "seed": Flag("seed of the positional-LSH training partitions (default: --seed)", name="--partition-seed",
                  dest="partition_seed", group="model", show_default=False),
     "attn_fp32": Flag("run attention in the autocast dtype too (default: float32 attention; see "
@@ -126,16 +126,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfi
 
 
 def _main(args: argparse.Namespace) -> int:
-    try:
-        cfg, model_cfg = configs_from_args(args)
-        cfg.validate()
-        if cfg.context_parallel > 1 and not args.resume:
-            from positional_lsh.distributed.training import check_context_parallel
+    """``plsh train``'s ``func``: 0 when steps were trained (or the run was already finished), 1 when none were,
+    ``128 + signal`` when stopped by a signal. Refused settings raise (``positional_lsh.cli.guarded``: exit 2)."""
+    cfg, model_cfg = configs_from_args(args)
+    cfg.validate()
+    if cfg.context_parallel > 1 and not args.resume:
+        from positional_lsh.distributed.training import check_context_parallel
 
-            check_context_parallel(cfg.context_parallel, model_cfg.position, int(os.environ.get("WORLD_SIZE", "1")))
-    except (TypeError, ValueError) as exc:
-        print(f"plsh train: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        check_context_parallel(cfg.context_parallel, model_cfg.position, int(os.environ.get("WORLD_SIZE", "1")))
     changes: dict[str, Any] = {}
     if args.resume:
         if args.overwrite:
@@ -201,10 +199,7 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """``plsh train ARGS`` as a function (``argv``: the arguments after ``train``; default ``sys.argv[1:]``).
 
-    Errors are reported like ``plsh train``'s: one line and exit code 2 (see :func:`positional_lsh.cli.guarded`).
+    It is :func:`positional_lsh.cli.main` with ``train`` in front: the same parser and the same error handling
+    (one line and exit code 2, see :func:`positional_lsh.cli.guarded`).
     """
-    parser = argparse.ArgumentParser(prog="plsh train")
-    add_train_arguments(parser)
-    args = parser.parse_args(argv)
-    args.command_line = shlex.join(["plsh", "train", *(sys.argv[1:] if argv is None else argv)])
-    return guarded("plsh train", lambda: _main(args))
+    return plsh_main(["train", *(sys.argv[1:] if argv is None else argv)])

@@ -16,9 +16,12 @@ import torch
 import torch.distributed as dist
 
 from positional_lsh import Partitions, alibi_slopes, plsh_attention, sample_partitions
-from positional_lsh.distributed.chunked import ChunkedWindowAttention
+from positional_lsh.distributed.chunked import ChunkedWindowAttention, LocalOptions, local_window_attention
 from positional_lsh.distributed.exchange import halo_exchange
 from positional_lsh.distributed.halo import HaloPlan, crop_partitions, halo_plan
+from positional_lsh.ops._checks import check_bool, check_qkv, nonnegative_int, positive_int
+from positional_lsh.ops.options import DEFAULT_BACKEND, DEFAULT_METHOD, check_backend, check_method
+from positional_lsh.ops.partitions import check_partitions, check_slopes_match
 
 __all__ = ["context_parallel_plsh_attention"]
 
@@ -44,38 +47,36 @@ def _partitions_digest(p: Partitions) -> int:
     return _digest("partitions", p.seq_len, p.scheme, p.slopes, p.pitch, p.shift, decays, p.decay_len, p.max_block)
 
 
-def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Problems with this rank's own shard (reported to every rank, so that none of them hangs)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            return f"{name} must have rank 4 (batch, heads, n_local, head_dim), got shape {tuple(t.shape)}"
-        if t.dtype not in _DTYPES:
-            return f"{name} must be float64, float32, bfloat16 or float16, got {t.dtype}"
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if k.shape != v.shape:
-        return f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        return f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch size and head_dim"
-    if q.shape[2] != k.shape[2]:
-        return f"q and k must hold the same positions of the shard, got {q.shape[2]} and {k.shape[2]}"
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        return f"the number of query heads ({q.shape[1]}) must be a multiple of the key/value heads ({k.shape[1]})"
+def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Exception | None:
+    """This rank's problem with its own shard, or ``None``; returned, not raised, so that every rank learns of it
+    (in the one ``all_gather``) and none of them hangs.
+
+    :func:`~positional_lsh.ops._checks.check_qkv`'s checks (an empty shard, which holds no positions, is checked as
+    one position of the same batch, heads, head_dim, dtype and device), plus what sharding needs: ``q`` and ``k``
+    hold the same positions, and a dtype that the metadata carries.
+    """
+    shard = (q, k, v)
+    if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in shard):
+        if q.shape[2] != k.shape[2]:
+            return ValueError(f"q and k must hold the same positions of the shard, got {q.shape[2]} and {k.shape[2]}")
+        if q.shape[2] == 0:
+            shard = tuple(t.new_empty((t.shape[0], t.shape[1], 1, t.shape[3])) for t in shard)
+    try:
+        check_qkv(*shard)
+    except (TypeError, ValueError) as exc:
+        return exc
+    if q.dtype not in _DTYPES:
+        return TypeError(f"q, k and v must be float64, float32, bfloat16 or float16, got {q.dtype}")
     return None
 
 
 def _check_lengths(shard_lengths: Sequence[int], world: int) -> list[int]:
+    """``shard_lengths`` as a list of ``world`` ints ``>= 0`` (``TypeError``/``ValueError`` naming it)."""
     if isinstance(shard_lengths, (str, bytes)) or not isinstance(shard_lengths, Sequence):
         raise TypeError(f"shard_lengths must be a sequence of ints, got {type(shard_lengths).__name__}")
-    out = []
-    for x in shard_lengths:
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-            raise TypeError(f"shard_lengths must hold ints, got {shard_lengths!r}")
-        out.append(int(x))
+    out = [nonnegative_int(f"shard_lengths[{r}]", x) for r, x in enumerate(shard_lengths)]
     if len(out) != world:
         raise ValueError(f"shard_lengths has {len(out)} entries for a group of {world} ranks")
-    if any(x < 0 for x in out):
-        raise ValueError(f"shard_lengths must be >= 0, got {out}")
     return out
 
 
@@ -95,6 +96,8 @@ def context_parallel_plsh_attention(
     group: Any = None,
     shard_lengths: Sequence[int] | None = None,
     head_chunk: int | None = None,
+    backend: str = DEFAULT_BACKEND,
+    method: str = DEFAULT_METHOD,
 ) -> torch.Tensor:
     """Positional-LSH attention over a sequence split across the ranks of a process group.
 
@@ -123,32 +126,35 @@ def context_parallel_plsh_attention(
             group, or with a group of one rank, this is :func:`positional_lsh.plsh_attention`.
         shard_lengths: ``(P,)`` positions per rank; default: each rank's ``n_local``, exchanged in the one small
             ``all_gather`` that every call makes (it also checks shapes, dtypes, options and the partitions'
-            checksum, raising ``ValueError`` on every rank when they disagree).
+            checksum: when they disagree, or a rank's shard is invalid, every rank raises, the invalid rank its own
+            ``TypeError``/``ValueError`` and the others ``ValueError``).
         head_chunk: ``None`` (default): one ``plsh_attention`` call on the joined key/value window, which it keeps
             for the backward. An int: compute ``head_chunk`` key/value heads at a time and recompute them in the
             backward (:class:`~positional_lsh.distributed.chunked.ChunkedWindowAttention`): only ``q, k, v`` and
             the small halo are kept, no joined window or output — lower peak memory for one more forward's time.
+        backend: kernel backend of the local ``plsh_attention`` calls (``ops.options.BACKENDS``).
+        method: how the local ``plsh_attention`` calls compute the estimator (``ops.options.METHODS``). Neither
+            changes the result beyond float rounding; see :func:`positional_lsh.plsh_attention`.
 
     Returns:
         ``(B, Hq, n_local, d)`` in ``q``'s dtype, differentiable w.r.t. ``q``, ``k``, ``v``. Every rank of
         the group must call it (and run the backward) in the same order.
     """
-    head_chunk = _check_args(q, k, v, causal, partitions, head_chunk)
+    head_chunk = _check_options(causal, partitions, head_chunk)
+    local = LocalOptions(causal, scale, check_backend(backend), check_method(method))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        if shard_lengths is not None and (
-            isinstance(shard_lengths, (str, bytes))
-            or not isinstance(shard_lengths, Sequence)
-            or [int(x) for x in shard_lengths] != [q.shape[-2]]
-        ):
-            raise ValueError(f"shard_lengths={shard_lengths!r} for one rank holding {q.shape[-2]} positions")
-        opts = {"num_samples": num_samples, "scheme": scheme, "generator": generator}
-        return plsh_attention(q, k, v, slopes, causal=causal, partitions=partitions, scale=scale, **opts)
+        n_local = check_qkv(q, k, v)[3]
+        if shard_lengths is not None and _check_lengths(shard_lengths, 1) != [n_local]:
+            raise ValueError(f"shard_lengths={shard_lengths!r} for one rank holding {n_local} positions")
+        opts = {"num_samples": num_samples, "scheme": scheme, "generator": generator, "partitions": partitions}
+        return plsh_attention(q, k, v, slopes, causal=causal, scale=scale, backend=backend, method=method, **opts)
     # Validation, one all_gather (every rank raises alike), planning, then the exchange and the local compute.
     world = dist.get_world_size(group)
     lengths = None if shard_lengths is None else _check_lengths(shard_lengths, world)
     parts_key = _sampling_key(partitions, slopes, num_samples, scheme, generator)
-    table = _gather_meta(q, k, v, causal, scale, lengths, parts_key, world, group)
-    lengths = _agreed_lengths(table, _local_error(q, k, v), lengths)
+    err = _local_error(q, k, v)
+    table = _gather_meta(q, k, v, err, causal, scale, lengths, parts_key, world, group)
+    lengths = _agreed_lengths(table, err, lengths)
     hq = q.shape[1]
     if partitions is None:
         slopes = alibi_slopes(hq) if slopes is None else slopes
@@ -158,7 +164,7 @@ def context_parallel_plsh_attention(
     else:
         _check_whole_partitions(partitions, slopes, sum(lengths), hq)
     plan = halo_plan(partitions, lengths, causal=causal)
-    return _local_attention(q, k, v, plan, dist.get_rank(group), group, partitions, causal, scale, head_chunk)
+    return _local_attention(q, k, v, plan, dist.get_rank(group), group, partitions, local, head_chunk)
 
 
 def _sampling_key(partitions: Partitions | None, slopes: Any, num_samples: int, scheme: str, generator: Any) -> int:
@@ -174,28 +180,20 @@ def _sampling_key(partitions: Partitions | None, slopes: Any, num_samples: int, 
     return _digest("sample", num_samples, scheme, int(generator), slopes_key)
 
 
-def _check_args(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, partitions: Partitions | None, head_chunk: Any
-) -> int | None:
-    """Type checks of the arguments (before any communication); returns ``head_chunk`` as an int or ``None``."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+def _check_options(causal: object, partitions: object, head_chunk: object) -> int | None:
+    """Checks of the options (before any communication; ``q, k, v`` are checked by every rank's
+    :func:`_local_error` or, on one rank, by ``check_qkv``); returns ``head_chunk`` as an int or ``None``."""
+    check_bool("causal", causal)
     if partitions is not None and not isinstance(partitions, Partitions):
         raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
-    if head_chunk is None:
-        return None
-    if isinstance(head_chunk, bool) or not isinstance(head_chunk, numbers.Integral) or head_chunk < 1:
-        raise ValueError(f"head_chunk must be an int >= 1 or None, got {head_chunk!r}")
-    return int(head_chunk)
+    return None if head_chunk is None else positive_int("head_chunk", head_chunk)
 
 
 def _gather_meta(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    err: Exception | None,
     causal: bool,
     scale: float | None,
     lengths: list[int] | None,
@@ -205,7 +203,7 @@ def _gather_meta(
 ) -> torch.Tensor:
     """One small all_gather: every rank's shapes, options and checksums, ``(world, 11)`` int64."""
     meta = torch.zeros(11, dtype=torch.int64)
-    if _local_error(q, k, v) is not None:
+    if err is not None:
         meta[_ERR] = 1
     else:
         b, hq, n_local, d = q.shape
@@ -220,11 +218,14 @@ def _gather_meta(
     return torch.stack(gathered)
 
 
-def _agreed_lengths(table: torch.Tensor, err: str | None, lengths: list[int] | None) -> list[int]:
-    """Raise ``ValueError`` (on every rank alike) unless all ranks agree; return the shard lengths."""
+def _agreed_lengths(table: torch.Tensor, err: Exception | None, lengths: list[int] | None) -> list[int]:
+    """Raise unless all ranks agree (a rank with bad input raises its own error, the others ``ValueError``);
+    return the shard lengths."""
     bad = table[:, _ERR].nonzero().flatten().tolist()
+    if err is not None:
+        raise err
     if bad:
-        raise ValueError(err if err is not None else f"invalid input on rank(s) {bad} of the context-parallel group")
+        raise ValueError(f"invalid input on rank(s) {bad} of the context-parallel group")
     for col, what in (
         (_B, "batch size"),
         (_HQ, "number of query heads"),
@@ -256,12 +257,8 @@ def _check_whole_partitions(partitions: Partitions, slopes: Any, n: int, hq: int
             f"partitions must be those of the whole sequence: seq_len={partitions.seq_len}, but the shards "
             f"hold {n} positions"
         )
-    if partitions.num_heads != hq:
-        raise ValueError(f"partitions were drawn for {partitions.num_heads} heads, but q has {hq} heads")
-    if slopes is not None:
-        given = torch.as_tensor(slopes, dtype=torch.float64).expand(hq)
-        if not torch.allclose(given, partitions.slopes):
-            raise ValueError("slopes differ from partitions.slopes; pass one or the other")
+    check_partitions(partitions, hq, n)
+    check_slopes_match(slopes, partitions, hq)
 
 
 def _local_attention(
@@ -272,29 +269,21 @@ def _local_attention(
     rank: int,
     group: Any,
     partitions: Partitions,
-    causal: bool,
-    scale: float | None,
+    local: LocalOptions,
     head_chunk: int | None,
 ) -> torch.Tensor:
     """Exchange the halo and run ``plsh_attention`` on this rank's key window (whole or in head chunks)."""
-    b, hq, n_local, d = q.shape
+    n_local = q.shape[2]
     left, end, right = plan.left[rank], plan.ends[rank], plan.right[rank]
     if head_chunk is not None and n_local > 0:
         local_parts = crop_partitions(partitions, left, right)
         exchange_group = dist.group.WORLD if group is None else group
         out: torch.Tensor = ChunkedWindowAttention.apply(
-            q, k, v, plan, rank, exchange_group, local_parts, causal, scale, head_chunk
+            q, k, v, plan, rank, exchange_group, local_parts, local, head_chunk
         )
         return out
     k_win, v_win = halo_exchange(k, v, plan, rank, group)
     if n_local == 0:
         # Nothing to compute; keep k and v in the graph so that their (empty) gradients are zeros, not None.
         return q * 0.0 + (k_win.sum() + v_win.sum()) * 0.0
-    local_parts = crop_partitions(partitions, left, right)
-    if causal or right == end:
-        return plsh_attention(q, k_win, v_win, partitions=local_parts, causal=causal, scale=scale)
-    # Bidirectional with a right halo: queries are aligned to the LAST keys, so pad the queries with the
-    # right halo's positions (zeros; their rows are discarded and get no gradient) and keep the shard's rows.
-    pad = q.new_zeros((b, hq, right - end, d))
-    out = plsh_attention(torch.cat([q, pad], dim=2), k_win, v_win, partitions=local_parts, causal=False, scale=scale)
-    return out[:, :, :n_local]
+    return local_window_attention(q, k_win, v_win, crop_partitions(partitions, left, right), local, right - end)

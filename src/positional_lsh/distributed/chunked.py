@@ -13,7 +13,7 @@ summation order). Cost: one more forward pass of the local attention.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,7 +21,16 @@ from positional_lsh import Partitions, plsh_attention
 from positional_lsh.distributed.exchange import receive_halo, return_halo_grads
 from positional_lsh.distributed.halo import HaloPlan
 
-__all__ = ["ChunkedWindowAttention", "head_slice"]
+__all__ = ["ChunkedWindowAttention", "LocalOptions", "head_slice", "local_window_attention"]
+
+
+class LocalOptions(NamedTuple):
+    """The options of every local ``plsh_attention`` call of context-parallel attention (checked by the caller)."""
+
+    causal: bool
+    scale: float | None
+    backend: str
+    method: str
 
 
 def head_slice(partitions: Partitions, h0: int, h1: int) -> Partitions:
@@ -59,8 +68,7 @@ class ChunkedWindowAttention(torch.autograd.Function):
         rank: int,
         group: Any,
         local_parts: Partitions,
-        causal: bool,
-        scale: float | None,
+        options: LocalOptions,
         head_chunk: int,
     ) -> torch.Tensor:
         left, right = receive_halo(k, v, plan, rank, group)
@@ -71,13 +79,12 @@ class ChunkedWindowAttention(torch.autograd.Function):
             hs = slice(h0, min(hkv, h0 + head_chunk))
             qs = slice(hs.start * group_size, hs.stop * group_size)
             kw, vw = _window(k, v, [*left, *right], len(left), hs)
-            out[:, qs] = _local(q[:, qs], kw, vw, head_slice(local_parts, qs.start, qs.stop), causal, scale, right_len)
+            parts = head_slice(local_parts, qs.start, qs.stop)
+            out[:, qs] = local_window_attention(q[:, qs], kw, vw, parts, options, right_len)
             del kw, vw
         ctx.save_for_backward(q, k, v, *left, *right)
         ctx.n_left, ctx.plan, ctx.rank, ctx.group = len(left), plan, rank, group
-        ctx.local_parts, ctx.causal, ctx.scale, ctx.head_chunk, ctx.right_len = (
-            local_parts, causal, scale, head_chunk, right_len
-        )  # fmt: skip
+        ctx.local_parts, ctx.options, ctx.head_chunk, ctx.right_len = local_parts, options, head_chunk, right_len
         return out
 
     @staticmethod
@@ -102,7 +109,7 @@ class ChunkedWindowAttention(torch.autograd.Function):
                 qc = q[:, qs].detach().requires_grad_()
                 kw, vw = (x.detach().requires_grad_() for x in _window(k, v, halo, ctx.n_left, hs))
                 parts = head_slice(ctx.local_parts, qs.start, qs.stop)
-                out = _local(qc, kw, vw, parts, ctx.causal, ctx.scale, ctx.right_len)
+                out = local_window_attention(qc, kw, vw, parts, ctx.options, ctx.right_len)
                 gq, gk, gv = torch.autograd.grad(out, (qc, kw, vw), dout[:, qs])
             del out, kw, vw, qc
             dq[:, qs] = gq
@@ -116,21 +123,27 @@ class ChunkedWindowAttention(torch.autograd.Function):
         # Back to plan order for the exchange.
         in_plan_order = [halo_grads[order.index(i)] for i in range(len(incoming))]
         return_halo_grads(in_plan_order, dk, dv, plan, rank, ctx.group)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def _local(
+def local_window_attention(
     q: torch.Tensor,
     kw: torch.Tensor,
     vw: torch.Tensor,
     parts: Partitions,
-    causal: bool,
-    scale: float | None,
+    options: LocalOptions,
     right_len: int,
 ) -> torch.Tensor:
-    """``plsh_attention`` of the shard's queries on a window; a right halo pads the queries (bidirectional)."""
-    if causal or right_len == 0:
-        return plsh_attention(q, kw, vw, partitions=parts, causal=causal, scale=scale)
+    """``plsh_attention`` of the shard's queries ``q (B, Hq, n_local, d)`` on a key/value window
+    ``kw, vw (B, Hkv, left halo + n_local + right_len, d)`` with the window's partitions ``parts``.
+
+    Queries are aligned to the last keys, so with a right halo (bidirectional attention) the queries are padded
+    with ``right_len`` zero rows, whose outputs are dropped (they get no gradient). Returns ``(B, Hq, n_local, d)``.
+    """
+    opts = {"partitions": parts, "causal": options.causal, "scale": options.scale}
+    opts |= {"backend": options.backend, "method": options.method}
+    if options.causal or right_len == 0:
+        return plsh_attention(q, kw, vw, **opts)
     n_local = q.shape[2]
     q = torch.cat([q, q.new_zeros((*q.shape[:2], right_len, q.shape[3]))], dim=2)
-    return plsh_attention(q, kw, vw, partitions=parts, causal=False, scale=scale)[:, :, :n_local]
+    return plsh_attention(q, kw, vw, **opts)[:, :, :n_local]

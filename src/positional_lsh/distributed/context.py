@@ -84,23 +84,26 @@ def set_context_group(
             module.context_head_chunk = head_chunk
 
 
-def context_parallel_attend(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def context_parallel_attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The hook of ``CausalSelfAttention.attend``: ``q, k, v (B, H, L_local, d)`` are this rank's shard.
 
-    The partitions are those of the whole sequence, drawn from the layer's own generator (every rank advances it
-    identically; a checksum verifies it), so the result equals the single-process layer's rows.
+    ``attn`` is the language model's attention layer: ``attn.partitions(seq_len)`` gives its next partitions of
+    the whole sequence (every rank draws them identically; a checksum verifies it), and its ``ModelConfig``
+    (``attn.cfg``) gives the kernel backend (``attn_backend``) and the estimator's method (``plsh_method``), so
+    the result equals the single-process layer's rows.
     """
-    group = module.context_group
-    lengths = module.context_shard_lengths
+    group = attn.context_group
+    lengths = attn.context_shard_lengths
     total = sum(lengths) if lengths is not None else k.shape[2] * dist.get_world_size(group)
-    parts = module.partitions(total)
     return context_parallel_plsh_attention(
         q,
         k,
         v,
-        partitions=parts,
+        partitions=attn.partitions(total),
         causal=True,
         group=group,
         shard_lengths=lengths,
-        head_chunk=getattr(module, "context_head_chunk", None),
+        head_chunk=getattr(attn, "context_head_chunk", None),
+        backend=attn.cfg.attn_backend,
+        method=attn.cfg.plsh_method,
     )

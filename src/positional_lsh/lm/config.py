@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from positional_lsh.ops._checks import check_choice, positive_int
-from positional_lsh.ops.attention import METHODS as PLSH_METHODS
+from positional_lsh.ops._checks import check_bool, check_choice, nonnegative_int, positive_int
+from positional_lsh.ops.options import ALIBI_BACKENDS, BACKENDS, DEFAULT_BACKEND, DEFAULT_METHOD, METHODS
 from positional_lsh.ops.schemes import scheme_names
 from positional_lsh.ops.slopes import alibi_slopes
 
@@ -27,15 +27,6 @@ POSITIONS = ("alibi", "plsh", "window-alibi", "rope", "nope")
 
 ALIBI_IMPLS = ("auto", "sdpa", "chunked")
 """How exact ALiBi is computed: chosen by length, torch SDPA with a prebuilt bias, or the chunked kernel."""
-
-
-def nonnegative_int(name: str, value: object) -> int:
-    """``value`` as an ``int >= 0``; ``TypeError``/``ValueError`` naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
 
 
 def check_float(name: str, value: object, *, positive: bool = True, allow_zero: bool = False) -> float:
@@ -74,14 +65,17 @@ class ModelConfig:
         rope_base: RoPE frequency base.
         alibi_impl: ``"auto"``, ``"sdpa"`` (torch SDPA with a ``(H, n, n)`` bias from ``alibi_bias``) or
             ``"chunked"`` (``alibi_attention``, ``O(n)`` memory). Also used by ``window-alibi``.
-        attn_backend: kernel backend of ``plsh_attention``/``alibi_attention`` (``"auto"``, ``"flash"``,
-            ``"math"``).
+        attn_backend: kernel backend of ``plsh_attention``/``alibi_attention``, one of
+            :data:`~positional_lsh.ops.options.BACKENDS` (``"auto"``, ``"flash"``, ``"math"``, ``"triton"``).
+            ``"triton"`` is positional LSH's only: with ``alibi``/``window-alibi`` it is refused unless
+            ``alibi_impl="sdpa"`` (``alibi_attention`` has no Triton path).
         attn_fp32: compute attention in float32 even under bf16/fp16 autocast (the projections and MLP stay
             in low precision). Keeps the ALiBi bias unrounded, and on CPU torch's float32 flash kernel is faster
             than its bf16 one on the many small blocks of positional LSH (docs/experiments.md).
-        plsh_method: how ``plsh_attention`` computes the estimator (``method=``): ``"auto"`` (per head, the
-            cheaper of the two by the cost model), ``"samples"`` or ``"multiplicity"``. Same partitions, same
-            result up to float rounding; only the speed differs (docs/implementation.md).
+        plsh_method: how ``plsh_attention`` computes the estimator (``method=``), one of
+            :data:`~positional_lsh.ops.options.METHODS`: ``"auto"`` (decided once per call by the cost model),
+            ``"samples"`` or ``"multiplicity"``. Same partitions, same result up to float rounding; only the
+            speed differs (docs/implementation.md).
     """
 
     vocab_size: int = 8192
@@ -101,9 +95,9 @@ class ModelConfig:
     window_factor: float = 12.0
     rope_base: float = 10000.0
     alibi_impl: str = "auto"
-    attn_backend: str = "auto"
+    attn_backend: str = DEFAULT_BACKEND
     attn_fp32: bool = True
-    plsh_method: str = "auto"
+    plsh_method: str = DEFAULT_METHOD
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,10 +128,20 @@ class ModelConfig:
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dimension, got d_model/n_head = {self.head_dim}")
         check_choice("alibi_impl", self.alibi_impl, ALIBI_IMPLS)
-        if not isinstance(self.attn_fp32, bool):
-            raise TypeError(f"attn_fp32 must be a bool, got {type(self.attn_fp32).__name__}")
-        check_choice("attn_backend", self.attn_backend, ("auto", "flash", "math"))
-        check_choice("plsh_method", self.plsh_method, PLSH_METHODS)
+        check_bool("attn_fp32", self.attn_fp32)
+        self._check_backend()
+        check_choice("plsh_method", self.plsh_method, METHODS)
+
+    def _check_backend(self) -> None:
+        """``attn_backend`` is one of ``BACKENDS``, and one that the position mode's attention op accepts."""
+        check_choice("attn_backend", self.attn_backend, BACKENDS)
+        exact = self.position in ("alibi", "window-alibi") and self.alibi_impl != "sdpa"
+        if exact and self.attn_backend not in ALIBI_BACKENDS:
+            raise ValueError(
+                f"attn_backend={self.attn_backend!r} is not available for position={self.position!r}: exact and "
+                f"windowed ALiBi (alibi_attention) have no Triton path. Use attn_backend in {ALIBI_BACKENDS}, "
+                "or alibi_impl='sdpa'"
+            )
 
     @property
     def head_dim(self) -> int:

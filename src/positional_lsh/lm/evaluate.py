@@ -530,9 +530,3 @@ def shipped_model_demo(
         f"windows of {length} tokens ({factor}x the training length)"
     )
     return ShippedDemo(rows, prompt, continuation, time.perf_counter() - t0, desc)
-
-
-if __name__ == "__main__":  # `python -m positional_lsh.lm.evaluate` (older scripts) is `plsh eval`
-    from positional_lsh.cli.eval import main
-
-    sys.exit(main())

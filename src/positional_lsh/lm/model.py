@@ -11,10 +11,13 @@ or torch's own attention, never a second implementation:
   ``alibi_impl`` forces one or the other; both compute the same function.
 * ``"plsh"`` — positional-LSH attention (:func:`~positional_lsh.plsh_attention`) with ``num_samples``
   partitions of a ``scheme``, for the standard per-head ALiBi slopes or one constant ``sigma`` for every head
-  (as the paper did). Training mode draws fresh partitions at every call from each layer's own generator
-  (seeded by ``seed`` and the layer index); eval mode uses partitions seeded by ``eval_seed`` and the layer
-  index, the same at every call and every length (the law of a partition does not depend on the length), so
-  evaluation is deterministic and decoding with a KV cache equals a full recomputation.
+  (as the paper did). Each layer samples with the package's one policy
+  (:class:`~positional_lsh.ops.sampling.PartitionSampler`): training call ``c`` of layer ``l`` draws from
+  ``layer_seed(layer_seed(seed, l), c)`` (fresh partitions every call; the per-layer call counters are the
+  model's :meth:`~TransformerLM.rng_state`, saved for exact resume); eval mode uses the partitions seeded by
+  ``layer_seed(eval_seed, l)``, the same at every call and every length (the law of a partition does not depend
+  on the length), so evaluation is deterministic and decoding with a KV cache equals a full recomputation.
+  The draw and the estimator are compile-safe: the model compiles with ``torch.compile(fullgraph=True)``.
 * ``"window-alibi"`` — exact ALiBi restricted to keys with ``|i - j| <= window_h``: ``window`` tokens for
   every head, or ``window_factor * sigma_h`` per head.
 * ``"rope"`` — rotary position embedding (GPT-NeoX half-split layout) and causal attention.
@@ -38,22 +41,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from positional_lsh.lm.config import ModelConfig, check_float, nonnegative_int
-from positional_lsh.ops._checks import positive_int
-from positional_lsh.ops._seeds import layer_seed
+from positional_lsh.lm.config import ModelConfig, check_float
+from positional_lsh.ops._checks import nonnegative_int, positive_int
+from positional_lsh.ops.alibi import alibi_attention
 from positional_lsh.ops.attention import plsh_attention
-from positional_lsh.ops.partitions import sample_partitions
-from positional_lsh.ops.reference import alibi_attention, alibi_bias
+from positional_lsh.ops.partitions import Partitions
+from positional_lsh.ops.reference import alibi_bias
+from positional_lsh.ops.sampling import PartitionSampler, layer_seed
 
 __all__ = ["MLP", "Block", "CausalSelfAttention", "TransformerLM", "apply_rope", "rope_cos_sin"]
 
 # alibi_impl="auto" uses SDPA with a prebuilt (H, Lq, Lk) bias up to this many bias entries.
 _SDPA_MAX_BIAS_ENTRIES = 2**22
-
-
-def _layer_seed(seed: int, layer: int) -> int:
-    """Per-layer seed: :func:`positional_lsh.ops._seeds.layer_seed` (the one formula, shared with the hf swap)."""
-    return layer_seed(seed, layer)
 
 
 def rope_cos_sin(
@@ -87,6 +86,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
+        # Training calls of this layer so far: the step key of its partition draws (an int64 buffer, so that a
+        # compiled model advances it in place; not in the state dict: rng_state() carries it for resume).
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long), persistent=False)
         self.configure(cfg)
 
     def configure(self, cfg: ModelConfig) -> None:
@@ -95,17 +97,31 @@ class CausalSelfAttention(nn.Module):
         self.position = cfg.position
         self.slopes = cfg.slopes()
         self.window = cfg.windows() if cfg.position == "window-alibi" else None
-        # Training-time partitions: a generator per layer, advanced at every training call.
-        self.generator = torch.Generator().manual_seed(_layer_seed(cfg.seed, self.layer_idx))
+        self.sampler = (
+            PartitionSampler(
+                cfg.n_head,
+                self.slopes,
+                num_samples=cfg.num_samples,
+                scheme=cfg.scheme,
+                seed=layer_seed(cfg.seed, self.layer_idx),
+                eval_seed=layer_seed(cfg.eval_seed, self.layer_idx),
+            )
+            if cfg.position == "plsh"
+            else None
+        )
         self._bias_cache: tuple[tuple[Any, ...], torch.Tensor] | None = None
 
     def extra_repr(self) -> str:
         return f"position={self.cfg.describe()!r}"
 
-    def partitions(self, seq_len: int) -> Any:
-        """The positional-LSH partitions of the next call (advances the training generator in training)."""
-        gen = self.generator if self.training else _layer_seed(self.cfg.eval_seed, self.layer_idx)
-        return sample_partitions(seq_len, self.slopes, self.cfg.num_samples, scheme=self.cfg.scheme, generator=gen)
+    def partitions(self, seq_len: int) -> Partitions:
+        """The positional-LSH partitions of this call (in training, advances the layer's call counter)."""
+        if self.sampler is None:
+            raise ValueError(f"partitions exist only in position mode 'plsh', this layer is {self.position!r}")
+        parts = self.sampler.draw(seq_len, training=self.training, step=self.calls)
+        if self.training:
+            self.calls.add_(1)
+        return parts
 
     def _sdpa_bias(self, lq: int, lk: int, window: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         key = (lq, lk, q.dtype, q.device, None if window is None else tuple(window.tolist()))
@@ -261,15 +277,20 @@ class TransformerLM(nn.Module):
             block.attn.configure(cfg)
         return cfg
 
-    def rng_state(self) -> list[torch.Tensor]:
-        """States of the per-layer training partition generators (for exact resume)."""
-        return [block.attn.generator.get_state() for block in self.blocks]
+    def rng_state(self) -> list[int]:
+        """The per-layer training call counters, which key the partition draws (for exact resume)."""
+        return [int(block.attn.calls) for block in self.blocks]
 
-    def set_rng_state(self, states: list[torch.Tensor]) -> None:
-        if len(states) != len(self.blocks):
-            raise ValueError(f"states must have one entry per layer ({len(self.blocks)}), got {len(states)}")
-        for block, s in zip(self.blocks, states, strict=True):
-            block.attn.generator.set_state(s)
+    def set_rng_state(self, states: list[int]) -> None:
+        """Restore :meth:`rng_state`: one non-negative int per layer."""
+        if not isinstance(states, (list, tuple)) or len(states) != len(self.blocks):
+            raise ValueError(
+                f"states must be a list with one entry per layer ({len(self.blocks)}, an int each), "
+                f"got {str(states)[:80]}"
+            )
+        counts = [nonnegative_int("states", s) for s in states]
+        for block, c in zip(self.blocks, counts, strict=True):
+            block.attn.calls.fill_(c)
 
     def _check_idx(self, idx: object, name: str = "idx") -> torch.Tensor:
         if not isinstance(idx, torch.Tensor):
@@ -278,7 +299,10 @@ class TransformerLM(nn.Module):
             raise TypeError(f"{name} must be an integer tensor, got dtype {idx.dtype}")
         if idx.dim() != 2 or idx.shape[0] < 1 or idx.shape[1] < 1:
             raise ValueError(f"{name} must have shape (batch, seq_len) with both >= 1, got {tuple(idx.shape)}")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
+        if torch.compiler.is_compiling():
+            # Reading the ids' range would end the graph: a traced call checks it inside the graph instead.
+            torch._assert_async(((idx >= 0) & (idx < self.cfg.vocab_size)).all(), f"{name} holds ids out of range")
+        elif int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size:
             raise ValueError(f"{name} holds ids outside [0, {self.cfg.vocab_size})")
         return idx.long()
 

@@ -77,7 +77,7 @@ RESUME_MAY_CHANGE = ("steps", "eval_interval", "eval_batches", "ckpt_interval", 
 
 _RUN_FILES = (TRAIN_CONFIG_FILE, LOG_FILE, POINTER_FILE, STEPS_DIR, STATE_FILE, CONFIG_FILE, WEIGHTS_FILE)
 _STATE_KEYS = ("step", "tokens", "elapsed", "val_loss", "model", "optimizer", "data_generator",
-               "partition_generators", "torch_rng", "world_size")  # fmt: skip
+               "partition_steps", "torch_rng", "world_size")  # fmt: skip
 
 
 def _fault_pause() -> None:
@@ -318,7 +318,7 @@ def trainer_state(
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "optimizer": opt.state_dict(),
         "data_generator": data_gen.get_state(),
-        "partition_generators": model.rng_state(),
+        "partition_steps": model.rng_state(),
         "torch_rng": torch.get_rng_state(),
     }
 
@@ -336,7 +336,7 @@ def restore_trainer_state(
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         data_gen.set_state(state["data_generator"])
-        model.set_rng_state(state["partition_generators"])
+        model.set_rng_state(state["partition_steps"])
         torch.set_rng_state(state["torch_rng"])
     except (RuntimeError, ValueError, TypeError, KeyError) as exc:
         raise UserError(f"{STATE_FILE} does not fit the run's model ({' '.join(str(exc).split())[:160]})") from None

@@ -68,6 +68,7 @@ __all__ = [
     "default_cache_dir",
     "lr_at",
     "resolve_autocast_dtype",
+    "resolve_run_configs",
     "train",
 ]
 
@@ -261,7 +262,7 @@ def train(
     if model_cfg is not None and not isinstance(model_cfg, ModelConfig):
         raise TypeError(f"model_cfg must be a ModelConfig or None, got {type(model_cfg).__name__}")
     check_device(cfg.device)  # before anything on disk changes
-    cfg, model_cfg, state = _resolve_configs(cfg, model_cfg, resume, overwrite, changes or {})
+    cfg, model_cfg, state = resolve_run_configs(cfg, model_cfg, resume, overwrite, changes or {})
     if cfg.context_parallel > 1:
         from positional_lsh.distributed.training import check_context_parallel  # lazily: lm never needs it
 
@@ -278,11 +279,21 @@ def train(
             dist.destroy_process_group()
 
 
-def _resolve_configs(
+def resolve_run_configs(
     cfg: TrainConfig, model_cfg: ModelConfig | None, resume: bool, overwrite: bool, changes: dict[str, Any]
 ) -> tuple[TrainConfig, ModelConfig, dict[str, Any] | None]:
-    """The run's configs (on resume: the saved ones, with ``cfg``'s per-job settings and ``changes``) and the saved
-    state (with the checkpoint's tokenizer under ``"tokenizer"``); a new run checks (or clears) ``out_dir``."""
+    """The settings a :func:`train` call runs with: ``(train config, model config, saved state or None)``.
+
+    On resume: the saved configs of ``cfg.out_dir``, with ``cfg``'s per-job settings and ``changes``, and the saved
+    state (with the checkpoint's tokenizer under ``"tokenizer"``). A new run: ``cfg`` validated (its thread count
+    recorded), the memory pre-check of one step (when ``model_cfg`` is given), and ``out_dir`` checked (or cleared
+    with ``overwrite``); ``model_cfg`` defaults to ``ModelConfig(seed=cfg.seed)``. Arguments as for :func:`train`.
+
+    Raises:
+        UserError: on resume, unreadable or bad saved settings, a change outside
+            :data:`~positional_lsh.lm.run_dir.RESUME_MAY_CHANGE` or ``steps`` below the checkpoint's step; for a
+            new run, a step that does not fit in memory or an ``out_dir`` that cannot take the run.
+    """
     out = Path(cfg.out_dir)
     state: dict[str, Any] | None = None
     if resume:
@@ -478,9 +489,3 @@ def _optimizer_step(run: _Run) -> float:
     if not math.isfinite(run.last_loss):
         raise FloatingPointError(f"training loss is {run.last_loss} at step {run.step}; lower lr or check the data")
     return lr
-
-
-if __name__ == "__main__":  # `python -m positional_lsh.lm.train` (older torchrun commands) is `plsh train`
-    from positional_lsh.cli.train import main
-
-    sys.exit(main())

@@ -5,14 +5,16 @@ integrations, cli). Tensors are ``(batch, heads, length, head_dim)``; the ALiBi 
 ``-slopes[h] * |i - j|``, added to the scaled score.
 """
 
-from positional_lsh.ops import compiled  # noqa: F401  (defines the custom ops for torch.compile)
+from positional_lsh.ops.alibi import alibi_attention
 from positional_lsh.ops.attention import PositionalLSHAttention, plsh_attention
 from positional_lsh.ops.partitions import Partitions, sample_partitions
-from positional_lsh.ops.reference import alibi_attention, alibi_bias, alibi_matrix, dense_plsh_attention
-from positional_lsh.ops.schemes import Scheme, get_scheme, register_scheme, scheme_names
+from positional_lsh.ops.reference import alibi_bias, alibi_matrix, dense_plsh_attention
+from positional_lsh.ops.sampling import PartitionSampler
+from positional_lsh.ops.schemes import Scheme, get_scheme, register_scheme, scheme_names, unregister_scheme
 from positional_lsh.ops.slopes import alibi_slopes
 
 __all__ = [
+    "PartitionSampler",
     "Partitions",
     "PositionalLSHAttention",
     "Scheme",
@@ -26,4 +28,5 @@ __all__ = [
     "register_scheme",
     "sample_partitions",
     "scheme_names",
+    "unregister_scheme",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -40,16 +41,34 @@ def nonnegative_int(name: str, value: object) -> int:
     return check_int(name, value, minimum=0)
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a ``bool``, else ``TypeError`` (``"{name} must be a bool, got ..."``)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
     """``ValueError`` (``"{name} must be one of {choices}, got {value!r}"``) unless ``value`` is one of ``choices``."""
     if value not in tuple(choices):
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def check_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int, int]:
+class QKVShape(NamedTuple):
+    """The sizes of a checked ``q (B, Hq, Lq, d)``, ``k, v (B, Hkv, Lk, d)`` call."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    k_len: int
+    head_dim: int
+
+
+def check_qkv(q: object, k: object, v: object) -> QKVShape:
     """Validate ``q (B, Hq, Lq, d)``, ``k, v (B, Hkv, Lk, d)``.
 
-    Returns ``(B, Hq, Hkv, Lq, Lk, d)``.
+    Returns their sizes, ``QKVShape(batch, q_heads, kv_heads, q_len, k_len, head_dim)`` (a tuple).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -57,9 +76,7 @@ def check_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int,
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
         if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have rank 4 (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}"
-            )
+            raise ValueError(f"{name} must have rank 4 (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -84,7 +101,7 @@ def check_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int,
             f"q has more positions ({lq}) than k ({lk}); queries are aligned to the last keys, "
             "so q's seq_len must be <= k's"
         )
-    return b, hq, hkv, lq, lk, d
+    return QKVShape(b, hq, hkv, lq, lk, d)
 
 
 def as_slopes(slopes: SlopesLike, num_heads: int, name: str = "slopes") -> torch.Tensor:

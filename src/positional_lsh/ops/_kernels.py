@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import torch
 
+from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-BACKENDS = ("auto", "flash", "math")
 
 # The math backend materializes at most this many score entries at once.
 _MATH_CHUNK_ELEMENTS = 2**24
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    """The torch kernel (``"flash"`` or ``"math"``) for ``backend`` in ``ops.options.ALIBI_BACKENDS`` on ``device``:
+    ``"auto"`` is the fused flash op on the CPU and the math backend elsewhere."""
+    check_backend(backend, ALIBI_BACKENDS)
     if backend == "auto":
         return "flash" if device.type == "cpu" else "math"
     if backend == "flash" and device.type != "cpu":

@@ -48,10 +48,13 @@ __all__ = [
     "CALL_ROW_COST",
     "ENTRY_COST",
     "MultiplicityPlan",
-    "multiplicity_cost",
+    "exact_ceil",
+    "exact_floor",
+    "integer_pitch_shift",
     "multiplicity_plan",
-    "multiplicity_tiles",
+    "row_bounds",
     "sample_bounds",
+    "tile_rows",
     "tilings",
 ]
 
@@ -85,7 +88,7 @@ AUTO_MARGIN = 1.0
 _ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds a float64 |x| < 2**51 to an integer
 
 
-def _floor(x: torch.Tensor) -> torch.Tensor:
+def exact_floor(x: torch.Tensor) -> torch.Tensor:
     """``torch.floor`` for float64 ``|x| < 2**51`` (and +-inf), exact, with vectorized adds only.
 
     torch's CPU ``floor``/``ceil`` on float64 runs at about 60 ns per element on the measured machine (against
@@ -95,8 +98,9 @@ def _floor(x: torch.Tensor) -> torch.Tensor:
     return r - (r > x).to(x.dtype)
 
 
-def _ceil(x: torch.Tensor) -> torch.Tensor:
-    return -_floor(-x)
+def exact_ceil(x: torch.Tensor) -> torch.Tensor:
+    """``torch.ceil`` for float64 ``|x| < 2**51`` (and +-inf), exact: ``-exact_floor(-x)``."""
+    return -exact_floor(-x)
 
 
 def sample_bounds(
@@ -114,11 +118,11 @@ def sample_bounds(
     n = float(seq_len)
 
     def label(i: torch.Tensor) -> torch.Tensor:
-        return _floor((i - shift) / pitch)
+        return exact_floor((i - shift) / pitch)
 
     lab = label(p)
-    lo = _ceil(shift + lab * pitch).clamp_min(0.0).minimum(p)
-    hi = _ceil(shift + (lab + 1.0) * pitch).maximum(p + 1.0).clamp_max(n)
+    lo = exact_ceil(shift + lab * pitch).clamp_min(0.0).minimum(p)
+    hi = exact_ceil(shift + (lab + 1.0) * pitch).maximum(p + 1.0).clamp_max(n)
     for _ in range(2):
         lo = torch.where((lo > 0) & (label(lo - 1.0) >= lab), lo - 1.0, lo)
         lo = torch.where(label(lo) < lab, lo + 1.0, lo)
@@ -248,18 +252,6 @@ def tilings(
     return best
 
 
-def multiplicity_tiles(
-    partitions: Partitions, head: int, q_len: int, causal: bool
-) -> tuple[float, tuple[torch.Tensor, ...], int]:
-    """The cheapest tiling of one head: ``(estimated ns, (q_start, k_start, k_len), tile)``."""
-    return tilings(partitions, [head], q_len, causal)[head]
-
-
-def multiplicity_cost(partitions: Partitions, head: int, q_len: int, causal: bool) -> float:
-    """Estimated time (ns, per batch element) of the multiplicity form for one head."""
-    return multiplicity_tiles(partitions, head, q_len, causal)[0]
-
-
 def multiplicity_plan(
     partitions: Partitions,
     heads: list[int],
@@ -270,7 +262,7 @@ def multiplicity_plan(
 ) -> MultiplicityPlan:
     """Tiles of the given query heads, grouped by shape (one batched kernel call per group).
 
-    ``tiles``: the per-head choice of :func:`multiplicity_tiles` where already computed (``method="auto"``).
+    ``tiles``: the per-head choice of :func:`tilings` where already computed (``method="auto"``).
     """
     group_size = partitions.num_heads // num_kv_heads
     tiles = dict(tiles or {})
@@ -304,24 +296,29 @@ def _chunks(group: _Group, num_samples: int, batch: int, d: int) -> list[_Group]
     return group.split(size) if group.head.shape[0] > size else [group]
 
 
-def _rows(g: _Group, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query rows ``(N, tile)`` (clamped) and whether each is a real row (not padding past ``Lq``)."""
+def tile_rows(g: _Group, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query rows of every tile of ``g``, int64 ``(N, tile)`` clamped to ``q_len - 1``, and whether each is a
+    real row (bool, ``False`` for the padding past ``q_len``)."""
     r = g.q_start[:, None] + torch.arange(g.tile, device=g.q_start.device)
     return r.clamp(max=q_len - 1), r < q_len
 
 
-def _integer_blocks(g: _Group) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(pitch, shift)`` as int64 ``(N, 1, T)`` when every pitch is a finite integer ``>= 1`` and every shift an
-    integer (the integer schemes, e.g. ``discrete`` and ``fixed``, without slope-0 heads); else ``None``."""
+def integer_pitch_shift(g: _Group) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``(pitch, shift)`` of ``g``'s tiles as int64 ``(N, 1, T)`` when every pitch is a finite integer ``>= 1``
+    and every shift an integer (the integer schemes, e.g. ``discrete`` and ``fixed``, without slope-0 heads); else
+    ``None``."""
     pitch, shift = g.pitch, g.shift
-    ok = torch.isfinite(pitch) & (pitch >= 1) & (_floor(pitch) == pitch) & (_floor(shift) == shift)
+    ok = torch.isfinite(pitch) & (pitch >= 1) & (exact_floor(pitch) == pitch) & (exact_floor(shift) == shift)
     if not bool(ok.all()):
         return None
     return pitch.long()[:, None, :], shift.long()[:, None, :]
 
 
-def _row_bounds(g: _Group, pos: torch.Tensor, n: int, need_end: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``start_t``/``end_t`` of every tile row: int64 ``(N, tile, T)``.
+def row_bounds(g: _Group, pos: torch.Tensor, n: int, need_end: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``start_t``/``end_t`` of the block of every tile row in every sample: int64 ``(N, tile, T)``.
+
+    ``pos`` (int64 ``(N, tile)``) are the rows' key positions in a sequence of ``n``; ``end`` is ``None`` unless
+    ``need_end``.
 
     Integer pitches and shifts: block ``floor((i - shift) / pitch)`` starts at ``i - ((i - shift) mod pitch)``
     and ends ``pitch`` later, clamped to ``[0, n]`` — a few integer passes. Otherwise exact bounds
@@ -330,14 +327,14 @@ def _row_bounds(g: _Group, pos: torch.Tensor, n: int, need_end: bool) -> tuple[t
     ``start`` is a running maximum of those positions, ``end`` a reversed running minimum.
     """
     p = pos[..., None]  # (N, tile, 1)
-    whole = _integer_blocks(g)
+    whole = integer_pitch_shift(g)  # a module-level lookup (tests replace it to exercise the general path)
     if whole is not None:  # integer pitches >= 1 and shifts: the block start is i - ((i - shift) mod pitch)
         b, sh = whole
         start = p - torch.remainder(p - sh, b)  # before clamping: the end below is start + pitch
         end = (start + b).clamp_(max=n) if need_end else None
         return start.clamp_(min=0), end
     pitch, shift = g.pitch[:, None, :], g.shift[:, None, :]
-    lab = _floor((p.to(torch.float64) - shift) / pitch)  # (N, tile, T)
+    lab = exact_floor((p.to(torch.float64) - shift) / pitch)  # (N, tile, T)
     change = lab[:, 1:] != lab[:, :-1]  # label of row r+1 differs from row r: a block starts at row r+1
     lo0, _ = sample_bounds(g.pitch, g.shift, n, pos[:, :1])  # (N, T)
     start = torch.cat([lo0[:, None], torch.where(change, p[:, 1:], lo0[:, None])], 1).cummax(1).values
@@ -353,7 +350,7 @@ def _mask(g: _Group, rows: torch.Tensor, plan: MultiplicityPlan, dtype: torch.dt
     """``log c`` over ``(N, tile, k_len)`` with ``-inf`` where ``c = 0`` (and above the diagonal when causal)."""
     n, kl = plan.k_len, g.k_len
     pos = rows + (n - plan.q_len)  # (N, tile) key positions of the queries
-    start, end = _row_bounds(g, pos, n, not plan.causal)
+    start, end = row_bounds(g, pos, n, not plan.causal)
     k0 = g.k_start[:, None, None]
     counts = torch.zeros((*rows.shape, kl + 1), dtype=dtype, device=rows.device)
     ones = torch.ones((), dtype=dtype, device=rows.device).expand(start.shape)
@@ -404,7 +401,7 @@ def multiplicity_forward(
     b, _, lq, d = q.shape
     for group in plan.groups:
         for g in _chunks(group.to(q.device), plan.num_samples, b, d):
-            rows, _ = _rows(g, lq)
+            rows, _ = tile_rows(g, lq)
             keys = _keys(g, plan.k_len)
             mask = _mask(g, rows, plan, cd)
             qg = _gather(q, g.head, rows).to(cd)
@@ -433,7 +430,7 @@ def multiplicity_backward(
     dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
     for group in plan.groups:
         for g in _chunks(group.to(q.device), plan.num_samples, b, d):
-            rows, real = _rows(g, lq)
+            rows, real = tile_rows(g, lq)
             keys = _keys(g, n)
             mask = _mask(g, rows, plan, cd)
             qg = _gather(q, g.head, rows).to(cd)

@@ -21,7 +21,14 @@ import torch
 from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
 from positional_lsh.ops.schemes import get_scheme
 
-__all__ = ["MAX_DENSE_ELEMENTS", "Partitions", "Segment", "check_partitions", "sample_partitions"]
+__all__ = [
+    "MAX_DENSE_ELEMENTS",
+    "Partitions",
+    "Segment",
+    "check_partitions",
+    "check_slopes_match",
+    "sample_partitions",
+]
 
 # Dense validation helpers refuse to build more than this many mask entries.
 MAX_DENSE_ELEMENTS = 2**28
@@ -421,3 +428,19 @@ def check_partitions(partitions: object, num_heads: int, seq_len: int) -> None:
             f"partitions were drawn for seq_len={partitions.seq_len}, but k has {seq_len} positions "
             "(use partitions.with_seq_len(n) to reuse them at another length)"
         )
+
+
+def check_slopes_match(slopes: SlopesLike, partitions: Partitions, num_heads: int) -> None:
+    """Raise ``ValueError`` when a call passes both ``slopes`` and ``partitions`` and they disagree.
+
+    ``slopes`` (``None``, one float, or ``(num_heads,)``) is read as for sampling
+    (:func:`~positional_lsh.ops._checks.as_slopes`) and compared with ``partitions.slopes`` by ``torch.allclose``;
+    ``None`` always matches. Under ``torch.compile`` a given ``slopes`` is refused (the comparison reads the data).
+    Partitions that are not a :class:`Partitions` for ``num_heads`` heads are left to :func:`check_partitions`.
+    """
+    if slopes is None or not isinstance(partitions, Partitions) or partitions.num_heads != num_heads:
+        return
+    if torch.compiler.is_compiling():
+        raise ValueError("under torch.compile, pass partitions= without slopes= (comparing them reads the data)")
+    if not torch.allclose(as_slopes(slopes, num_heads), partitions.slopes):
+        raise ValueError("slopes differ from partitions.slopes; pass one or the other")

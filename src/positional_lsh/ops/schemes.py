@@ -23,7 +23,7 @@ A *scheme* is a sampler of ``T`` such ``(pitch, shift)`` pairs per head plus wha
 
 The registry is read when it is used (:func:`scheme_names`, :func:`get_scheme`), so a scheme added with
 :func:`register_scheme` is accepted everywhere a scheme name is (``sample_partitions``, ``plsh_attention``,
-``PositionalLSHAttention``, ``ModelConfig``, the CLIs).
+``PositionalLSHAttention``, ``ModelConfig``, the CLIs); :func:`unregister_scheme` removes an added one again.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from positional_lsh.ops.variance_reduced import (
     sample_gamma_strat,
 )
 
-__all__ = ["Sampler", "Scheme", "get_scheme", "register_scheme", "scheme_names"]
+__all__ = ["Sampler", "Scheme", "get_scheme", "register_scheme", "scheme_names", "unregister_scheme"]
 
 Sampler = Callable[[torch.Tensor, int, "torch.Generator | None"], tuple[torch.Tensor, torch.Tensor]]
 
@@ -71,6 +71,7 @@ class Scheme:
 
 
 _REGISTRY: dict[str, Scheme] = {}
+_BUILT_IN: frozenset[str] = frozenset()  # the names registered by this module (set at its end)
 
 
 def _flag(name: str, value: object) -> bool:
@@ -124,6 +125,23 @@ def register_scheme(
     scheme = Scheme(name, sampler, unbiased, integer, coupled, name if base is None else base)
     _REGISTRY[name] = scheme
     return scheme
+
+
+def unregister_scheme(name: str) -> None:
+    """Remove the scheme ``name`` that :func:`register_scheme` added.
+
+    Raises:
+        ValueError: naming the scheme if it is not registered, is one of the built-in schemes, or is the ``base``
+            of another registered scheme (unregister that one first).
+    """
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"scheme {name!r} is not registered; known: {scheme_names()}")
+    if name in _BUILT_IN:
+        raise ValueError(f"scheme {name!r} is built in and cannot be unregistered")
+    derived = [s.name for s in _REGISTRY.values() if s.base == name and s.name != name]
+    if derived:
+        raise ValueError(f"scheme {name!r} is the base of {derived}; unregister those first")
+    del _REGISTRY[name]
 
 
 def get_scheme(name: str) -> Scheme:
@@ -188,3 +206,4 @@ register_scheme("gamma-strat", sample_gamma_strat, unbiased=True, integer=False,
 register_scheme(
     "discrete-antithetic", sample_discrete_antithetic, unbiased=True, integer=True, coupled=True, base="discrete"
 )
+_BUILT_IN = frozenset(_REGISTRY)

@@ -29,7 +29,11 @@ for every gradient) and GQA needs no reduction over query heads afterwards; the 
 ``q . k`` and ``p`` twice, the standard trade-off of Triton's flash-attention backward.
 ``delta = rowsum(dout * out)`` is one torch op before them.
 
-``import triton`` is optional: without it this module still imports and the entry point raises a clear
+This module is a backend of :mod:`positional_lsh.ops.engine` (``triton_plan`` → ``triton_forward`` →
+``triton_backward``); the entry point is ``plsh_attention(..., backend="triton")`` (or ``backend="auto"`` with
+``method="multiplicity"`` on CUDA), which adds the op's non-finite-key rule and autograd.
+
+``import triton`` is optional: without it this module still imports and :func:`check_triton_call` raises a clear
 error. On CPU tensors the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton
 is imported) — that is how the tests run; they have not been run or timed on a GPU here.
 """
@@ -40,9 +44,8 @@ import os
 
 import torch
 
-from positional_lsh.ops._checks import as_scale, check_qkv
 from positional_lsh.ops.multiplicity import sample_bounds
-from positional_lsh.ops.partitions import Partitions, check_partitions
+from positional_lsh.ops.partitions import Partitions
 
 try:  # optional dependency: the package imports without it
     import triton
@@ -51,7 +54,13 @@ except ImportError:  # pragma: no cover - tests/test_triton.py runs this in a su
     triton = None
     tl = None
 
-__all__ = ["multiplicity_attention_triton", "multiplicity_forward_triton", "triton_available"]
+__all__ = [
+    "check_triton_call",
+    "triton_available",
+    "triton_backward",
+    "triton_forward",
+    "triton_plan",
+]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
@@ -71,7 +80,7 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and _interpreting()
 
 
-def _blocks(head_dim: int) -> tuple[int, int]:
+def block_sizes(head_dim: int) -> tuple[int, int]:
     """``(BLOCK_M, BLOCK_N)``: query rows per program and keys per inner step (not tuned on a GPU)."""
     return (64, 64) if head_dim <= 64 else (64, 32)
 
@@ -384,13 +393,15 @@ if triton is not None:
         )
 
 
-def _bounds(
+def triton_plan(
     partitions: Partitions, q_len: int, causal: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``starts, ends (Hq, T, Lq)`` and ``row_lo, row_hi (Hq, Lq)``, int32 on ``device``.
+    """The kernels' plan: ``starts, ends (Hq, T, Lq)`` and ``row_lo, row_hi (Hq, Lq)``, int32 on ``device``.
 
     ``ends`` is ``starts`` (unused by the kernels) when causal; ``row_hi`` is ``i + 1`` then.
     """
+    if partitions.num_samples >= 2**31 or partitions.seq_len >= 2**31:
+        raise ValueError("partitions: num_samples and seq_len must fit in int32")
     n = partitions.seq_len
     pitch = partitions.pitch.to(device).t()[:, :, None]  # (H, T, 1) float64
     shift = partitions.shift.to(device).t()[:, :, None]
@@ -406,35 +417,42 @@ def _bounds(
     return as32(start), as32(end), as32(row_lo), as32(row_hi)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: object) -> int:
-    """Validate; returns the head dim."""
-    _, hq, _, _, lk, d = check_qkv(q, k, v)
+def check_triton_call(q: torch.Tensor) -> None:
+    """Raise unless the Triton kernels can run on ``q (B, Hq, Lq, d)``: triton installed, a supported dtype and
+    head dim, a CUDA device (or the interpreter on the CPU)."""
+    if triton is None:
+        raise ImportError(
+            "the Triton path needs the optional dependency triton (pip install triton); "
+            "without it use plsh_attention(..., method='multiplicity') with backend='auto' (the torch path)"
+        )
     if q.dtype not in DTYPES:
         raise ValueError(
             f"q: the Triton kernels take float32, bfloat16 or float16, got {q.dtype} "
             "(float64: use plsh_attention(..., method='multiplicity') with backend='auto' or 'math')"
         )
-    if d > MAX_HEAD_DIM:
-        raise ValueError(f"q: head_dim must be <= {MAX_HEAD_DIM} for the Triton kernels, got {d}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"q: head_dim must be <= {MAX_HEAD_DIM} for the Triton kernels, got {q.shape[-1]}")
     if q.device.type == "cpu" and not _interpreting():
         raise ValueError(
             "q: the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
             "(the slow CPU interpreter, for tests); got tensors on cpu"
         )
-    check_partitions(partitions, hq, lk)
-    if partitions.num_samples >= 2**31 or lk >= 2**31:
-        raise ValueError("partitions: num_samples and seq_len must fit in int32")
-    return d
 
 
-def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[torch.Tensor, ...], causal: bool, scale: float
+def triton_forward(
+    bounds: tuple[torch.Tensor, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of ``_fwd``: ``out`` (``q``'s dtype and layout) and ``lse (B, Hq, Lq)`` float32."""
+    """One launch of ``_fwd`` for contiguous ``q, k, v`` and the plan ``bounds`` of :func:`triton_plan`:
+    ``out`` (``q``'s dtype) and ``lse (B, Hq, Lq)`` float32."""
     starts, ends, row_lo, row_hi = bounds
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    block_m, block_n = _blocks(d)
+    block_m, block_n = block_sizes(d)
     block_d = max(16, triton.next_power_of_2(d))
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
@@ -451,154 +469,49 @@ def _forward(
     return out, lse
 
 
-class _TritonMultiplicity(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        bounds: tuple[torch.Tensor, ...],
-        causal: bool,
-        scale: float,
-    ) -> torch.Tensor:
-        # Contiguous (a no-op for contiguous inputs): the gradients are allocated alike and share the strides.
-        q, k, v = (x.contiguous() for x in (q, k, v))
-        out, lse = _forward(q, k, v, bounds, causal, scale)
-        starts, ends, row_lo, row_hi = bounds
-        ctx.save_for_backward(q, k, v, out, lse, starts, ends, row_lo, row_hi)
-        ctx.causal, ctx.scale = causal, scale
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, starts, ends, row_lo, row_hi = ctx.saved_tensors
-        causal, scale = ctx.causal, ctx.scale
-        dout = dout.contiguous()
-        b, hq, lq, d = q.shape
-        hkv, lk = k.shape[1], k.shape[2]
-        t = starts.shape[1]
-        block_m, block_n = _blocks(d)
-        block_d = max(16, triton.next_power_of_2(d))
-        ieee = q.dtype == torch.float32
-        delta = (dout.float() * out.float()).sum(-1).contiguous()  # (B, Hq, Lq)
-        # Key block [k0, k0 + BLOCK_N) is reached by the rows with row_hi > k0 and row_lo < k0 + BLOCK_N.
-        num_kb = triton.cdiv(lk, block_n)
-        k0 = torch.arange(0, num_kb * block_n, block_n, device=q.device, dtype=torch.int32)
-        k0 = k0.expand(hq, -1).contiguous()
-        q_first = torch.searchsorted(row_hi, k0, right=True).to(torch.int32).contiguous()
-        q_last = torch.searchsorted(row_lo, k0 + block_n).to(torch.int32).contiguous()
-        # All contiguous: the kernels index dq with q's strides, dk with k's and dv with v's.
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _bwd_dq[(triton.cdiv(lq, block_m), b * hq)](
-            q, k, v, dout, starts, ends, row_lo, row_hi, lse, delta, dq,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            hq, hq // hkv, lq, lk, t, d, scale,
-            CAUSAL=causal, IEEE=ieee, UPCAST=_upcast(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        )  # fmt: skip
-        _bwd_dkdv[(num_kb, b * hkv)](
-            q, k, v, dout, starts, ends, q_first, q_last, lse, delta, dk, dv,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            hq, hkv, hq // hkv, lq, lk, t, d, num_kb, scale,
-            CAUSAL=causal, IEEE=ieee, UPCAST=_upcast(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None
-
-
-def _prepare(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: object, causal: object, scale: float | None
-) -> tuple[tuple[torch.Tensor, ...], float]:
-    """Checks and the per-row bounds on the tensors' device."""
-    if triton is None:
-        raise ImportError(
-            "the Triton path needs the optional dependency triton (pip install triton); "
-            "without it use plsh_attention(..., method='multiplicity') with backend='auto' (the torch path)"
-        )
-    d = _check_inputs(q, k, v, partitions)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    scale_f = as_scale(scale, d)
-    return _bounds(partitions, q.shape[2], causal, q.device), scale_f
-
-
-def multiplicity_forward_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    partitions: Partitions,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward only, no autograd: ``(out, lse)`` of :func:`multiplicity_attention_triton`.
-
-    ``lse (B, Hq, Lq)`` float32 is the natural-log ``logsumexp_j(scale * q_i . k_j + log c[i,j])``.
-    """
-    bounds, scale_f = _prepare(q, k, v, partitions, causal, scale)
-    with torch.no_grad():
-        return _forward(q.contiguous(), k.contiguous(), v.contiguous(), bounds, causal, scale_f)
-
-
-def multiplicity_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    partitions: Partitions,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Positional-LSH attention in the multiplicity form, computed by Triton kernels (the GPU path).
-
-    Computes ``out_i = softmax_j(scale * q_i . k_j + log c[i,j]) v_j``, ``c[i,j]`` the number of the ``T``
-    sampled partitions of the head in which ``i`` and ``j`` share a block (``Mbar = c / T``; the ``1/T``
-    cancels). In expectation over the partitions the weights are the ALiBi weights: the bias approximated is
-    ``-slope[h] * |i - j|``, added after scaling (a penalty, so far keys get less weight). Same estimator
-    and partitions as ``plsh_attention(..., method="multiplicity")``.
-
-    Args:
-        q: ``(B, Hq, Lq, d)`` queries; float32, bfloat16 or float16 (float64 is refused: use the torch path).
-            ``d <= 256`` (any size: the kernels pad the head dim to a power of two >= 16).
-        k: ``(B, Hkv, Lk, d)`` keys, ``Hq % Hkv == 0`` (query head ``h`` uses key/value head
-            ``h // (Hq // Hkv)``), ``Lq <= Lk``; queries are aligned to the last ``Lq`` keys.
-        v: ``(B, Hkv, Lk, d)`` values.
-        partitions: :class:`~positional_lsh.Partitions` with ``num_heads == Hq`` and ``seq_len == Lk``.
-        causal: restrict query ``i`` to keys ``j <= i``.
-        scale: score scale, default ``1/sqrt(d)``.
-
-    Returns:
-        ``(B, Hq, Lq, d)`` in ``q``'s dtype; differentiable w.r.t. ``q``, ``k``, ``v`` (exact gradients, fp32
-        accumulation). Tensors must be on a CUDA device, or on the CPU with ``TRITON_INTERPRET=1`` set before
-        triton is imported (Triton's interpreter; slow, for tests). Non-finite keys/values are not isolated
-        here (they may reach rows whose key blocks cover them); ``plsh_attention(backend="triton")`` applies the
-        op's rule around this function.
-    """
-    bounds, scale_f = _prepare(q, k, v, partitions, causal, scale)
-    return _TritonMultiplicity.apply(q, k, v, bounds, causal, scale_f)
-
-
-def plsh_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    partitions: object,
-    *,
-    causal: object,
-    scale: float | None,
-    method: object,
-) -> torch.Tensor:
-    """``plsh_attention(..., backend="triton")``: the Triton kernels compute the multiplicity form only."""
-    if method not in ("multiplicity", "auto"):
-        raise ValueError(
-            f"backend='triton' computes method='multiplicity' (or 'auto', which means it there), got method={method!r}"
-        )
-    return multiplicity_attention_triton(q, k, v, partitions, causal=causal, scale=scale)  # type: ignore[arg-type]
+def triton_backward(
+    bounds: tuple[torch.Tensor, ...],
+    saved: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` (the inputs' dtypes) from ``saved = (q, k, v, out, lse)`` (contiguous, as
+    :func:`triton_forward` took and returned them) and the upstream gradient ``dout``."""
+    q, k, v, out, lse = saved
+    starts, ends, row_lo, row_hi = bounds
+    dout = dout.contiguous()
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    t = starts.shape[1]
+    block_m, block_n = block_sizes(d)
+    block_d = max(16, triton.next_power_of_2(d))
+    ieee = q.dtype == torch.float32
+    delta = (dout.float() * out.float()).sum(-1).contiguous()  # (B, Hq, Lq)
+    # Key block [k0, k0 + BLOCK_N) is reached by the rows with row_hi > k0 and row_lo < k0 + BLOCK_N.
+    num_kb = triton.cdiv(lk, block_n)
+    k0 = torch.arange(0, num_kb * block_n, block_n, device=q.device, dtype=torch.int32)
+    k0 = k0.expand(hq, -1).contiguous()
+    q_first = torch.searchsorted(row_hi, k0, right=True).to(torch.int32).contiguous()
+    q_last = torch.searchsorted(row_lo, k0 + block_n).to(torch.int32).contiguous()
+    # All contiguous: the kernels index dq with q's strides, dk with k's and dv with v's.
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _bwd_dq[(triton.cdiv(lq, block_m), b * hq)](
+        q, k, v, dout, starts, ends, row_lo, row_hi, lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        hq, hq // hkv, lq, lk, t, d, scale,
+        CAUSAL=causal, IEEE=ieee, UPCAST=_upcast(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    )  # fmt: skip
+    _bwd_dkdv[(num_kb, b * hkv)](
+        q, k, v, dout, starts, ends, q_first, q_last, lse, delta, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        hq, hkv, hq // hkv, lq, lk, t, d, num_kb, scale,
+        CAUSAL=causal, IEEE=ieee, UPCAST=_upcast(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    )  # fmt: skip
+    return dq, dk, dv

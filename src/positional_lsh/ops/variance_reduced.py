@@ -30,11 +30,17 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["sample_discrete_antithetic", "sample_discrete_strat", "sample_gamma_strat"]
+__all__ = [
+    "discrete_pitch_quantile",
+    "sample_discrete_antithetic",
+    "sample_discrete_strat",
+    "sample_gamma_strat",
+    "stratified_group_size",
+]
 
 
-def _strat_group_size(t: int) -> int:
-    """Masks per shared pitch for the stratified schemes: ``round(sqrt(T) / 2)``, at least 1."""
+def stratified_group_size(t: int) -> int:
+    """Masks per shared pitch (K) of the stratified schemes for ``t`` masks: ``round(sqrt(t) / 2)``, at least 1."""
     return max(1, math.floor(math.sqrt(t) / 2.0 + 0.5))
 
 
@@ -57,7 +63,7 @@ def _bisect_decreasing(
     return hi
 
 
-def _discrete_pitch_quantile(surv: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def discrete_pitch_quantile(surv: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Smallest integer ``B >= 1`` with ``P[pitch > B] <= surv`` for the ``discrete`` law (``surv`` in (0, 1]).
 
     ``P[pitch > k] = P[G1 + G2 >= k] = x^k (1 + k (1 - x))`` with ``x = e^{-m}``; with ``surv`` uniform on
@@ -127,7 +133,7 @@ def _stratified_draw(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stratified pitches x systematic shifts (see the module docstring); ``(T, H)`` pitch and shift."""
     h = m.numel()
-    k = _strat_group_size(t) if group_size is None else group_size
+    k = stratified_group_size(t) if group_size is None else group_size
     groups = -(-t // k)
     group = torch.arange(t) // k
     first = torch.arange(groups) * k
@@ -160,7 +166,7 @@ def _stratified_draw(
 
 def sample_discrete_strat(m: torch.Tensor, t: int, g: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``"discrete-strat"``: stratified ``discrete`` pitches, systematic integer shifts."""
-    return _stratified_draw(m, t, g, _discrete_pitch_quantile, True)
+    return _stratified_draw(m, t, g, discrete_pitch_quantile, True)
 
 
 def sample_gamma_strat(m: torch.Tensor, t: int, g: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,15 +174,13 @@ def sample_gamma_strat(m: torch.Tensor, t: int, g: torch.Generator | None) -> tu
     return _stratified_draw(m, t, g, _gamma_pitch_quantile, False)
 
 
-def sample_discrete_antithetic(
-    m: torch.Tensor, t: int, g: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_discrete_antithetic(m: torch.Tensor, t: int, g: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``"discrete-antithetic"``: independent ``discrete`` pitches, each shared by two masks half a pitch apart."""
     h = m.numel()
     pairs = -(-t // 2)
     surv = 1.0 - torch.rand((pairs, h), generator=g, dtype=torch.float64)  # (0, 1]
     phase = torch.rand((pairs, h), generator=g, dtype=torch.float64)
-    pitch_p = _discrete_pitch_quantile(surv, m[None, :])
+    pitch_p = discrete_pitch_quantile(surv, m[None, :])
     pitch = pitch_p.repeat_interleave(2, dim=0)[:t]
     frac = torch.stack([phase, torch.frac(phase + 0.5)], dim=1).reshape(2 * pairs, h)[:t]
     shift = torch.minimum(torch.floor(frac * pitch), pitch - 1)

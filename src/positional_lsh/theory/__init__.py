@@ -6,9 +6,10 @@ and their mean ``Mbar``. One idea per module:
 
 * :mod:`positional_lsh.theory.bounds` — the paper's bounds (``Psi``, expectation and tail bounds, suggested
   sample counts) and the exact ``||A||_2``;
-* :mod:`positional_lsh.theory.operators` — ``A x`` and ``Mbar x`` without an ``n x n`` matrix;
-* :mod:`positional_lsh.theory.errors` — ``||Mbar - A||_2`` (Lanczos), ``max |Mbar - A|`` (exact), the §5.2
-  output metrics for given Q/K/V, and power-law fits of errors against ``T``;
+* :mod:`positional_lsh.theory.operators` — ``A x`` and ``Mbar x`` without an ``n x n`` matrix, and the block
+  starts of one sample;
+* :mod:`positional_lsh.theory.metrics` — ``||Mbar - A||_2`` (Lanczos), ``max |Mbar - A|`` (exact, matrix-free or
+  from a dense ``Mbar``), the §5.2 output metrics for given Q/K/V, and power-law fits of errors against ``T``;
 * :mod:`positional_lsh.theory.unbiased` — a statistical test that each mask is an exact sample;
 * :mod:`positional_lsh.theory.blocks` — block sizes, their work and high-probability bound, pitch caps;
 * :mod:`positional_lsh.theory.adversarial` — the uniform theorem's bound for all inputs, and adversaries;
@@ -31,11 +32,12 @@ from positional_lsh.theory.bounds import (
     tail_bound,
     tail_bound_epsilon,
 )
-from positional_lsh.theory.errors import (
+from positional_lsh.theory.metrics import (
     MaskErrors,
     OutputErrors,
     SpectralEstimate,
     dense_mask_errors,
+    dense_max_error,
     fit_power_law,
     mask_errors,
     max_error,
@@ -43,8 +45,7 @@ from positional_lsh.theory.errors import (
     samples_for_error,
     spectral_error,
 )
-from positional_lsh.theory.errors import _dense_max_error as _dense_max_error  # used by cli/validate.py
-from positional_lsh.theory.operators import MeanMaskOperator, alibi_matvec
+from positional_lsh.theory.operators import MeanMaskOperator, alibi_matvec, block_starts
 from positional_lsh.theory.unbiased import UnbiasednessResult, unbiasedness_test
 
 __all__ = [
@@ -60,9 +61,11 @@ __all__ = [
     "alibi_norm_bound",
     "alibi_spectral_norm",
     "block_size_bound",
+    "block_starts",
     "block_stats",
     "capped_bias",
     "dense_mask_errors",
+    "dense_max_error",
     "expected_error_bound",
     "fit_power_law",
     "mask_errors",

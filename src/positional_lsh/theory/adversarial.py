@@ -21,7 +21,7 @@ equal; one key aligned with the query at a chosen distance; the bound's extremal
 ascent on one row's scores ``s in [-c, c]^J`` (any row pattern is realizable: ``q_i = R e_1``,
 ``k_j = s_j / (scale R) e_1``, and ``v_j = ±e_2`` is optimal given ``s``), and projected gradient ascent on the
 full ``(q, k, v)`` with restarts (dense, float64, small ``n``). Every reported error is re-measured with the
-library's dense oracles (``dense_plsh_attention`` against ``alibi_attention``) on the realized input.
+library's ops (the dense oracle ``dense_plsh_attention`` against exact ``alibi_attention``) on the realized input.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from positional_lsh.ops.alibi import alibi_attention
 from positional_lsh.ops.partitions import Partitions
-from positional_lsh.ops.reference import alibi_attention, dense_plsh_attention
+from positional_lsh.ops.reference import dense_plsh_attention
 
 __all__ = [
     "AdversarialResult",
@@ -209,9 +210,10 @@ def realize_row_input(
 
 
 def _oracle_error(q, k, v, partitions: Partitions, head: int, scale: float, causal: bool) -> torch.Tensor:
-    """Per-row ``|out - out~|`` from the library's dense oracles, float64: ``(B, n)`` for inputs ``(B, 1, n, d)``.
+    """Per-row ``|out - out~|``, float64: ``(B, n)`` for inputs ``(B, 1, n, d)``.
 
-    Batch several inputs into one call: the oracle rebuilds ``Mbar`` (``O(T n^2)``) on every call.
+    ``out~`` by ``dense_plsh_attention``, ``out`` by exact ``alibi_attention``. Batch several inputs into one
+    call: the oracle rebuilds ``Mbar`` (``O(T n^2)``) on every call.
     """
     one = partitions.select(slice(None))
     sub = Partitions(one.seq_len, one.slopes[head : head + 1], one.pitch[:, head : head + 1],
@@ -296,7 +298,7 @@ class AdversarialResult:
     Attributes:
         seq_len, num_samples, slope, score_bound (``c = scale R^2``), radius (``R``), head_dim.
         gaussian: typical error (:func:`gaussian_error`).
-        worst: the largest ``max_i |out_i - out~_i|`` found (re-measured with the library's dense oracles).
+        worst: the largest ``max_i |out_i - out~_i|`` found (re-measured with the library's ops).
         worst_by: the adversary that found it; ``found``: every adversary's error.
         bound_tight, bound_simple: :class:`UniformBound`.
         violation: ``worst > bound_tight`` beyond rounding (``1e-9`` relative; the bound is attained exactly at

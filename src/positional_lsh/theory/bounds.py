@@ -22,11 +22,12 @@ error is ``||Mbar - A||_2 / ||A||_2``.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
 import numpy as np
 from scipy.linalg import eigvalsh_tridiagonal
+
+from positional_lsh.ops._checks import check_int, positive_int
 
 __all__ = [
     "alibi_norm_bound",
@@ -95,11 +96,10 @@ def alibi_norm_bound(sigma: ArrayLike) -> float | np.ndarray:
 
 
 def _check_n(seq_len: object) -> int:
-    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral):
-        raise TypeError(f"seq_len must be an int, got {type(seq_len).__name__}")
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2 (the bounds use log n), got {seq_len}")
-    return int(seq_len)
+    n = check_int("seq_len", seq_len)
+    if n < 2:
+        raise ValueError(f"seq_len must be >= 2 (the bounds use log n), got {n}")
+    return n
 
 
 def _check_samples(num_samples: ArrayLike) -> np.ndarray:
@@ -170,12 +170,10 @@ def alibi_spectral_norm(seq_len: int, slope: float) -> float:
     ``(1 - x^2)`` over the smallest eigenvalue of that tridiagonal matrix (LAPACK bisection). Slope 0
     gives ``n`` (all ones).
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
-        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    n = positive_int("seq_len", seq_len)
     m = float(slope)
     if not math.isfinite(m) or m < 0:
         raise ValueError(f"slope must be finite and >= 0, got {slope}")
-    n = int(seq_len)
     if m == 0:
         return float(n)
     if n == 1:

@@ -5,20 +5,22 @@
   difference array of block sums for samples with few blocks).
 * ``A x`` costs ``O(n)`` by the two-sided first-order recurrence ``y_i = x_i + e^{-m} y_{i-1}``
   (:func:`alibi_matvec`).
+* The block starts of one sample (pitch, shift) in ``O(#blocks)`` (:func:`block_starts`), which the
+  operator and :func:`~positional_lsh.theory.metrics.max_error` build on.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 from scipy.signal import lfilter
 
+from positional_lsh.ops._checks import check_int
 from positional_lsh.ops.partitions import Partitions
 from positional_lsh.ops.schemes import scheme_names
 
-__all__ = ["MeanMaskOperator", "alibi_matvec"]
+__all__ = ["MeanMaskOperator", "alibi_matvec", "block_starts"]
 
 
 def alibi_matvec(x: np.ndarray, slope: float) -> np.ndarray:
@@ -37,7 +39,7 @@ def alibi_matvec(x: np.ndarray, slope: float) -> np.ndarray:
     return f + b - x
 
 
-def _block_starts(pitch: float, shift: float, n: int) -> np.ndarray:
+def block_starts(pitch: float, shift: float, n: int) -> np.ndarray:
     """Starts (int64, ascending, first is 0) of the blocks of ``0..n-1`` for one (pitch, shift).
 
     Exactly the runs of :meth:`Partitions.labels` (``label(i) = floor((i - shift) / pitch)``), computed in
@@ -83,12 +85,11 @@ class MeanMaskOperator:
     def __init__(self, partitions: Partitions, head: int = 0) -> None:
         if not isinstance(partitions, Partitions):
             raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
-        if isinstance(head, bool) or not isinstance(head, numbers.Integral):
-            raise TypeError(f"head must be an int, got {type(head).__name__}")
+        head = check_int("head", head)
         if not 0 <= head < partitions.num_heads:
             raise ValueError(f"head must be in [0, {partitions.num_heads}), got {head}")
         self.partitions = partitions
-        self.head = int(head)
+        self.head = head
         self.n = n = partitions.seq_len
         self.num_samples = t_total = partitions.num_samples
         self.slope = float(partitions.slopes[head])
@@ -110,7 +111,7 @@ class MeanMaskOperator:
                 self.identity_weight += c
                 self.num_blocks += n
                 continue
-            starts = _block_starts(p, s, n)
+            starts = block_starts(p, s, n)
             k = len(starts)
             self.num_blocks += k
             if k == 1:
@@ -133,6 +134,15 @@ class MeanMaskOperator:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.n, self.n)
+
+    @property
+    def distinct_samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct samples of this head and their multiplicities: ``((S, 2) float64, (S,) int64)``.
+
+        Row ``u`` of the first array is ``(pitch, shift)``; pitches ``<= 1`` (every position its own block) are
+        all stored as ``(1, 0)``. The counts sum to ``num_samples``.
+        """
+        return self._unique
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
         """``Mbar x``: ``x`` is ``(n,)`` float64, returns ``(n,)`` float64."""
@@ -180,7 +190,7 @@ class MeanMaskOperator:
                 starts_all[u] = rows
                 ends_all[u] = rows + 1
                 continue
-            starts = _block_starts(p, s, n)
+            starts = block_starts(p, s, n)
             idx = np.searchsorted(starts, rows, side="right") - 1
             ends = np.append(starts[1:], n)
             starts_all[u] = starts[idx]

@@ -36,19 +36,19 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from positional_lsh.cli.config import add_arguments
+from positional_lsh.cli.parsers import add_arguments, run_command
 from positional_lsh.cli.validate.adversarial import ADVERSARIAL_FIELDS, quick_adversarial
-from positional_lsh.cli.validate.config import (
+from positional_lsh.cli.validate.findings import findings as compute_findings
+from positional_lsh.cli.validate.inputs import load_contexts, load_shipped, slope_sets
+from positional_lsh.cli.validate.plots import plots as write_plots
+from positional_lsh.cli.validate.report import ReportData, report, write_csv
+from positional_lsh.cli.validate.settings import (
     UNBIASED_TEST_SLOPES,
     ValidateConfig,
     command_line,
     config_from_args,
     derive_seed,
 )
-from positional_lsh.cli.validate.findings import findings as compute_findings
-from positional_lsh.cli.validate.inputs import load_contexts, load_shipped, slope_sets
-from positional_lsh.cli.validate.plots import plots as write_plots
-from positional_lsh.cli.validate.report import ReportData, report, write_csv
 from positional_lsh.cli.validate.sweeps import (
     BLOCK_FIELDS,
     MEASUREMENT_FIELDS,
@@ -217,16 +217,12 @@ def _json_default(o: Any) -> Any:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_from_args(args)
-    except (TypeError, ValueError) as exc:
-        print(f"plsh validate: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = run_validation(cfg)
-    except (NotImplementedError, FileNotFoundError, ValueError) as exc:
-        print(f"plsh validate: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(args, ValidateConfig, _validate_and_summarize)
+
+
+def _validate_and_summarize(cfg: ValidateConfig) -> None:
+    """``plsh validate``: :func:`run_validation`, then the report's path and the main findings on stdout."""
+    result = run_validation(cfg)
     print(f"report: {result.files.get('report', result.files.get('adversarial_md'))}")
     f = result.findings
     if "adversarial_violations" in f:
@@ -239,7 +235,6 @@ def _run_cli(args: argparse.Namespace) -> int:
             f"under the expectation bound: {100 * f['under_expected_bound']:.1f}% "
             f"(bound/error median {f['bound_over_error_median']:.1f})"
         )
-    return 0
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from positional_lsh.cli.validate.config import ValidateConfig, derive_seed
 from positional_lsh.cli.validate.report import write_csv
+from positional_lsh.cli.validate.settings import ValidateConfig, derive_seed
 from positional_lsh.ops.partitions import sample_partitions
 from positional_lsh.theory.adversarial import adversarial_search
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from positional_lsh.cli.validate.config import ValidateConfig, derive_seed, parse_slope_mode
+from positional_lsh.cli.validate.settings import ValidateConfig, derive_seed, parse_slope_mode
+from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.slopes import alibi_slopes
 from positional_lsh.theory.capture import (
     LayerQKV,
@@ -44,7 +45,7 @@ def load_shipped() -> tuple[torch.nn.Module, Callable[[str], Sequence[int]], str
         from positional_lsh.lm.checkpoint import load_shipped_model
         from positional_lsh.lm.data import corpus_splits
     except ImportError as exc:
-        raise NotImplementedError(
+        raise UserError(
             f"the project's shipped model and corpus are not available ({exc}); use --source synthetic, or "
             "--source checkpoint --checkpoint DIR --text FILE"
         ) from None

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from positional_lsh.cli.validate.config import ValidateConfig
 from positional_lsh.cli.validate.findings import geomean, mean, unique_mask_rows
+from positional_lsh.cli.validate.settings import ValidateConfig
 
 __all__ = ["plots"]
 

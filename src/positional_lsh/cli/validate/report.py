@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from positional_lsh.cli.validate.config import SLOPE_RANGE, ValidateConfig, command_line
 from positional_lsh.cli.validate.findings import base_scheme, mean, unique_mask_rows
+from positional_lsh.cli.validate.settings import SLOPE_RANGE, ValidateConfig, command_line
 from positional_lsh.ops.schemes import get_scheme
 
 __all__ = ["ReportData", "report", "write_csv"]

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from positional_lsh import theory
-from positional_lsh.cli.validate.config import UNBIASED_TEST_SLOPES, ValidateConfig, derive_seed
 from positional_lsh.cli.validate.inputs import Context
+from positional_lsh.cli.validate.settings import UNBIASED_TEST_SLOPES, ValidateConfig, derive_seed
 from positional_lsh.ops.partitions import Partitions, sample_partitions
 from positional_lsh.ops.schemes import get_scheme
 
@@ -116,7 +116,7 @@ def _mask_measure(
     # The matrix-free matvec is much cheaper than a dense one, even when the dense Mbar is at hand.
     spec = theory.spectral_error(parts, hi, tol=tol, operator=op)
     norm_a = theory.alibi_spectral_norm(parts.seq_len, op.slope)
-    mx = theory._dense_max_error(dense, op.slope) if dense is not None else theory.max_error(parts, hi, operator=op)
+    mx = theory.dense_max_error(dense, op.slope) if dense is not None else theory.max_error(parts, hi, operator=op)
     return op, {
         "spectral": spec.value,
         "spectral_residual": spec.residual,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from positional_lsh.integrations.hf.swap import _attend_native, _check_dropout, _check_no_attentions, _swap_of
+from positional_lsh.integrations.hf.forward import attend_native, check_dropout, check_no_attentions, swap_of
 
 __all__ = ["bloom_forward"]
 
@@ -28,13 +28,13 @@ def bloom_forward(
     output_attentions: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    _check_no_attentions(output_attentions)
-    swap = _swap_of(self)
-    _check_dropout(self, self.attention_dropout.p)
+    check_no_attentions(output_attentions)
+    swap = swap_of(self)
+    check_dropout(self, self.attention_dropout.p)
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # (B, H, L, d) each
     if layer_past is not None:
         k, v = layer_past.update(k, v, self.layer_idx)
-    ctx = _attend_native(self, swap, q, k, v, attention_mask, self.inv_norm_factor)  # (B, L, H * d)
+    ctx = attend_native(self, swap, q, k, v, attention_mask, self.inv_norm_factor)  # (B, L, H * d)
     if self.pretraining_tp > 1 and self.slow_but_exact:
         slices = self.hidden_size / self.pretraining_tp
         out = torch.zeros_like(ctx)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.swap import _attend_native, _check_dropout, _check_no_attentions, _swap_of
+from positional_lsh.integrations.hf.forward import attend_native, check_dropout, check_no_attentions, swap_of
 
 __all__ = ["falcon_forward"]
 
@@ -30,9 +30,9 @@ def falcon_forward(
     position_embeddings: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    _check_no_attentions(output_attentions)
-    swap = _swap_of(self)
-    _check_dropout(self, self.attention_dropout.p)
+    check_no_attentions(output_attentions)
+    swap = swap_of(self)
+    check_dropout(self, self.attention_dropout.p)
     num_kv_heads = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
     q, k, v = self._split_heads(self.query_key_value(hidden_states))  # (B, L, heads, d)
     b, lq = q.shape[:2]
@@ -41,4 +41,4 @@ def falcon_forward(
     v = v.transpose(1, 2).reshape(b, num_kv_heads, lq, self.head_dim)
     if layer_past is not None:
         k, v = layer_past.update(k, v, self.layer_idx)
-    return self.dense(_attend_native(self, swap, q, k, v, attention_mask, self.inv_norm_factor)), None
+    return self.dense(attend_native(self, swap, q, k, v, attention_mask, self.inv_norm_factor)), None

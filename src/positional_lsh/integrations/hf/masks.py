@@ -1,8 +1,9 @@
 """The mask side of the swap: a ``(B, n)`` key-validity mask instead of transformers' ``(B, 1, n, n)`` mask.
 
-:func:`_mask_interface` is registered in transformers' ``AttentionMaskInterface`` under
-:data:`ATTN_IMPLEMENTATION`; the attention then receives only the padding (causality is applied by the attention
-itself), checks it with :func:`_key_valid` and splits each batch row into its valid run with :func:`_row_ranges`.
+:func:`padding_mask_interface` is registered in transformers' ``AttentionMaskInterface`` under
+:data:`ATTN_IMPLEMENTATION` (by the package ``__init__``); the attention then receives only the padding (causality
+is applied by the attention itself), checks it with :func:`key_validity` and splits each batch row into its valid
+run with :func:`valid_runs`. This module imports nothing else from the integration.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from typing import Any
 import torch
 from transformers.masking_utils import causal_mask_function
 
-__all__ = ["ATTN_IMPLEMENTATION"]
+__all__ = ["ATTN_IMPLEMENTATION", "key_validity", "padding_mask_interface", "valid_runs"]
 
 #: Name under which the attention and mask functions are registered in transformers.
 ATTN_IMPLEMENTATION = "positional_lsh"
 
 
-def _mask_interface(
+def padding_mask_interface(
     batch_size: int,
     q_length: int,
     kv_length: int,
@@ -56,8 +57,12 @@ def _mask_interface(
     return attention_mask[:, -kv_length:].to(torch.bool)
 
 
-def _key_valid(attention_mask: object, batch: int, k_len: int) -> torch.Tensor | None:
-    """The ``(B, Lk)`` key-validity mask handed down by :func:`_mask_interface` (or ``None``)."""
+def key_validity(attention_mask: object, batch: int, k_len: int) -> torch.Tensor | None:
+    """The attention's ``attention_mask`` argument as a ``(batch, k_len)`` bool key-validity mask.
+
+    ``None`` stays ``None`` (every key valid). Anything but the 2-D mask :func:`padding_mask_interface` hands down
+    (a 4-D or custom mask) raises ``ValueError``.
+    """
     if attention_mask is None:
         return None
     if (
@@ -73,8 +78,11 @@ def _key_valid(attention_mask: object, batch: int, k_len: int) -> torch.Tensor |
     )
 
 
-def _row_ranges(key_valid: torch.Tensor) -> list[tuple[int, int]]:
-    """``(first, end)`` of the contiguous run of valid keys of every row; ``ValueError`` for holes."""
+def valid_runs(key_valid: torch.Tensor) -> list[tuple[int, int]]:
+    """``(first, end)`` of the contiguous run of valid keys of every row of ``key_valid (B, Lk)`` (bool).
+
+    A row without valid keys gives ``(0, 0)``; padding between valid keys raises ``ValueError``.
+    """
     n = key_valid.shape[-1]
     pos = torch.arange(n, device=key_valid.device)
     first = torch.where(key_valid, pos, n).amin(-1)

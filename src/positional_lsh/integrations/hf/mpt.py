@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.swap import _attend_native, _check_dropout, _swap_of
+from positional_lsh.integrations.hf.forward import attend_native, check_dropout, swap_of
 
 __all__ = ["mpt_forward"]
 
@@ -23,8 +23,8 @@ def mpt_forward(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    swap = _swap_of(self)
-    _check_dropout(self, self.attn_dropout_p)
+    swap = swap_of(self)
+    check_dropout(self, self.attn_dropout_p)
     b, lq = hidden_states.shape[:2]
     mixed = self.Wqkv(hidden_states)
     if self.clip_qkv:
@@ -32,4 +32,4 @@ def mpt_forward(
     q, k, v = (x.reshape(b, lq, self.n_heads, self.head_dim).transpose(1, 2) for x in mixed.chunk(3, dim=2))
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-    return self.out_proj(_attend_native(self, swap, q, k, v, attention_mask, self.softmax_scale)), None
+    return self.out_proj(attend_native(self, swap, q, k, v, attention_mask, self.softmax_scale)), None

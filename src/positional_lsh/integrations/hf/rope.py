@@ -1,9 +1,9 @@
 """The RoPE family (Llama, Mistral, Qwen2, Qwen3) in the paper's setup, through transformers' attention registry.
 
 The rotary embedding is neutralized (it returns ``cos = 1, sin = 0``, so ``apply_rotary_pos_emb`` is the
-identity) and :func:`_attention_function`, registered under ``"positional_lsh"`` in transformers'
+identity) and :func:`attention_function`, registered under ``"positional_lsh"`` in transformers'
 ``AttentionInterface``, runs the swap's attention; :func:`install` selects it with
-``model.set_attn_implementation``.
+``model.set_attn_implementation`` after :func:`check_installable` has found the rotary embeddings.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, _key_valid
-from positional_lsh.integrations.hf.swap import _check_dropout, _check_no_attentions, _set_instance_attr, _swap_of
+from positional_lsh.integrations.hf.forward import check_dropout, check_no_attentions, set_instance_attr, swap_of
+from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, key_validity
 
-__all__: list[str] = []
+__all__ = ["attention_function", "check_installable", "install"]
 
 
-def _attention_function(
+def attention_function(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -39,7 +39,7 @@ def _attention_function(
     ``query (B, Hq, Lq, d)``, ``key, value (B, Hkv, Lk, d)`` (after the model's — neutralized — rotary
     embedding and KV cache); returns ``((B, Lq, Hq, d), None)``.
     """
-    swap = _swap_of(module)
+    swap = swap_of(module)
     if is_causal is False or getattr(module, "is_causal", True) is False:
         raise ValueError("positional_lsh attention is causal only; this module asked for non-causal attention")
     if sliding_window is not None:
@@ -48,12 +48,12 @@ def _attention_function(
         raise ValueError("attention logit soft-capping is not supported by positional_lsh attention")
     if kwargs.get("s_aux") is not None:
         raise ValueError("attention sinks are not supported by positional_lsh attention")
-    _check_no_attentions(kwargs.get("output_attentions", False))
+    check_no_attentions(kwargs.get("output_attentions", False))
     if dropout:
-        _check_dropout(module, float(dropout))
+        check_dropout(module, float(dropout))
     b, lk = query.shape[0], key.shape[-2]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = swap.attend(module.layer_idx, module.training, query, key, value, _key_valid(attention_mask, b, lk), scale)
+    out = swap.attend(module.layer_idx, module.training, query, key, value, key_validity(attention_mask, b, lk), scale)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -65,8 +65,11 @@ def _neutral_rotary(original: Callable[..., tuple[torch.Tensor, torch.Tensor]]) 
     return forward
 
 
-def _check_installable(model: nn.Module) -> list[nn.Module]:
-    """Refuse sliding-window layers; return the rotary embedding modules (checked before anything changes)."""
+def check_installable(model: nn.Module) -> list[nn.Module]:
+    """The rotary embedding modules of a RoPE-family ``model``, checked before anything is changed.
+
+    ``ValueError`` for models with sliding-window layers (``config.layer_types``) or without a rotary embedding.
+    """
     cfg = model.config
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
         raise ValueError(
@@ -88,7 +91,7 @@ def install(model: nn.Module, rotary: list[nn.Module], undo: list[Callable[[], N
         cfg.sliding_window = None
         undo.append(lambda: setattr(cfg, "sliding_window", old_window))
     for m in rotary:
-        _set_instance_attr(m, "forward", types.MethodType(_neutral_rotary(m.forward), m), undo)
+        set_instance_attr(m, "forward", types.MethodType(_neutral_rotary(m.forward), m), undo)
     old_impl = cfg._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     undo.append(lambda: model.set_attn_implementation(old_impl))

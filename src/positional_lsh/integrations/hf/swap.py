@@ -1,21 +1,22 @@
-"""The swap: :class:`AttentionSwap`, :func:`use_positional_lsh`, :func:`use_alibi`, :func:`restore` and friends.
+"""The installer: :func:`use_positional_lsh`, :func:`use_alibi`, :func:`restore` and friends.
 
 The model's family (:mod:`positional_lsh.integrations.families`) says how the attention is replaced: native
 ALiBi families (BLOOM, MPT, Falcon) get their family's replacement ``forward`` as an instance attribute of each
 attention module; the RoPE family goes through transformers' attention registry
-(:mod:`positional_lsh.integrations.hf.rope`). Every change is recorded and undone by :meth:`AttentionSwap.restore`.
+(:mod:`positional_lsh.integrations.hf.rope`). The installed :class:`AttentionSwap`
+(:mod:`~positional_lsh.integrations.hf.attention_swap`, re-exported here) records every change, and
+:meth:`AttentionSwap.restore` undoes them.
 
-Partitions are drawn per layer, independently across layers, from
-:func:`positional_lsh.ops._seeds.layer_seed` ``(seed, layer)`` (the formula the project's language model uses);
-in training mode from ``layer_seed(layer_seed(seed, layer), step)``.
+Partitions are drawn per layer, independently across layers, by a
+:class:`~positional_lsh.ops.sampling.PartitionSampler` seeded with ``layer_seed(seed, layer)``
+(:func:`positional_lsh.ops.sampling.layer_seed`, the formula the project's language model uses); in training mode
+step ``c`` draws from ``layer_seed(layer_seed(seed, layer), c)``.
 """
 
 from __future__ import annotations
 
-import numbers
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,13 +24,19 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from positional_lsh.integrations.families import FAMILIES, Family, attention_modules, family_of, native_slopes
-from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, _key_valid, _row_ranges
-from positional_lsh.ops._checks import as_slopes, as_window, positive_int
-from positional_lsh.ops._kernels import BACKENDS
-from positional_lsh.ops._seeds import layer_seed
-from positional_lsh.ops.attention import plsh_attention
-from positional_lsh.ops.partitions import Partitions, sample_partitions
-from positional_lsh.ops.reference import alibi_attention
+from positional_lsh.integrations.hf import rope
+from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
+from positional_lsh.integrations.hf.forward import check_no_attentions, set_instance_attr
+from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION
+from positional_lsh.ops._checks import as_slopes, as_window, check_bool, check_int
+from positional_lsh.ops.options import (
+    ALIBI_BACKENDS,
+    DEFAULT_BACKEND,
+    DEFAULT_METHOD,
+    check_backend,
+    check_method,
+)
+from positional_lsh.ops.sampling import PartitionSampler
 from positional_lsh.ops.slopes import alibi_slopes
 
 __all__ = [
@@ -48,138 +55,8 @@ NATIVE_ALIBI_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES if f.forward is 
 #: ``config.model_type`` values of rotary models run in the paper's setup (RoPE neutralized).
 ROPE_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES if f.registry for t in f.model_types)
 
-_SWAP_ATTR = "_positional_lsh_swap"
-
-
-@dataclass(eq=False)
-class AttentionSwap:
-    """The attention replacement installed on one model; returned by :func:`use_positional_lsh` / :func:`use_alibi`.
-
-    Use :meth:`restore` (or :func:`restore`, or the object as a context manager) to put the model's own
-    attention back. The attributes are read-only settings.
-
-    Attributes:
-        model: the model the swap is installed on.
-        family: ``"bloom"``, ``"mpt"``, ``"falcon"`` or ``"rope"`` (Llama family).
-        mode: ``"plsh"`` (positional LSH) or ``"alibi"`` (exact or windowed ALiBi).
-        slopes: ``(H,)`` float64 slopes in this library's convention (bias ``-slope |i - j|`` added after
-            scaling by ``1/sqrt(d)``).
-        num_samples, scheme, seed: positional-LSH settings (``None`` in ``"alibi"`` mode).
-        window: ``(H,)`` float64 largest kept distance ``|i - j|`` for windowed ALiBi, or ``None``.
-        resample_in_training: draw fresh partitions at every forward pass in training mode.
-        backend: kernel backend passed to the attention functions.
-    """
-
-    model: nn.Module = field(repr=False)
-    family: str
-    mode: str
-    slopes: torch.Tensor
-    num_samples: int | None = None
-    scheme: str | None = None
-    seed: int | None = None
-    window: torch.Tensor | None = None
-    resample_in_training: bool = True
-    backend: str = "auto"
-    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
-    _step: int = field(default=0, repr=False)
-    _eval_partitions: dict[int, Partitions] = field(default_factory=dict, repr=False)
-    _train_partitions: dict[int, tuple[int, Partitions]] = field(default_factory=dict, repr=False)
-    _active: bool = field(default=True, repr=False)
-
-    @property
-    def active(self) -> bool:
-        """Whether the swap is still installed."""
-        return self._active
-
-    def partitions(self, layer_idx: int, seq_len: int, *, training: bool = False) -> Partitions:
-        """The partitions layer ``layer_idx`` uses for ``seq_len`` keys (eval mode unless ``training``).
-
-        In training mode these are the current step's partitions (the step advances at each model call).
-        """
-        if self.mode != "plsh":
-            raise ValueError("partitions exist only in positional-LSH mode (use_positional_lsh)")
-        layer_idx = int(layer_idx)
-        seq_len = positive_int("seq_len", seq_len)
-        assert self.seed is not None and self.num_samples is not None and self.scheme is not None
-        if training and self.resample_in_training:
-            cached = self._train_partitions.get(layer_idx)
-            if cached is None or cached[0] != self._step:
-                gen = layer_seed(layer_seed(self.seed, layer_idx), self._step)
-                cached = (self._step, self._draw(gen))
-                self._train_partitions[layer_idx] = cached
-            return cached[1].with_seq_len(seq_len)
-        parts = self._eval_partitions.get(layer_idx)
-        if parts is None:
-            parts = self._eval_partitions[layer_idx] = self._draw(layer_seed(self.seed, layer_idx))
-        return parts.with_seq_len(seq_len)
-
-    def _draw(self, seed: int) -> Partitions:
-        assert self.num_samples is not None and self.scheme is not None
-        return sample_partitions(1, self.slopes, self.num_samples, scheme=self.scheme, generator=seed)
-
-    def _kernel(
-        self, layer_idx: int, training: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        if self.mode == "alibi":
-            return alibi_attention(
-                q, k, v, self.slopes, causal=True, window=self.window, scale=scale, backend=self.backend
-            )
-        parts = self.partitions(layer_idx, k.shape[-2], training=training)
-        return plsh_attention(q, k, v, partitions=parts, causal=True, scale=scale, backend=self.backend)
-
-    def attend(
-        self,
-        layer_idx: int,
-        training: bool,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_valid: torch.Tensor | None,
-        scale: float,
-    ) -> torch.Tensor:
-        """Causal attention of ``q (B, Hq, Lq, d)`` on ``k, v (B, Hkv, Lk, d)``, queries aligned to the last keys.
-
-        ``key_valid`` is ``None`` or a ``(B, Lk)`` bool mask; each row's valid keys must be contiguous and the
-        row is computed on them alone (positions counted from its first valid key). Query rows at padded
-        positions get zeros. Returns ``(B, Hq, Lq, d)``.
-        """
-        lq, lk = q.shape[-2], k.shape[-2]
-        if key_valid is None or bool(key_valid.all()):
-            return self._kernel(layer_idx, training, q, k, v, scale)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for row, rng in enumerate(_row_ranges(key_valid)):
-            groups.setdefault(rng, []).append(row)
-        q0 = lk - lq  # key position of the first query
-        out = q.new_zeros(q.shape)
-        for (first, end), rows in groups.items():
-            qs = max(first, q0)
-            if end <= qs:
-                continue  # every query of these rows is a padding position
-            idx = torch.tensor(rows, device=q.device)
-            sub = self._kernel(
-                layer_idx,
-                training,
-                q[idx][:, :, qs - q0 : end - q0],
-                k[idx][:, :, first:end],
-                v[idx][:, :, first:end],
-                scale,
-            )
-            out[idx, :, qs - q0 : end - q0] = sub
-        return out
-
-    def restore(self) -> None:
-        """Put the model's own attention back (idempotent)."""
-        if not self._active:
-            return
-        while self._undo:
-            self._undo.pop()()
-        self._active = False
-
-    def __enter__(self) -> AttentionSwap:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
+#: ``backend=`` values of :func:`use_alibi`: :data:`~positional_lsh.ops.options.BACKENDS` without ``"triton"``
+#: (exact and windowed ALiBi, :func:`~positional_lsh.alibi_attention`, have no Triton kernels).
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,7 +100,7 @@ def _attention_modules(model: nn.Module, family: Family) -> list[nn.Module]:
 
 def current_swap(model: nn.Module) -> AttentionSwap | None:
     """The :class:`AttentionSwap` installed on ``model``, or ``None``."""
-    swap = getattr(model, _SWAP_ATTR, None)
+    swap = getattr(model, SWAP_ATTR, None)
     return swap if isinstance(swap, AttentionSwap) and swap.active else None
 
 
@@ -237,77 +114,15 @@ def restore(model: nn.Module) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# Used by the replacement forwards
-# --------------------------------------------------------------------------------------------------
-
-
-def _swap_of(module: nn.Module) -> AttentionSwap:
-    swap = getattr(module, _SWAP_ATTR, None)
-    if not isinstance(swap, AttentionSwap) or not swap.active:
-        raise RuntimeError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} is set but this model was not prepared with "
-            "positional_lsh.integrations.hf.use_positional_lsh or use_alibi"
-        )
-    return swap
-
-
-def _attend_native(
-    module: nn.Module,
-    swap: AttentionSwap,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """A native forward's attention: ``q (B, Hq, Lq, d)`` on the cached ``k, v``, heads merged: ``(B, Lq, Hq * d)``."""
-    b, lq = q.shape[0], q.shape[-2]
-    ctx = swap.attend(module.layer_idx, module.training, q, k, v, _key_valid(attention_mask, b, k.shape[-2]), scale)
-    return ctx.transpose(1, 2).reshape(b, lq, -1)
-
-
-def _check_dropout(module: nn.Module, p: float) -> None:
-    if module.training and p > 0:
-        raise ValueError(
-            f"attention dropout (p={p}) is not supported by positional_lsh attention; set the model's attention "
-            "dropout to 0 for training, or call model.eval()"
-        )
-
-
-def _check_no_attentions(output_attentions: object) -> None:
-    if output_attentions:
-        raise ValueError(
-            "output_attentions=True is not supported: positional_lsh attention never materializes attention "
-            "probabilities"
-        )
-
-
-# --------------------------------------------------------------------------------------------------
 # Installing and removing
 # --------------------------------------------------------------------------------------------------
 
 
-def _set_instance_attr(obj: object, name: str, value: object, undo: list[Callable[[], None]]) -> None:
-    """Set ``obj.name`` in the instance ``__dict__``, recording how to undo it exactly."""
-    had, old = name in obj.__dict__, obj.__dict__.get(name)
-
-    def _undo() -> None:
-        if had:
-            obj.__dict__[name] = old
-        else:
-            obj.__dict__.pop(name, None)
-
-    obj.__dict__[name] = value
-    undo.append(_undo)
-
-
 def _install(model: nn.Module, swap: AttentionSwap, family: Family) -> None:
-    from positional_lsh.integrations.hf import rope
-
-    undo = swap._undo
+    """Install ``swap`` on ``model``: every change is recorded on the swap, or undone if installing fails."""
     mods = _attention_modules(model, family)
-    rotary = rope._check_installable(model) if family.registry else []
-    # From here on every change is recorded in `undo`.
+    rotary = rope.check_installable(model) if family.registry else []
+    undo: list[Callable[[], None]] = []  # from here on every change is recorded
     try:
         if family.registry:
             rope.install(model, rotary, undo)
@@ -319,43 +134,42 @@ def _install(model: nn.Module, swap: AttentionSwap, family: Family) -> None:
             undo.append(lambda: setattr(cfg, "_attn_implementation_internal", old_internal))
             fwd = family.load_forward()
             for m in mods:
-                _set_instance_attr(m, "forward", types.MethodType(fwd, m), undo)
+                set_instance_attr(m, "forward", types.MethodType(fwd, m), undo)
         for m in mods:
-            _set_instance_attr(m, _SWAP_ATTR, swap, undo)
+            set_instance_attr(m, SWAP_ATTR, swap, undo)
         handle = model.base_model.register_forward_pre_hook(_step_hook(swap), with_kwargs=True)
         undo.append(handle.remove)
-        _set_instance_attr(model, _SWAP_ATTR, swap, undo)
+        set_instance_attr(model, SWAP_ATTR, swap, undo)
     except BaseException:
         while undo:
             undo.pop()()
         raise
+    for change in undo:
+        swap.add_undo(change)
 
 
 def _step_hook(swap: AttentionSwap) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
     """Forward pre-hook of the base model: refuses ``output_attentions`` and advances the training step."""
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        _check_no_attentions(kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False))
+        check_no_attentions(kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False))
         if module.training:
             # A new step per model call, except calls continuing a KV cache (they keep the step's partitions).
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
-                swap._step += 1
+                swap.advance_step()
 
     return pre_hook
 
 
-def _prepare(model: nn.Module, slopes: object, backend: object) -> tuple[Family, torch.Tensor, str]:
+def _family_and_slopes(model: nn.Module, slopes: object) -> tuple[Family, torch.Tensor]:
+    """The model's swappable family and the ``(H,)`` float64 slopes to use (default: the model's own)."""
     family = _swappable_family(model)
     h = family.num_heads(model)
     if slopes is None:
         native = native_slopes(model)
-        m = native if native is not None else alibi_slopes(h).double()
-    else:
-        m = as_slopes(slopes, h)
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return family, m, backend
+        return family, native if native is not None else alibi_slopes(h).double()
+    return family, as_slopes(slopes, h)
 
 
 def use_positional_lsh(
@@ -366,7 +180,8 @@ def use_positional_lsh(
     seed: int | None = 0,
     slopes: torch.Tensor | float | list[float] | None = None,
     resample_in_training: bool = True,
-    backend: str = "auto",
+    backend: str = DEFAULT_BACKEND,
+    method: str = DEFAULT_METHOD,
 ) -> AttentionSwap:
     """Replace the attention of ``model`` by positional-LSH attention (the ALiBi estimator with ``T`` samples).
 
@@ -379,36 +194,37 @@ def use_positional_lsh(
         slopes: ``(H,)`` slopes or one float, in this library's convention (``-slope |i - j|`` after scaling).
             Default: the model's own slopes (native ALiBi models; Falcon's effective ``slope / sqrt(d)``) or the
             standard ALiBi schedule (Llama family). The paper's constant ``sigma = 256`` is ``slopes=1/256``.
-        resample_in_training: in training mode draw fresh partitions at every call of the model.
-        backend: ``"auto"``, ``"flash"`` or ``"math"`` (see :func:`positional_lsh.plsh_attention`).
+        resample_in_training: in training mode draw fresh partitions at every call of the model (``False``:
+            the eval partitions in training mode too).
+        backend: one of ``positional_lsh.ops.options.BACKENDS`` (``"auto"``, ``"flash"``, ``"math"``,
+            ``"triton"``), passed to :func:`positional_lsh.plsh_attention`.
+        method: one of ``positional_lsh.ops.options.METHODS`` (``"auto"``, ``"samples"``, ``"multiplicity"``),
+            passed to :func:`positional_lsh.plsh_attention`.
 
     Returns:
         the installed :class:`AttentionSwap` (also a context manager that restores the model on exit).
         A previous swap on the model is restored first.
     """
-    num_samples = positive_int("num_samples", num_samples)
-    if not isinstance(scheme, str):
-        raise TypeError(f"scheme must be a str, got {type(scheme).__name__}")
+    if seed is not None:
+        seed = check_int("seed", seed, minimum=0)
+    resample_in_training = check_bool("resample_in_training", resample_in_training)
+    backend, method = check_backend(backend), check_method(method)
+    family, m = _family_and_slopes(model, slopes)
+    # Validates num_samples and scheme (a layer's sampler is built the same way, AttentionSwap.sampler).
+    PartitionSampler(m.numel(), m, num_samples=num_samples, scheme=scheme, seed=0, eval_seed=0)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
-    elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-    elif seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
-    if not isinstance(resample_in_training, bool):
-        raise TypeError(f"resample_in_training must be a bool, got {type(resample_in_training).__name__}")
-    family, m, backend = _prepare(model, slopes, backend)
-    sample_partitions(1, m, 1, scheme=scheme, generator=0)  # validates the scheme
     swap = AttentionSwap(
         model,
         family.name,
         "plsh",
         m,
-        num_samples=num_samples,
+        num_samples=int(num_samples),
         scheme=scheme,
-        seed=int(seed),
+        seed=seed,
         resample_in_training=resample_in_training,
         backend=backend,
+        method=method,
     )
     restore(model)
     _install(model, swap, family)
@@ -420,7 +236,7 @@ def use_alibi(
     *,
     window: torch.Tensor | float | list[float] | None = None,
     slopes: torch.Tensor | float | list[float] | None = None,
-    backend: str = "auto",
+    backend: str = DEFAULT_BACKEND,
 ) -> AttentionSwap:
     """Replace the attention of ``model`` by the library's exact (or windowed) ALiBi attention.
 
@@ -431,12 +247,20 @@ def use_alibi(
         model: see :func:`use_positional_lsh`.
         window: ``None`` (exact), or the largest kept distance ``|i - j|`` (one number or one per head).
         slopes: see :func:`use_positional_lsh`.
-        backend: ``"auto"``, ``"flash"`` or ``"math"`` (see :func:`positional_lsh.alibi_attention`).
+        backend: one of :data:`ALIBI_BACKENDS` (``"auto"``, ``"flash"``, ``"math"``; see
+            :func:`positional_lsh.alibi_attention`). ``"triton"`` raises ``ValueError``: exact and windowed ALiBi
+            have no Triton kernels.
 
     Returns:
         the installed :class:`AttentionSwap` (a context manager that restores the model on exit).
     """
-    family, m, backend = _prepare(model, slopes, backend)
+    if backend == "triton":
+        raise ValueError(
+            "backend='triton' is not available for use_alibi: exact and windowed ALiBi (alibi_attention) have no "
+            f"Triton kernels; use one of {ALIBI_BACKENDS} (the Triton kernels serve use_positional_lsh)"
+        )
+    backend = check_backend(backend, ALIBI_BACKENDS)
+    family, m = _family_and_slopes(model, slopes)
     win = as_window(window, m.numel())
     swap = AttentionSwap(model, family.name, "alibi", m, window=win, backend=backend)
     restore(model)

@@ -4,9 +4,9 @@ A command's settings are a dataclass; each field that is a command-line option c
 metadata (written with :func:`option`): the help text, and where the field's name and type do not say it, the
 flag's name, a parser for its text and its choices. :func:`add_arguments` turns the dataclass into argparse
 arguments (the default, in the help, is the dataclass's), :func:`values_from_args` and :func:`config_from_args`
-turn the parsed namespace back into field values or an instance, and :func:`to_argv` writes the flags that
-reproduce an instance. Dataclasses owned elsewhere (``ModelConfig``) get their flags from a mapping
-``{field name: Flag}`` passed as ``flags=``.
+turn the parsed namespace back into field values or an instance, :func:`run_command` runs a command on its
+settings, and :func:`to_argv` writes the flags that reproduce an instance. Dataclasses owned elsewhere
+(``ModelConfig``) get their flags from a mapping ``{field name: Flag}`` passed as ``flags=``.
 
 Conventions:
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -281,15 +280,14 @@ def config_from_args(args: argparse.Namespace, cls: type, **overrides: Any) -> A
     return cls(**{**values_from_args(args, cls), **overrides})
 
 
-def run_command(command: str, args: argparse.Namespace, cls: type, run: Callable[[Any], object]) -> int:
-    """A ``plsh`` command's ``func``: ``run`` the ``cls`` settings read from ``args``; 0, or 2 when a setting is
-    refused (``TypeError``/``ValueError``, printed as ``plsh COMMAND: error: ...`` on stderr)."""
-    try:
-        cfg = config_from_args(args, cls)
-    except (TypeError, ValueError) as exc:
-        print(f"plsh {command}: error: {exc}", file=sys.stderr)
-        return 2
-    run(cfg)
+def run_command(args: argparse.Namespace, cls: type, run: Callable[[Any], object]) -> int:
+    """A ``plsh`` command's ``func``: ``run`` the ``cls`` settings read from ``args``; return 0.
+
+    Nothing is caught here: a setting ``cls`` refuses (``ValueError``/``TypeError``) or an error of ``run``
+    propagates to :func:`positional_lsh.cli.guarded`, which runs every command and turns a user's mistake into
+    one line on stderr and exit code 2.
+    """
+    run(config_from_args(args, cls))
     return 0
 
 

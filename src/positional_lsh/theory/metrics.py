@@ -9,6 +9,7 @@
   of samples in which ``i`` and ``i + d`` share a block is a difference of two counting functions of block
   starts and (ends - d), so each diagonal costs ``O(n + #blocks longer than d)``; diagonals whose error
   cannot beat the running maximum (by a bound from the longest block of each sample) are skipped.
+  From an already dense ``Mbar``: :func:`dense_max_error`.
 * For given ``Q, K, V`` (:func:`output_errors`): the exp-weighted form ``(E∘A)V`` vs ``(E∘Mbar)V`` with
   ``E = exp(s)``, the softmax form ``softmax(s + log A) V`` vs ``softmax(s + log Mbar) V``, row-wise relative
   errors (median, p90, p99) and cosine similarities: the paper's §5.2 metrics. These need ``O(n^2)`` time
@@ -26,17 +27,18 @@ import numpy as np
 import torch
 from scipy.linalg import eigh_tridiagonal
 
-from positional_lsh.ops._checks import as_scale
+from positional_lsh.ops._checks import as_scale, check_bool
 from positional_lsh.ops.partitions import Partitions
 from positional_lsh.ops.reference import alibi_matrix
 from positional_lsh.theory.bounds import alibi_spectral_norm
-from positional_lsh.theory.operators import MeanMaskOperator, _block_starts, alibi_matvec
+from positional_lsh.theory.operators import MeanMaskOperator, alibi_matvec, block_starts
 
 __all__ = [
     "MaskErrors",
     "OutputErrors",
     "SpectralEstimate",
     "dense_mask_errors",
+    "dense_max_error",
     "fit_power_law",
     "mask_errors",
     "max_error",
@@ -172,14 +174,14 @@ def max_error(partitions: Partitions, head: int = 0, *, operator: MeanMaskOperat
     n, t_total, m = op.n, op.num_samples, op.slope
     if m == 0 or n == 1:
         return 0.0
-    uniq, counts = op._unique
+    uniq, counts = op.distinct_samples
     starts_l, sizes_l, weights_l = [], [], []
     longest = np.zeros(len(uniq), dtype=np.int64)
     for u, (p, s) in enumerate(uniq.tolist()):
         if p <= 1.0:
             longest[u] = 1
             continue
-        starts = _block_starts(p, s, n)
+        starts = block_starts(p, s, n)
         sizes = np.diff(np.append(starts, n))
         longest[u] = sizes.max()
         keep = sizes >= 2
@@ -274,7 +276,7 @@ def mask_errors(
         spec = spectral_error(partitions, h, tol=tol, operator=op, dense_mbar=dense)
         norm_a = alibi_spectral_norm(partitions.seq_len, op.slope)
         if dense is not None:
-            mx = _dense_max_error(dense, op.slope)
+            mx = dense_max_error(dense, op.slope)
         else:
             mx = max_error(partitions, h, operator=op)
         out.append(
@@ -294,7 +296,13 @@ def mask_errors(
     return out
 
 
-def _dense_max_error(mbar: np.ndarray, slope: float) -> float:
+def dense_max_error(mbar: np.ndarray, slope: float) -> float:
+    """``max_{i,j} |Mbar[i, j] - A[i, j]|`` for a given dense ``(n, n)`` ``Mbar`` and ``A = exp(-slope |i - j|)``.
+
+    The max-norm error when ``Mbar`` is already materialized (e.g. :meth:`Partitions.mean_mask` of one head);
+    :func:`max_error` gives the same number from the partitions without an ``n x n`` matrix. ``A`` is built
+    1024 rows at a time, so the extra memory is ``O(1024 n)``.
+    """
     n = mbar.shape[0]
     best = 0.0
     for a in range(0, n, 1024):
@@ -396,8 +404,7 @@ def output_errors(
     vv = _as_head_matrix("v", v, n)
     if qq.shape[1] != kk.shape[1]:
         raise ValueError(f"q and k must have the same head_dim, got {qq.shape[1]} and {kk.shape[1]}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     sc = as_scale(scale, qq.shape[1])
     op = operator if operator is not None else MeanMaskOperator(partitions, head)
     row_max, num_a_sq, num_diff_sq, out_a_sq, out_diff_sq, cos = _row_sums(

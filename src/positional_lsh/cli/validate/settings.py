@@ -8,8 +8,8 @@ import math
 import shlex
 from dataclasses import dataclass
 
-from positional_lsh.cli.config import config_from_args as _from_args
-from positional_lsh.cli.config import option, to_argv
+from positional_lsh.cli import parsers
+from positional_lsh.cli.parsers import option, to_argv
 from positional_lsh.ops._checks import positive_int
 from positional_lsh.ops.schemes import get_scheme
 
@@ -201,4 +201,4 @@ def command_line(cfg: ValidateConfig) -> str:
 
 def config_from_args(args: argparse.Namespace) -> ValidateConfig:
     """Build a :class:`ValidateConfig` from ``plsh validate`` arguments."""
-    return _from_args(args, ValidateConfig)
+    return parsers.config_from_args(args, ValidateConfig)

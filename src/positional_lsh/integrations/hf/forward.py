@@ -1,0 +1,96 @@
+"""What the replacement attention forwards share: finding the swap, the attention call, the refusals, installing.
+
+Used by every family's replacement (:mod:`~positional_lsh.integrations.hf.bloom`, ``mpt``, ``falcon``, and the
+registered attention function of :mod:`~positional_lsh.integrations.hf.rope`) and by the installer
+(:mod:`~positional_lsh.integrations.hf.swap`). It imports only :mod:`~positional_lsh.integrations.hf.attention_swap`
+and :mod:`~positional_lsh.integrations.hf.masks`, so no replacement imports the installer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
+from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, key_validity
+
+__all__ = ["attend_native", "check_dropout", "check_no_attentions", "set_instance_attr", "swap_of"]
+
+
+def swap_of(module: nn.Module) -> AttentionSwap:
+    """The active :class:`AttentionSwap` attached to an attention ``module``; ``RuntimeError`` if there is none.
+
+    (A model whose ``attn_implementation`` was set to ``"positional_lsh"`` by hand, without a swap.)
+    """
+    swap = getattr(module, SWAP_ATTR, None)
+    if not isinstance(swap, AttentionSwap) or not swap.active:
+        raise RuntimeError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} is set but this model was not prepared with "
+            "positional_lsh.integrations.hf.use_positional_lsh or use_alibi"
+        )
+    return swap
+
+
+def attend_native(
+    module: nn.Module,
+    swap: AttentionSwap,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """A native ALiBi forward's attention, heads merged.
+
+    Args:
+        module: the attention module (its ``layer_idx`` and ``training`` choose the partitions).
+        swap: the module's swap (:func:`swap_of`).
+        q: ``(B, Hq, Lq, d)`` queries.
+        k, v: ``(B, Hkv, Lk, d)`` keys and values after the KV cache update (queries aligned to the last keys).
+        attention_mask: the mask handed to the module (the ``(B, Lk)`` padding mask or ``None``).
+        scale: the module's score scale.
+
+    Returns:
+        ``(B, Lq, Hq * d)``.
+    """
+    b, lq = q.shape[0], q.shape[-2]
+    valid = key_validity(attention_mask, b, k.shape[-2])
+    ctx = swap.attend(module.layer_idx, module.training, q, k, v, valid, scale)
+    return ctx.transpose(1, 2).reshape(b, lq, -1)
+
+
+def check_dropout(module: nn.Module, p: float) -> None:
+    """``ValueError`` if ``module`` is in training mode with attention dropout ``p > 0`` (not supported)."""
+    if module.training and p > 0:
+        raise ValueError(
+            f"attention dropout (p={p}) is not supported by positional_lsh attention; set the model's attention "
+            "dropout to 0 for training, or call model.eval()"
+        )
+
+
+def check_no_attentions(output_attentions: object) -> None:
+    """``ValueError`` if ``output_attentions`` is truthy (no attention probabilities are ever materialized)."""
+    if output_attentions:
+        raise ValueError(
+            "output_attentions=True is not supported: positional_lsh attention never materializes attention "
+            "probabilities"
+        )
+
+
+def set_instance_attr(obj: object, name: str, value: object, undo: list[Callable[[], None]]) -> None:
+    """Set ``obj.name = value`` in the instance ``__dict__``, appending to ``undo`` how to undo it exactly.
+
+    Used to install replacement forwards (and the swap attribute) without touching the class.
+    """
+    had, old = name in obj.__dict__, obj.__dict__.get(name)
+
+    def _undo() -> None:
+        if had:
+            obj.__dict__[name] = old
+        else:
+            obj.__dict__.pop(name, None)
+
+    obj.__dict__[name] = value
+    undo.append(_undo)

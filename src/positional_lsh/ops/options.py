@@ -1,0 +1,47 @@
+"""The option sets of the op layer, each defined once: kernel backends and estimator methods.
+
+Every entry point that takes ``backend=`` or ``method=`` (``plsh_attention``, ``PositionalLSHAttention``,
+``alibi_attention``, the language model's ``ModelConfig``, the transformers swap, context parallelism, the CLI)
+checks it against these tuples; the defaults are stated here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from positional_lsh.ops._checks import check_choice
+
+__all__ = [
+    "ALIBI_BACKENDS",
+    "BACKENDS", "DEFAULT_BACKEND", "DEFAULT_METHOD", "KERNELS", "METHODS", "check_backend", "check_method"]
+
+KERNELS = ("flash", "math")
+"""The torch attention kernels (``ops._kernels``): torch's fused CPU flash op, and batched matmuls (any device)."""
+
+BACKENDS = ("auto", *KERNELS, "triton")
+"""``backend=``: ``"auto"`` (CPU: ``"flash"``, other devices: ``"math"``), a torch kernel, or ``"triton"`` (the
+Triton kernels of the multiplicity form; positional LSH only, exact ALiBi has no Triton path)."""
+
+ALIBI_BACKENDS = ("auto", *KERNELS)
+"""``backend=`` of exact and windowed ALiBi (``alibi_attention``): the torch kernels only."""
+
+METHODS = ("auto", "samples", "multiplicity")
+"""``method=`` of the estimator: per sampled block (``"samples"``), each (query, key) pair once with its multiplicity
+(``"multiplicity"``), or decided once per call by the cost model (``"auto"``)."""
+
+DEFAULT_BACKEND = "auto"
+DEFAULT_METHOD = "auto"
+
+
+def check_backend(backend: object, choices: tuple[str, ...] = BACKENDS) -> str:
+    """``backend`` if it is one of ``choices`` (default :data:`BACKENDS`), else ``ValueError`` naming it."""
+    if not isinstance(backend, str):
+        raise ValueError(f"backend must be one of {choices}, got {backend!r}")
+    check_choice("backend", backend, choices)
+    return backend
+
+
+def check_method(method: object) -> str:
+    """``method`` if it is one of :data:`METHODS`, else ``ValueError`` naming it."""
+    if not isinstance(method, str):
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_choice("method", method, METHODS)
+    return method
