@@ -6,9 +6,10 @@
 Per length, forward and forward + backward, on the same inputs:
 
 * ``plsh`` / ``plsh-mult`` — :func:`~positional_lsh.plsh_attention`, ``method="samples"`` / ``"multiplicity"``,
-  at each ``T`` of ``--samples`` (default 8 and 64), standard ALiBi slopes, scheme ``discrete``; on CUDA with
-  triton installed ``plsh-mult`` runs the Triton kernels, and ``plsh-mult-torch`` the torch tiles
-  (``backend="math"``);
+  at each ``T`` of ``--samples`` (default 8 and 64), standard ALiBi slopes, scheme ``discrete``; on CUDA ``plsh``
+  runs torch's fused CUDA flash op per block, with triton installed ``plsh-mult`` runs the Triton kernels, and
+  ``plsh-mult-torch`` the torch tiles (``backend="math"``). ``benchmarks/gpu_check.py`` is the budgeted check with
+  correctness first;
 * ``flex-exact`` — exact causal ALiBi, FlexAttention with ``score_mod`` and the causal block mask;
 * ``flex-window`` — windowed ALiBi (keys within ``--window-factor * sigma``), FlexAttention with a band block
   mask (:func:`~positional_lsh.cli.bench_peers.band_block_mask`);

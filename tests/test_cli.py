@@ -241,6 +241,7 @@ def test_every_command_keeps_its_flags(capsys):
     # Flags added on purpose since then (an old flag must never disappear; a new one is listed here).
     added = {
         "train": "--overwrite --context-parallel --plsh-method",
+        "eval": "--position --num-samples --scheme --sigma --slopes --window",  # transformers checkpoints (issue 18)
         "validate": "--block-delta --adversarial --adversarial-lengths --adversarial-samples --adversarial-rows "
         "--adversarial-head-dim --adversarial-sigma --adversarial-score-bound --adversarial-pgd-max-len "
         "--report-adversarial-lengths --report-adversarial-samples",

@@ -258,7 +258,7 @@ def _expect_value_error(fn) -> str:
     try:
         fn()
     except (TypeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {str(exc)[:100]}"
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
     return "no error"
 
 
@@ -296,9 +296,24 @@ def _cases_options(rank: int) -> dict[str, object]:
     res["err_slopes"] = _expect_value_error(
         lambda: context_parallel_plsh_attention(ql, kl, vl, [0.5] * 4, partitions=p)
     )
-    # A bad shard on rank 1 only: rank 1 raises its own TypeError, rank 0 a ValueError naming rank 1.
-    bad_q = ql.tolist() if rank == 1 else ql
-    res["err_one_rank"] = _expect_value_error(lambda: context_parallel_plsh_attention(bad_q, kl, vl, partitions=p))
+    # A bad argument on rank 1 only (each of these used to be raised by rank 1 alone, before the exchange, and
+    # left rank 0 waiting in it): both ranks raise the same ValueError naming rank 1 and its error, nobody hangs.
+    one_rank = {
+        "q_list": {"q": ql.tolist()},
+        "causal_1": {"causal": 1},
+        "generator_none": {"partitions": None, "generator": None},
+        "head_chunk_0": {"head_chunk": 0},
+        "partitions_str": {"partitions": "x"},
+        "shard_lengths_str": {"shard_lengths": "ab"},
+        "scale_negative": {"scale": -1.0},
+        "slopes_bad": {"partitions": None, "generator": 3, "slopes": [0.5, float("nan"), 0.1, 0.2]},
+        "num_samples_0": {"partitions": None, "generator": 3, "num_samples": 0},
+    }
+    for name, bad in one_rank.items():
+        kw = {"q": ql, "k": kl, "v": vl, "partitions": p, **(bad if rank == 1 else {})}
+        if "generator" in bad and rank != 1:
+            kw.update(partitions=None, generator=3)
+        res[f"err_one_rank_{name}"] = _expect_value_error(lambda kw=kw: context_parallel_plsh_attention(**kw))
     res["after_errors"] = _compare_partitions(rank, [70, 90], p, causal=True, hkv=2, method="multiplicity")
     return res
 
@@ -521,8 +536,10 @@ def test_context_parallel_decay_and_capped_partitions(tmp_path):
 
 
 def test_context_parallel_backend_and_method(tmp_path):
-    """backend= and method= reach the local computation; each method equals one process with the same options."""
-    for r, res in enumerate(_spawn(2, "_cases_options", tmp_path)):
+    """backend= and method= reach the local computation; each method equals one process with the same options.
+    A bad argument on one rank only: every rank raises the same ValueError, and the group stays usable."""
+    results = _spawn(2, "_cases_options", tmp_path)
+    for r, res in enumerate(results):
         assert res.pop("halo") > 0
         for method in ("samples", "multiplicity"):
             for chunk in (None, 1):
@@ -530,13 +547,25 @@ def test_context_parallel_backend_and_method(tmp_path):
                     key = f"{method}_chunk{chunk}_{c}"
                     assert res[key] < TOL, f"rank {r} {key}: max error {res[key]}"
                     assert res[f"seen_{key}"] == [["math", method]], f"rank {r} {key}: {res[f'seen_{key}']}"
-        assert res["err_method"].startswith("ValueError: method must be one of"), res["err_method"]
-        assert res["err_backend"].startswith("ValueError: backend must be one of"), res["err_backend"]
-        assert res["err_causal"].startswith("TypeError: causal must be a bool"), res["err_causal"]
-        assert res["err_slopes"].startswith("ValueError: slopes differ from partitions.slopes"), res["err_slopes"]
-        want = "TypeError: q must be a torch.Tensor" if r == 1 else "ValueError: invalid input on rank(s) [1]"
-        assert res["err_one_rank"].startswith(want), res["err_one_rank"]
+        every = "ValueError: invalid input on rank(s) [0, 1] of the context-parallel group (ranks 0, 1: "
+        assert res["err_method"].startswith(every + "ValueError: method must be one of"), res["err_method"]
+        assert res["err_backend"].startswith(every + "ValueError: backend must be one of"), res["err_backend"]
+        assert res["err_causal"].startswith(every + "TypeError: causal must be a bool"), res["err_causal"]
+        assert res["err_slopes"].startswith(every + "ValueError: slopes differ from partitions.slopes"), res
         assert res["after_errors"] < TOL
+    rank0, rank1 = results
+    for name, what in [("q_list", "TypeError: q must be a torch.Tensor"), ("causal_1", "TypeError: causal must be"),
+                       ("generator_none", "ValueError: context parallelism needs the same partitions"),
+                       ("head_chunk_0", "ValueError: head_chunk must be >= 1"),
+                       ("partitions_str", "TypeError: partitions must be a Partitions"),
+                       ("shard_lengths_str", "TypeError: shard_lengths must be a sequence"),
+                       ("scale_negative", "ValueError: scale must be a positive"),
+                       ("slopes_bad", "ValueError: slopes must be finite"),
+                       ("num_samples_0", "ValueError: num_samples must be >= 1")]:  # fmt: skip
+        key = f"err_one_rank_{name}"
+        assert rank0[key] == rank1[key], (name, rank0[key], rank1[key])  # the same error on every rank
+        assert rank0[key].startswith(f"ValueError: invalid input on rank(s) [1] of the context-parallel group "
+                                     f"(rank 1: {what}"), (name, rank0[key])  # fmt: skip
 
 
 def test_context_parallel_lm_step(tmp_path):

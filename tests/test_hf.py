@@ -508,9 +508,10 @@ def test_restore_is_complete():
     assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
     assert model.config.sliding_window is None
     assert hf.current_swap(model) is swap
-    hf.use_alibi(model)  # re-swapping restores the previous swap first
-    assert not swap.active
-    assert hf.restore(model) is True
+    top = hf.use_alibi(model)  # stacked on the first swap, which stays installed below it
+    assert swap.active and hf.current_swap(model) is top
+    assert hf.restore(model) is True  # the whole stack
+    assert not swap.active and not top.active
     assert hf.restore(model) is False
     assert hf.current_swap(model) is None
     assert model.config._attn_implementation == impl and model.config.sliding_window == window
@@ -638,3 +639,63 @@ def test_bad_input():
     with hf.use_alibi(llama):
         with pytest.raises(ValueError, match="4-D"):
             logits(llama, x, attention_mask=torch.zeros(2, 1, 10, 10, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------
+# Copies and stacked swaps (issue 19: #2 deepcopy, #5 nesting)
+# ------------------------------------------------------------------------------------------------
+
+ALL_FAMILIES = ["bloom", "mpt", "falcon", "falcon-gqa", "llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("name", ["bloom", "llama"])
+def test_deepcopy_of_a_swapped_model_is_independent(name):
+    model = tiny(name)
+    x = ids(length=16)
+    stock = logits(model, x)
+    swap = hf.use_positional_lsh(model, num_samples=3, seed=4)
+    swapped = logits(model, x)
+    twin = copy.deepcopy(model)
+    twin_swap = hf.current_swap(twin)
+    assert twin_swap is not None and twin_swap is not swap and twin_swap.model is twin
+    assert torch.equal(logits(twin, x), swapped)  # the copy is swapped like the original
+    twin.train()
+    twin(x, use_cache=False)  # the copy's training steps advance the copy's swap only
+    assert (twin_swap.step, swap.step) == (1, 0)
+    twin.eval()
+    assert hf.restore(twin) is True
+    assert swap.active and hf.current_swap(model) is swap  # the original is untouched
+    assert torch.equal(logits(model, x), swapped)
+    assert torch.equal(logits(twin, x), stock)  # and the copy is back to its own attention
+    assert hf.restore(model) is True and torch.equal(logits(model, x), stock)
+    assert all("_positional_lsh_swap" not in m.__dict__ for m in (*model.modules(), *twin.modules()))
+
+
+@pytest.mark.parametrize("name", ALL_FAMILIES)
+def test_nested_swaps_restore_the_outer_one(name):
+    model = tiny(name, attn_implementation="sdpa" if name.startswith("falcon") else None)
+    x = ids(length=16)
+    stock = logits(model, x)
+    with hf.use_positional_lsh(model, num_samples=2, seed=1) as outer:
+        plsh = logits(model, x)
+        with hf.use_alibi(model) as inner:
+            assert hf.current_swap(model) is inner
+            exact = logits(model, x)
+            assert not torch.allclose(exact, plsh)
+        assert not inner.active and outer.active
+        assert hf.current_swap(model) is outer  # the outer swap is back, with its partitions
+        assert torch.equal(logits(model, x), plsh)
+    assert hf.current_swap(model) is None
+    assert torch.equal(logits(model, x), stock)
+    # restoring a swap with another stacked on it restores that one first; restore() undoes the whole stack
+    a = hf.use_alibi(model)
+    b = hf.use_positional_lsh(model, num_samples=2)
+    a.restore()
+    assert not a.active and not b.active and hf.current_swap(model) is None
+    assert torch.equal(logits(model, x), stock)
+    hf.use_alibi(model)
+    hf.use_positional_lsh(model, num_samples=2)
+    hf.use_alibi(model, window=4.0)
+    assert hf.restore(model) is True and hf.current_swap(model) is None
+    assert torch.equal(logits(model, x), stock)
+    assert all("_positional_lsh_swap" not in m.__dict__ for m in model.modules())

@@ -32,6 +32,37 @@ def test_ci_runs_the_readme_test_command():
     assert "constraints.txt" in tail  # torch pinned to the CPU wheel
 
 
+def _development_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Development\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "the Development section has a code block"
+    return [line.strip() for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _ci_steps() -> list[str]:
+    ci = (ROOT / ".ci" / "run").read_text()
+    return [line.removeprefix("step ").strip() for line in ci.splitlines() if line.startswith("step ")]
+
+
+def test_ci_runs_the_development_steps_after_the_tests():
+    """The release checks of .ci/run are the README's Development commands, in order, after the test command."""
+    steps = _ci_steps()
+    assert steps, ".ci/run runs no release-check step"
+    assert steps == _development_commands()
+    ci = (ROOT / ".ci" / "run").read_text()
+    tail = _quickstart_commands()[1].split(". .venv/bin/activate && ", 1)[1]
+    assert ci.index(tail) < ci.index("step " + steps[0]), "the README's test command runs first"
+    assert "-c constraints.txt" in steps[0] and ".[test,dev]" in steps[0]  # the tools come from an extra
+
+
+def test_every_development_step_is_explained():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Development\n", 1)[1].split("\n## ", 1)[0]
+    explained = re.findall(r"^\d+\. `([^`]+)`", section, re.M)
+    assert explained == _development_commands()
+
+
 def test_readme_python_examples_run():
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)

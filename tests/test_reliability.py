@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import signal
@@ -331,3 +332,337 @@ def test_random_kills_leave_one_consistent_checkpoint(text_dir: Path, tokenizer_
     logs = [[r for r in map(json.loads, (d / "log.jsonl").read_text().splitlines()) if "loss" in r] for d in (ref, out)]
     assert [r["step"] for r in logs[1]] == list(range(1, steps + 1))  # no step logged twice
     assert [r["loss"] for r in logs[0]] == [r["loss"] for r in logs[1]]
+
+
+# =============================================================================================================
+# Round two (issue 19): one test per problem, numbered as in docs/reliability.md ("Round two")
+# =============================================================================================================
+
+
+def parser_refused(argv: list[str], capsys: pytest.CaptureFixture[str], match: str = "") -> str:
+    """``plsh ARGV`` refused by the argument parser: exit 2 (argparse's ``SystemExit``), one line naming the flag."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"plsh {argv[0]}: error: "), err
+    assert match in err, err
+    return err
+
+
+def _qkv(b: int, h: int, n: int, d: int, seed: int = 0, **kw) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g, dtype=torch.float64).to(**kw) for _ in range(3))
+
+
+# ---- R2-1: subnormal (and tiny) slopes in the multiplicity form ----------------------------------------------
+
+
+@pytest.mark.parametrize("slope", [1e-310, 5e-324, 2e-308, 1e-20])
+def test_subnormal_slopes_give_the_oracles_answer(slope: float):
+    from positional_lsh import PositionalLSHAttention, dense_plsh_attention, plsh_attention, sample_partitions
+
+    q, k, v = _qkv(1, 2, 64, 8)
+    slopes = torch.tensor([slope, 0.5], dtype=torch.float64)
+    for scheme in ("discrete", "gamma", "discrete-strat", "gamma-strat", "discrete-antithetic"):
+        parts = sample_partitions(64, slopes, 8, scheme=scheme, generator=0)
+        # One block (pitch inf) has shift 0; a finite pitch keeps its shift in [0, pitch).
+        inf = torch.isinf(parts.pitch)
+        assert bool((parts.shift[inf] == 0).all()) and bool((parts.shift[~inf] < parts.pitch[~inf]).all())
+        for causal in (True, False):
+            want = dense_plsh_attention(q, k, v, parts, causal=causal)
+            for method in ("auto", "samples", "multiplicity"):
+                got = plsh_attention(q, k, v, partitions=parts, causal=causal, method=method)
+                torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    # The issue's repro: auto picks the multiplicity form at 16 samples; and the module.
+    want = dense_plsh_attention(q, k, v, sample_partitions(64, slopes, 16, generator=3))
+    torch.testing.assert_close(plsh_attention(q, k, v, slopes=slopes, num_samples=16, generator=3), want)
+    module = PositionalLSHAttention(2, slopes, num_samples=16, eval_seed=3).eval()
+    torch.testing.assert_close(module(q, k, v), dense_plsh_attention(q, k, v, module.sample(64)))
+
+
+# ---- R2-3: Partitions values are checked where they are made ---------------------------------------------------
+
+
+def test_partition_values_are_checked_where_they_are_made():
+    import dataclasses
+
+    from positional_lsh import Partitions, register_scheme, sample_partitions, unregister_scheme
+
+    gamma = sample_partitions(16, [0.5, 0.1], 4, scheme="gamma", generator=0)
+    bad = {
+        "gamma pitches relabelled discrete": dict(scheme="discrete"),
+        "negative pitch": dict(pitch=-gamma.pitch),
+        "NaN pitch": dict(pitch=gamma.pitch * math.nan),
+        "shift = pitch": dict(shift=gamma.pitch.clone()),
+        "negative shift": dict(shift=-gamma.shift - 1),
+        "inf shift": dict(shift=gamma.shift + math.inf),
+    }
+    for name, change in bad.items():
+        with pytest.raises(ValueError, match="Partitions of scheme"):
+            dataclasses.replace(gamma, **change)
+            pytest.fail(f"accepted: {name}")
+        with pytest.raises(ValueError, match="Partitions of scheme"):  # by hand too
+            Partitions(16, gamma.slopes, change.get("pitch", gamma.pitch), change.get("shift", gamma.shift),
+                       change.get("scheme", "gamma"))  # fmt: skip
+    # The documented inf (one block) is fine, and so are integer values under an integer scheme.
+    Partitions(16, gamma.slopes, torch.tensor([[math.inf, 3.0]]), torch.tensor([[0.0, 2.0]]), "discrete")
+    # A registered sampler's output is checked, naming the scheme.
+    register_scheme("half-integer", lambda m, t, g: (torch.full((t, m.numel()), 2.5, dtype=torch.float64),
+                                                     torch.zeros(t, m.numel(), dtype=torch.float64)),
+                    unbiased=False, integer=True)  # fmt: skip
+    register_scheme("nan-shift", lambda m, t, g: (torch.full((t, m.numel()), 3.0, dtype=torch.float64),
+                                                  torch.full((t, m.numel()), math.nan, dtype=torch.float64)),
+                    unbiased=False, integer=False)  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match=r"sampler of scheme 'half-integer'.*integer"):
+            sample_partitions(16, [0.5], 2, scheme="half-integer")
+        with pytest.raises(ValueError, match="sampler of scheme 'nan-shift'"):
+            sample_partitions(16, [0.5], 2, scheme="nan-shift")
+    finally:
+        unregister_scheme("half-integer")
+        unregister_scheme("nan-shift")
+
+
+# ---- R2-4: partitions.select([]) -------------------------------------------------------------------------------
+
+
+def test_selecting_no_samples_is_refused():
+    from positional_lsh import plsh_attention, sample_partitions
+
+    parts = sample_partitions(16, [0.5], 4, generator=0)
+    for empty in ([], slice(0, 0), torch.zeros(0, dtype=torch.long)):
+        with pytest.raises(ValueError, match="at least one sample"):
+            parts.select(empty)
+    q, k, v = _qkv(1, 1, 16, 4)
+    assert plsh_attention(q, k, v, partitions=parts.select([2])).isfinite().all()
+
+
+# ---- R2-7: disk full during a checkpoint -----------------------------------------------------------------------
+
+
+def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_previous_set(
+    text_dir: Path, tokenizer_file: Path, tmp_path: Path, capsys, monkeypatch
+):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from positional_lsh.lm import run_dir
+
+    # The first checkpoint fails (safetensors' own error for a full disk): one line, exit 2, nothing half-written.
+    real_save = safetensors.torch.save_file
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    first = tmp_path / "first"
+    capsys.readouterr()
+    assert cli.main(tiny(first, text_dir, tokenizer_file, steps=2)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no space left on device" in err[0] and str(first / "steps") in err[0], err
+    assert not list((first / "steps").glob(".tmp-*")) and not (first / "LATEST").exists()
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+
+    # A later checkpoint fails in torch.save ("unexpected pos", the disk nearly full): the previous set is kept.
+    real_torch_save, calls = torch.save, []
+
+    def full_at_second(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == 2:
+            monkeypatch.setattr(run_dir.shutil, "disk_usage", lambda p: type("U", (), {"free": 4096})())
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+        return real_torch_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(run_dir.torch, "save", full_at_second)
+    out = tmp_path / "run"
+    assert cli.main(tiny(out, text_dir, tokenizer_file, steps=3)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no space left on device" in err[0] and "previous checkpoint is kept" in err[0], err
+    assert not list((out / "steps").glob(".tmp-*"))
+    monkeypatch.undo()
+    assert _consistent(out) == 1  # the set of step 1, whole
+    assert cli.main(tiny(out, text_dir, tokenizer_file, "--resume", steps=3)) == 0
+    assert _consistent(out) == 3
+
+
+def test_half_written_sets_are_removed_without_a_latest_pointer(tmp_path: Path):
+    from positional_lsh.lm.run_dir import clean_stale
+
+    stale = tmp_path / "steps" / ".tmp-step-00000001-abcdef01"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"\0" * 100)
+    clean_stale(tmp_path)
+    assert not stale.exists()
+
+
+# ---- R2-8: plsh validate --adversarial bad values --------------------------------------------------------------
+
+
+ADV = ["validate", "--adversarial", "--adversarial-lengths", "16", "--adversarial-samples", "2", "--no-plots",
+       "--quiet"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "match"),
+    [
+        ("--adversarial-lengths", "1", ">= 2"),
+        ("--adversarial-sigma", "inf", "finite"),
+        ("--adversarial-head-dim", "0", "adversarial_head_dim"),
+        ("--adversarial-score-bound", "1e6", "adversarial_score_bound"),
+        ("--adversarial-rows", "0", "adversarial_rows"),
+        ("--adversarial-samples", "10000000", "of memory"),  # at the default lengths (256, 1024, 4096)
+    ],
+    ids=["lengths-1", "sigma-inf", "head-dim-0", "score-bound-1e6", "rows-0", "samples-1e7"],
+)
+def test_validate_adversarial_bad_values_are_one_line(flag, value, match, tmp_path: Path, capsys):
+    out = tmp_path / "val"
+    argv = [*ADV, "--out", str(out), flag, value]
+    if flag == "--adversarial-samples":
+        argv = [a for a in argv if a not in ("--adversarial-lengths", "16")]
+    t0 = time.perf_counter()
+    refused(argv, capsys, tmp_path, match=match)
+    assert time.perf_counter() - t0 < 10 and not out.exists()
+
+
+def test_validate_adversarial_with_a_huge_sigma_runs(tmp_path: Path, capsys):
+    # sigma = 1e300: every mask is exact (error 0, bound 0); the ratios are 0, not a ZeroDivisionError.
+    assert cli.main([*ADV, "--out", str(tmp_path / "val"), "--adversarial-sigma", "1e300"]) == 0
+    assert "0 input(s) above the uniform bound" in capsys.readouterr().out
+
+
+# ---- R2-9: huge sizes are refused up front, with the estimate --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["validate", "--source", "synthetic", "--seq-lens", "1000000000"], "of memory"),
+        (["validate", "--source", "synthetic", "--lengths", "1000000000"], "of memory"),
+        (["eval", "--samples", "10000000"], "would take about"),
+        (["bench", "--samples", "10000000"], "--samples 10000000"),
+    ],
+    ids=["validate-seq-lens", "validate-lengths", "eval-samples", "bench-samples"],
+)
+def test_huge_sizes_are_refused_with_the_estimate(argv: list[str], match: str, tmp_path: Path, capsys):
+    if argv[0] in ("validate", "bench"):
+        argv = [*argv, "--out", str(tmp_path / "out")]
+    t0 = time.perf_counter()
+    refused(argv, capsys, tmp_path, match=match)
+    assert time.perf_counter() - t0 < 10 and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("method", ["auto", "samples", "multiplicity"])
+def test_plsh_attention_refuses_a_million_samples_up_front(method: str):
+    from positional_lsh import PositionalLSHAttention, plsh_attention
+
+    q = torch.randn(1, 4, 4096, 16)
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match=r"num_samples=1000000.*(would take about|of memory)"):
+        plsh_attention(q, q, q, num_samples=10**6, method=method)
+    with pytest.raises(UserError, match=r"would take about|of memory"):
+        PositionalLSHAttention(4, num_samples=10**6, method=method)(q, q, q)
+    assert time.perf_counter() - t0 < 2  # before anything is drawn
+
+
+# ---- R2-10, R2-11: other tracebacks; work done, then lost --------------------------------------------------------
+
+
+def test_eval_infinite_factor_and_bench_without_methods_are_one_line(tmp_path: Path, capsys):
+    parser_refused(["eval", "--factors", "inf"], capsys, match="--factors")
+    refused(["bench", "--methods", "", "--out", str(tmp_path / "b")], capsys, tmp_path, match="methods")
+
+
+def test_out_is_checked_before_any_work(run: Path, text_dir: Path, tmp_path: Path, capsys, monkeypatch):
+    from positional_lsh.cli import bench
+
+    monkeypatch.setattr(bench, "run_benchmark", lambda cfg: pytest.fail("the benchmark ran"))
+    existing = tmp_path / "results.csv"
+    existing.write_text("keep me")
+    refused(["bench", "--lengths", "64", "--out", str(existing)], capsys, tmp_path, match="--out")
+    t0 = time.perf_counter()
+    refused(["eval", str(run), "--data", str(text_dir), "--factors", "1", "--samples", "none", "--no-progress",
+             "--out", "/proc/plsh-results"], capsys, run, tmp_path, match="--out /proc/plsh-results")  # fmt: skip
+    assert time.perf_counter() - t0 < 5
+
+
+# ---- R2-12: meta tensors ---------------------------------------------------------------------------------------
+
+
+def test_meta_tensors_propagate_shapes_for_every_method():
+    from positional_lsh import PositionalLSHAttention, plsh_attention
+
+    q = torch.empty(2, 4, 8, 16, device="meta", requires_grad=True)
+    k = torch.empty(2, 2, 12, 16, device="meta", requires_grad=True)
+    for method in ("auto", "samples", "multiplicity"):
+        out = plsh_attention(q, k, k, num_samples=4, method=method)
+        assert out.device.type == "meta" and out.shape == q.shape and out.dtype == q.dtype
+        out.sum().backward()
+        assert q.grad is not None and q.grad.shape == q.shape and k.grad.shape == k.shape
+        module = PositionalLSHAttention(4, num_samples=4, method=method)
+        assert module(q, k, k).shape == q.shape
+
+
+# ---- R2-14, R2-16: messages that name the file or flag -----------------------------------------------------------
+
+
+def test_a_binary_tokenizer_is_named(run: Path, text_dir: Path, tmp_path: Path, capsys):
+    binary = tmp_path / "tokenizer.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4)
+    refused(["eval", str(run), "--data", str(text_dir), "--tokenizer", str(binary), "--factors", "1", "--samples",
+             "none", "--no-progress"], capsys, run, tmp_path, match=str(binary))  # fmt: skip
+
+
+def test_train_on_tiny_files_names_the_data_and_the_flag(tokenizer_file: Path, tmp_path: Path, capsys):
+    tiny_dir = tmp_path / "tiny"
+    tiny_dir.mkdir()
+    for i in range(4):
+        (tiny_dir / f"t{i}.txt").write_text(f"tiny text {i}.\n")
+    err = refused(tiny(tmp_path / "run", tiny_dir, tokenizer_file), capsys, tiny_dir, match=f"--data {tiny_dir}")
+    assert "--seq-len 32" in err and "tokens" in err
+
+
+# ---- R2-15: sample_partitions messages that name the problem -----------------------------------------------------
+
+
+def test_sample_partitions_messages_name_the_problem():
+    from positional_lsh import register_scheme, sample_partitions, unregister_scheme
+
+    cases = [
+        (dict(slopes=[]), ValueError, "slopes must have at least one entry"),
+        (dict(slopes=torch.ones(2, 3)), ValueError, r"slopes must be a 1-D tensor.*\(2, 3\)"),
+        (dict(slopes=None, num_heads=2, decay="exp"), TypeError, "decay must be a Decay.*'exp'"),
+        (dict(slopes=None, num_heads=1, decay=lambda d: "far"), TypeError, "decay callable must return numbers"),
+        (dict(slopes=[0.5], generator=2**64), ValueError, r"generator seed must be in \[0, 2\*\*64\)"),
+        (dict(slopes=[0.5], max_block=10**400), ValueError, "max_block must be <= 2\\*\\*53.*401 digits"),
+        (dict(slopes=[0.5, 0.2], scheme="wrong-shape"), ValueError, r"sampler of scheme 'wrong-shape'.*shape \(3,\)"),
+    ]
+    register_scheme("wrong-shape", lambda m, t, g: (torch.ones(t), torch.zeros(t)), unbiased=False, integer=False)
+    try:
+        for kw, exc, match in cases:
+            with pytest.raises(exc, match=match):
+                sample_partitions(16, num_samples=3, **kw)
+    finally:
+        unregister_scheme("wrong-shape")
+
+
+# ---- R2-17: nonsense accepted silently ---------------------------------------------------------------------------
+
+
+def test_nonsense_flags_are_refused(tmp_path: Path, capsys):
+    val = ["validate", "--out", str(tmp_path / "val")]
+    refused([*val, "--threads", "-1"], capsys, tmp_path, match="threads must be >= 1")
+    parser_refused([*val, "--max-work", "nan"], capsys, match="--max-work")
+    binary = tmp_path / "ls"
+    binary.write_bytes(b"\x7fELF\x00\x00" * 50)
+    refused([*val, "--text", str(binary), "--seq-lens", "64", "--samples", "1", "--lengths", "none",
+             "--compare-samples", "0", "--unbiasedness-replicates", "0", "--report-adversarial-lengths", "none",
+             "--no-plots", "--quiet"], capsys, tmp_path, match=str(binary))  # fmt: skip
+    assert not (tmp_path / "val").exists()
+    refused(["bench", "--lengths", "", "--out", str(tmp_path / "b")], capsys, tmp_path, match="lengths")
+    refused(["bench", "--lengths", "64", "--out", ""], capsys, tmp_path, match="--out")
+    for argv, flag in ((["eval", "--stride", "x"], "--stride"), (["eval", "--schemes", "nope"], "--schemes"),
+                       (["bench", "--heads", "x"], "--heads")):  # fmt: skip
+        err = parser_refused(argv, capsys, match=f"argument {flag}")
+        assert "_text" not in err and "invalid <" not in err and "usage:" not in err, err

@@ -1,7 +1,8 @@
-"""The Triton kernels of the multiplicity form (ops/triton_multiplicity.py), run in Triton's CPU interpreter.
+"""The Triton kernels of the multiplicity form (ops/triton_kernels.py), run in Triton's CPU interpreter.
 
-Sizes are tiny (the interpreter runs every block op in numpy); the kernels' block sizes are shrunk for some cases
-so that tiles, key blocks and the query-row intervals of the dk/dv kernel span several blocks.
+Sizes are tiny (the interpreter runs every block op in numpy); the block configuration is shrunk (``config_for``
+replaced) so that tiles, key blocks, the near band and the far blocks on both sides all occur, and the ``dk, dv``
+kernel's sub-tiles (``dkdv_m``, ``dkdv_n``) split them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need Triton'
 
 from positional_lsh.ops import engine  # noqa: E402
 from positional_lsh.ops import triton_multiplicity as tm  # noqa: E402  (after the skip: it imports triton)
+from positional_lsh.ops.triton_plan import BlockConfig  # noqa: E402
 
 SLOPES = torch.tensor([0.5, 0.1, 0.0, 0.03])
 
@@ -67,28 +69,33 @@ def _dense_lse(q, k, v, parts, causal):
 
 @pytest.fixture
 def blocks(monkeypatch):
-    def set_blocks(bm, bn):
-        if bm is not None:
-            monkeypatch.setattr(tm, "block_sizes", lambda d: (bm, bn))
+    def set_blocks(config):
+        monkeypatch.setattr(tm, "config_for", lambda q: config)
 
     return set_blocks
 
 
-# (scheme, causal, hq, hkv, lq, lk, T, (BLOCK_M, BLOCK_N) or None for the default 64 x 64)
+SMALL = BlockConfig(16, 16, 16)
+NO_NEAR = BlockConfig(16, 16, 0)  # every block but the diagonal one is far: the event counts alone
+SUBTILED = BlockConfig(32, 16, 16, dkdv_m=8, dkdv_n=8)
+
+# (scheme, causal, hq, hkv, lq, lk, T, config)
 _CASES = [
-    ("discrete", True, 4, 2, 77, 77, 5, (16, 16)),
-    ("discrete", False, 2, 2, 32, 32, 1, None),
-    ("gamma", True, 2, 2, 32, 32, 5, (16, 32)),
-    ("gamma", False, 4, 2, 77, 77, 5, (32, 16)),
-    ("discrete", True, 4, 2, 20, 77, 5, (16, 16)),  # Lq < Lk: queries aligned to the last keys (decoding)
-    ("gamma", True, 2, 2, 77, 77, 1, None),
+    ("discrete", True, 4, 2, 77, 77, 5, SMALL),
+    ("discrete", False, 2, 2, 32, 32, 1, SMALL),
+    ("gamma", True, 2, 2, 61, 61, 5, NO_NEAR),
+    ("gamma", False, 4, 2, 77, 77, 5, SUBTILED),
+    ("discrete", True, 4, 2, 20, 77, 5, SUBTILED),  # Lq < Lk: queries aligned to the last keys (chunked prefill)
+    ("discrete", False, 2, 1, 1, 50, 4, NO_NEAR),  # one query (decoding), MQA
+    ("gamma", True, 2, 2, 77, 77, 1, None),  # the block table's configuration
 ]
 
 
 @interpreter
-@pytest.mark.parametrize(("scheme", "causal", "hq", "hkv", "lq", "lk", "t", "blk"), _CASES)
-def test_triton_matches_dense_oracle(blocks, scheme, causal, hq, hkv, lq, lk, t, blk):
-    blocks(*(blk or (None, None)))
+@pytest.mark.parametrize(("scheme", "causal", "hq", "hkv", "lq", "lk", "t", "config"), _CASES)
+def test_triton_matches_dense_oracle(blocks, scheme, causal, hq, hkv, lq, lk, t, config):
+    if config is not None:
+        blocks(config)
     q, k, v = _qkv(hq, hkv, lq, lk)
     parts = _parts(hq, lk, t, scheme)
     # Forward and lse (one launch), fp32 against float64.
@@ -110,20 +117,28 @@ def test_triton_matches_dense_oracle(blocks, scheme, causal, hq, hkv, lq, lk, t,
 
 
 @interpreter
-@pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
-def test_triton_half_forward(blocks, dtype, atol):
-    blocks(16, 16)
-    q, k, v = _qkv(4, 2, 77, 77, dtype=dtype)
-    parts = _parts(4, 77, 5, "gamma")
-    out = _triton(q, k, v, parts)
-    ref = dense_plsh_attention(q.double(), k.double(), v.double(), parts, causal=True)
+@pytest.mark.parametrize(("dtype", "atol", "gatol"), [(torch.bfloat16, 3e-2, 6e-2), (torch.float16, 3e-3, 6e-3)])
+def test_triton_half_precision(blocks, dtype, atol, gatol):
+    blocks(SUBTILED)
+    q, k, v = _qkv(4, 2, 45, 45, dtype=dtype)
+    parts = _parts(4, 45, 5, "gamma")
+    qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+    out = _triton(qf, kf, vf, parts, causal=False)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    ref = dense_plsh_attention(qd, kd, vd, parts, causal=False)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol)
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=0, atol=atol)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = torch.autograd.grad(out, (qf, kf, vf), g)
+    want = torch.autograd.grad(ref, (qd, kd, vd), g.double())
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=gatol, msg=lambda m, n=name: f"d{n}: {m}")
 
 
 @interpreter
 def test_plsh_attention_backend_triton(blocks):
-    blocks(16, 16)
+    blocks(SMALL)
     q, k, v = _qkv(4, 2, 32, 32)
     parts = _parts(4, 32, 5, "discrete")
     out = plsh_attention(q, k, v, partitions=parts, backend="triton", method="multiplicity")
@@ -135,14 +150,15 @@ def test_plsh_attention_backend_triton(blocks):
 
 
 @interpreter
-def test_nan_keys_reach_the_same_rows_as_the_torch_path(blocks):
-    blocks(16, 16)
+@pytest.mark.parametrize("causal", [True, False])
+def test_nan_keys_reach_the_same_rows_as_the_torch_path(blocks, causal):
+    blocks(NO_NEAR)
     q, k, v = _qkv(2, 2, 40, 40, seed=4)
     k = k.clone()
     k[1, 0, 17, 3] = float("nan")
     parts = _parts(2, 40, 3, "discrete")
-    out = plsh_attention(q, k, v, partitions=parts, backend="triton", method="multiplicity")
-    ref = plsh_attention(q, k, v, partitions=parts, method="samples")  # the torch path's rule
+    out = plsh_attention(q, k, v, partitions=parts, causal=causal, backend="triton", method="multiplicity")
+    ref = plsh_attention(q, k, v, partitions=parts, causal=causal, method="samples")  # the torch path's rule
     assert bool(ref.isnan().any()) and not bool(ref.isnan().all())
     assert torch.equal(out.isnan(), ref.isnan())
     torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), rtol=0, atol=1e-5)
@@ -154,6 +170,8 @@ def test_triton_refusals(monkeypatch):
     parts = _parts(2, 8, 2, "discrete")
     with pytest.raises(ValueError, match="float64"):
         _triton(q.double(), k.double(), v.double(), parts)
+    with pytest.raises(ValueError, match="head_dim must be <= 256"):
+        _triton(*_qkv(2, 2, 8, 8, d=264), parts)
     with pytest.raises(ValueError, match="partitions were drawn for 2 heads"):
         _triton(*_qkv(4, 2, 8, 8), parts)
     monkeypatch.setenv("TRITON_INTERPRET", "0")

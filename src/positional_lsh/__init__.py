@@ -13,6 +13,7 @@ The rooms (see ``docs/architecture.md``): :mod:`positional_lsh.theory`, :mod:`po
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import Any
 
 from positional_lsh.ops import (
@@ -62,7 +63,10 @@ __all__ = [
     "scheme_names",
     "unregister_scheme",
 ]
-__version__ = "0.1.0"
+try:  # one source: the version in pyproject.toml, as installed in the package metadata
+    __version__: str = importlib.metadata.version("positional-lsh")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str) -> Any:

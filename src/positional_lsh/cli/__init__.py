@@ -15,24 +15,35 @@ import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from positional_lsh.ops.errors import UserError
 
-__all__ = ["USER_ERRORS", "UserError", "build_parser", "guarded", "main"]
+__all__ = ["USER_ERRORS", "OneLineParser", "UserError", "build_parser", "guarded", "main"]
 
 # Modules that contribute subcommands, in the order they appear in --help.
 _COMMAND_MODULES = (
     "positional_lsh.cli.demo",
     "positional_lsh.cli.bench",
     "positional_lsh.cli.train",
+    "positional_lsh.cli.train_hf",
     "positional_lsh.cli.eval",
     "positional_lsh.cli.validate",
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, as every other ``plsh`` error: ``<prog>: error: <message>
+    (see <prog> --help)`` on stderr, exit code 2 (argparse's ``SystemExit(2)``); subcommand parsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``plsh`` parser with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="plsh",
         description="Positional LSH: ALiBi attention as an average of random contiguous block masks.",
     )

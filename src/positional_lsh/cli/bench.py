@@ -46,6 +46,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -64,9 +65,12 @@ from positional_lsh.cli.bench_peers import (
     useful_gflops,
 )
 from positional_lsh.cli.parsers import add_arguments, comma_list, option, positive_int_text, run_command
+from positional_lsh.lm.run_dir import check_output_dir
 from positional_lsh.ops import alibi_slopes
-from positional_lsh.ops._checks import check_choice, positive_int
+from positional_lsh.ops._checks import check_choice, nonnegative_int, positive_int
+from positional_lsh.ops.attention import check_call_size
 from positional_lsh.ops.errors import check_memory
+from positional_lsh.ops.schemes import get_scheme
 
 __all__ = [
     "ALL_METHODS",
@@ -257,14 +261,37 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name in ("heads", "head_dim", "repeats", "backward_max_len"):
             positive_int(name, getattr(self, name))
+        for name in ("threads", "seed"):
+            nonnegative_int(name, getattr(self, name))
+        if not self.lengths:
+            raise ValueError("lengths (--lengths) must name at least one sequence length")
         for n in self.lengths:
             positive_int("lengths", n)
-        if self.lengths:  # q, k, v, gradients and outputs in float32, O(n) kernels
-            check_memory(64.0 * self.heads * self.head_dim * max(self.lengths), f"--lengths {max(self.lengths)}")
+        for t in self.samples:
+            positive_int("samples", t)
+        if not self.methods:
+            raise ValueError(f"methods (--methods) must name at least one of {ALL_METHODS}")
         unknown = set(self.methods) - set(ALL_METHODS)
         if unknown:
             raise ValueError(f"unknown methods {sorted(unknown)}; expected some of {ALL_METHODS}")
+        plsh = [m for m in self.methods if m in PLSH_METHODS]
+        if plsh and not self.samples:
+            raise ValueError(f"samples (--samples) must name at least one T for the methods {plsh}")
+        for name in ("long_seconds", "sdpa_max_gib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
         check_choice("dtype", self.dtype, tuple(_DTYPES))
+        get_scheme(self.scheme)
+        if not isinstance(self.out, str) or not self.out.strip():
+            raise ValueError(f"out (--out) must be a directory path, got {self.out!r}")
+        # q, k, v, gradients and outputs in float32, O(n) kernels
+        check_memory(64.0 * self.heads * self.head_dim * max(self.lengths), f"--lengths {max(self.lengths)}")
+        for m in plsh:  # every positional-LSH call, as plsh_attention checks it (memory and time, with the estimate)
+            for n in self.lengths:
+                for t in self.samples:
+                    check_call_size(t, self.heads, n, n, self.head_dim, self.causal, PLSH_METHODS[m],
+                                    what=f"--samples {t} at --lengths {n} ({m})")  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -329,7 +356,7 @@ def gemm_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 3) -> float:
 # ------------------------------------------------------------------------------------------- reporting
 
 
-def _ratio_rows(rows: list[BenchRow]) -> list[dict[str, object]]:
+def _ratio_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
     """Rows as dicts with speed-ups against the exact peers of the same length and mode."""
     peers: dict[tuple[int, str, str], float] = {
         (r.seq_len, r.mode, r.method): r.seconds for r in rows if r.method in ("flex-exact", "sdpa-mask")
@@ -471,7 +498,9 @@ _PEAK16 = "GEMM peak bf16 (torch.matmul 1024², GFLOP/s)"
 
 
 def run_bench_command(cfg: BenchConfig) -> list[BenchRow]:
-    """Run the benchmark length by length, writing the outputs after each; print the table and return the rows."""
+    """Run the benchmark length by length, writing the outputs after each; print the table and return the rows.
+    ``--out`` is checked first (a directory that can be written, not a file), before any measurement."""
+    check_output_dir(Path(cfg.out), "--out")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     meta = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -193,7 +194,7 @@ def useful_gflops(pairs: int | None, head_dim: int, seconds: float, mode: str) -
 # ------------------------------------------------------------------------------------------ methods
 
 
-def _exact_methods(n: int, methods: tuple[str, ...], slopes: torch.Tensor, ctx: dict) -> list[Method]:
+def _exact_methods(n: int, methods: tuple[str, ...], slopes: torch.Tensor, ctx: dict[str, Any]) -> list[Method]:
     out: list[Method] = []
     causal, dtype, flex_ = ctx["causal"], ctx["dtype"], ctx["flex"]
     pairs = band_pairs(n, None, causal=causal, num_heads=slopes.numel())
@@ -227,7 +228,9 @@ def _exact_methods(n: int, methods: tuple[str, ...], slopes: torch.Tensor, ctx: 
     return out
 
 
-def _window_methods(n: int, methods: tuple[str, ...], slopes: torch.Tensor, window: torch.Tensor, ctx: dict):
+def _window_methods(
+    n: int, methods: tuple[str, ...], slopes: torch.Tensor, window: torch.Tensor, ctx: dict[str, Any]
+) -> list[Method]:
     out: list[Method] = []
     causal, note = ctx["causal"], f"window {ctx['window_factor']:g}*sigma"
     pairs = band_pairs(n, window, causal=causal)
@@ -243,7 +246,9 @@ def _window_methods(n: int, methods: tuple[str, ...], slopes: torch.Tensor, wind
     return out
 
 
-def _plsh_methods(n: int, methods: tuple[str, ...], samples: tuple[int, ...], slopes: torch.Tensor, ctx: dict):
+def _plsh_methods(
+    n: int, methods: tuple[str, ...], samples: tuple[int, ...], slopes: torch.Tensor, ctx: dict[str, Any]
+) -> list[Method]:
     out: list[Method] = []
     causal = ctx["causal"]
     for t in samples:
@@ -253,7 +258,9 @@ def _plsh_methods(n: int, methods: tuple[str, ...], samples: tuple[int, ...], sl
                 continue
             count = sample_pairs if method == "samples" else union_pairs
 
-            def plsh_fn(a, b, c, parts=parts, method=method):
+            def plsh_fn(
+                a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, parts: Partitions = parts, method: str = method
+            ) -> torch.Tensor:
                 return plsh_attention(a, b, c, partitions=parts, causal=causal, method=method)
 
             out.append(Method(name, t, plsh_fn, True, ctx["scheme"], count(parts, causal=causal)))
@@ -279,13 +286,16 @@ def methods_for_length(
     sl = slopes.to(dtype)
     win = window.to(torch.int64)
 
-    def alibi_mod(score, b, h, qi, ki):  # FlexAttention's signature
+    # FlexAttention's score_mod and mask_mod signatures: int32 index tensors (b, h, q_idx, kv_idx).
+    def alibi_mod(
+        score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+    ) -> torch.Tensor:
         return score - sl[h] * (qi - ki).abs()
 
-    def causal_mask(b, h, qi, ki):
+    def causal_mask(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
         return qi >= ki
 
-    def window_mask(b, h, qi, ki):
+    def window_mask(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
         near = (qi - ki).abs() <= win[h]
         return near & (qi >= ki) if causal else near
 

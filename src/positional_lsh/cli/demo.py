@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from positional_lsh.cli.parsers import add_arguments, comma_list, option, positive_int_text, run_command
-from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops._checks import nonnegative_int, positive_int
 from positional_lsh.ops.alibi import alibi_attention
 from positional_lsh.ops.attention import plsh_attention
 from positional_lsh.ops.errors import check_memory
@@ -122,6 +122,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         positive_int("mask_len", self.mask_len)
+        nonnegative_int("seed", self.seed)
         if not self.lengths:
             raise ValueError("lengths must not be empty")
         for n in self.lengths:

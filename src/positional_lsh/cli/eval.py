@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from positional_lsh.cli.parsers import (
     positive_int_text,
     run_command,
 )
-from positional_lsh.lm.eval_models import load_for_eval
+from positional_lsh.lm.eval_models import HF_POSITION_CHOICES, HFAttention, load_for_eval
 from positional_lsh.lm.eval_results import EvalRow, format_table, write_results
 from positional_lsh.lm.evaluate import (
     DEFAULT_FACTORS,
@@ -38,7 +39,8 @@ from positional_lsh.lm.evaluate import (
 from positional_lsh.lm.run_dir import check_output_dir
 from positional_lsh.lm.train import default_cache_dir
 from positional_lsh.lm.train_dist import check_device
-from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops._checks import nonnegative_int, positive_int
+from positional_lsh.ops.attention import check_call_size
 from positional_lsh.ops.schemes import get_scheme
 
 __all__ = ["EvalConfig", "main", "register_cli", "run_eval"]
@@ -46,7 +48,12 @@ __all__ = ["EvalConfig", "main", "register_cli", "run_eval"]
 
 def _stride_text(text: str) -> int | str:
     """``"window"`` or a positive integer."""
-    return text if text == "window" else positive_int_text(text)
+    if text == "window":
+        return text
+    try:
+        return positive_int_text(text)
+    except ValueError:
+        raise ValueError(f"expected 'window' or a positive integer, got {text!r}") from None
 
 
 def _scheme_text(text: str) -> str:
@@ -86,6 +93,23 @@ class EvalConfig:
     eval_seed: int = option(0, "seed of the evaluation partitions")
     train_len: int | None = option(None, "training length (transformers models without one in the config)")
     tokenizer: str | None = option(None, "tokenizer.json to encode the data with (instead of the checkpoint's)")
+    position: str = option(
+        "saved", "transformers checkpoints: their own attention is the swap saved with them (saved; else native), the "
+        "model's own (native), or alibi, window-alibi, plsh", choices=HF_POSITION_CHOICES,
+    )  # fmt: skip
+    num_samples: int | None = option(None, "--position plsh: T (default: the saved swap's, else 16)",
+                                     parse=positive_int_text)  # fmt: skip
+    scheme: str | None = option(None, "--position plsh: the scheme (default: the saved swap's, else discrete)",
+                                parse=_scheme_text)  # fmt: skip
+    sigma: float | None = option(None, "--position alibi/window-alibi/plsh: one slope 1/sigma for every head "
+                                 "(default: the saved swap's, the model's own, or the ALiBi schedule)",
+                                 parse=positive_float_text)  # fmt: skip
+    slopes: tuple[float, ...] | None = option(
+        None, "--position alibi/window-alibi/plsh: one slope per head, comma-separated (instead of --sigma)",
+        parse=comma_list(float),
+    )  # fmt: skip
+    window: float | None = option(None, "--position window-alibi: the largest kept distance in tokens",
+                                  parse=positive_float_text)  # fmt: skip
     batch_tokens: int = option(8192, "tokens per forward pass")
     cache_dir: str | None = option(
         None, "token cache directory (default: $PLSH_CACHE_DIR or ~/.cache/positional_lsh; '' disables)"
@@ -100,9 +124,17 @@ class EvalConfig:
         if self.labels is not None and len(self.labels) != max(1, len(self.checkpoints)):
             raise ValueError(f"--labels has {len(self.labels)} names for {max(1, len(self.checkpoints))} checkpoints")
         positive_int("batch_tokens", self.batch_tokens)
+        nonnegative_int("eval_seed", self.eval_seed)
         for name in ("max_tokens", "train_len", "threads"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
+        self.attention().check()  # bad --position settings are refused before any work
+        for t in self.samples:  # a lower bound (one head, one query) before anything is loaded; run_eval checks more
+            check_call_size(t, 1, 1, 1, 64, True, "auto", what=f"--samples {t}")
+
+    def attention(self) -> HFAttention:
+        """How transformers checkpoints are scored (``--position`` and its settings)."""
+        return HFAttention(self.position, self.num_samples, self.scheme, self.sigma, self.slopes, self.window)
 
 
 def run_eval(cfg: EvalConfig) -> list[EvalRow]:
@@ -131,10 +163,11 @@ def run_eval(cfg: EvalConfig) -> list[EvalRow]:
     for path, label in zip(paths, labels, strict=True):
         adapter, stream = load_for_eval(
             path, label=label, data=cfg.data, split=cfg.split, train_len=cfg.train_len, tokenizer=cfg.tokenizer,
-            cache_dir=cache, seed=cfg.eval_seed, device=device,
+            cache_dir=cache, seed=cfg.eval_seed, device=device, attention=cfg.attention(),
         )  # fmt: skip
         check_something_to_score(adapter.train_len, cfg.factors, stream.numel(), cfg.max_tokens,
                                  what=f"{cfg.split} split")  # fmt: skip
+        _check_sweep_size(cfg, adapter)
         evaluate_model(
             adapter, stream, factors=cfg.factors, stride=cfg.stride, max_tokens=cfg.max_tokens, samples=cfg.samples,
             schemes=cfg.schemes, sweep_factors=cfg.sweep_factors, equal_cost=cfg.equal_cost,
@@ -146,6 +179,18 @@ def run_eval(cfg: EvalConfig) -> list[EvalRow]:
         for p in write_results(rows, out):
             print(f"wrote {p}")
     return rows
+
+
+def _check_sweep_size(cfg: EvalConfig, adapter: Any) -> None:
+    """Every sweep call (``--samples`` at every ``--sweep-factors`` length, the model's heads) checked as
+    ``plsh_attention`` checks one call (memory and time, with the estimate), before any scoring."""
+    if not getattr(adapter, "sweepable", True):
+        return
+    heads = 1 if adapter.slopes is None else int(adapter.slopes.numel())
+    for f in cfg.sweep_factors or cfg.factors:
+        n = max(1, round(f * adapter.train_len))
+        for t in cfg.samples:
+            check_call_size(t, heads, n, n, 64, True, "auto", what=f"--samples {t} at {n} tokens ({heads} heads)")
 
 
 def _main(args: argparse.Namespace) -> int:

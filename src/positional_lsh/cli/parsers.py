@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,6 +35,8 @@ __all__ = [
     "add_arguments",
     "comma_list",
     "config_from_args",
+    "float_text",
+    "int_text",
     "option",
     "positive_float_text",
     "positive_int_text",
@@ -92,21 +95,60 @@ def option(
 # --------------------------------------------------------------------------------------------------
 
 
-def positive_int_text(text: str) -> int:
-    """``"3"`` -> ``3``; anything that is not an integer ``>= 1`` raises ``ValueError``."""
-    return positive_int("value", int(text))
+def int_text(text: str) -> int:
+    """``"3"`` -> ``3``; anything that is not an integer raises ``ValueError`` ("expected an integer")."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
 
 
-def positive_float_text(text: str) -> float:
-    """``"0.5"`` -> ``0.5``; anything that is not a number ``> 0`` raises ``ValueError``."""
-    value = float(text)
-    if not value > 0:
-        raise ValueError(f"value must be > 0, got {value}")
+def float_text(text: str) -> float:
+    """``"0.5"`` -> ``0.5``; anything that is not a number raises ``ValueError``. ``nan`` is refused (no setting
+    means "not a number"); ``inf`` parses, and each setting says whether it takes it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+    if math.isnan(value):
+        raise ValueError(f"expected a number, got {text!r}")
     return value
 
 
+def positive_int_text(text: str) -> int:
+    """``"3"`` -> ``3``; anything that is not an integer ``>= 1`` raises ``ValueError``."""
+    return positive_int("value", int_text(text))
+
+
+def positive_float_text(text: str) -> float:
+    """``"0.5"`` -> ``0.5``; anything that is not a finite number ``> 0`` raises ``ValueError``."""
+    value = float_text(text)
+    if not 0 < value < math.inf:
+        raise ValueError(f"value must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _friendly(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    """``parse`` as an argparse ``type`` whose errors are one clear message (argparse would otherwise say
+    ``invalid <function name> value``): its own ``ArgumentTypeError``, else ``invalid value 'TEXT': <reason>``."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError:
+            raise
+        except (TypeError, ValueError, OverflowError) as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            message = reason if repr(text) in reason else f"invalid value {text!r}: {reason}"
+            raise argparse.ArgumentTypeError(message) from None
+
+    convert.__name__ = name
+    return convert
+
+
 _ITEM_WORDS = {int: "integers", float: "numbers", str: "names", positive_int_text: "positive integers",
-               positive_float_text: "positive numbers"}  # fmt: skip
+               positive_float_text: "positive numbers", int_text: "integers", float_text: "numbers"}  # fmt: skip
+_ITEM_PARSERS: dict[Any, Callable[[str], Any]] = {int: int_text, float: float_text}
 
 
 def comma_list(
@@ -118,6 +160,7 @@ def comma_list(
     ``argparse.ArgumentTypeError`` ("expected comma-separated ...").
     """
     what = _ITEM_WORDS.get(item, "values")
+    item = _ITEM_PARSERS.get(item, item)
 
     def parse(text: str) -> tuple[Any, ...] | None:
         if none is not None and text.strip() == none:
@@ -177,7 +220,7 @@ class _Spec:
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis and args[0] in (int, float, str):
             return comma_list(args[0], choices=self.flag.choices, none=self.flag.none)
         if self.kind in (int, float, str):
-            return self.kind
+            return _ITEM_PARSERS.get(self.kind, self.kind)
         raise TypeError(f"field {self.field.name}: give Flag.parse for type {self.kind}")
 
     def text(self, value: Any) -> str:
@@ -247,7 +290,7 @@ def add_arguments(
         kw: dict[str, Any] = {"help": _help(spec), "default": default}
         if spec.flag.positional:
             item = spec.flag.parse or (typing.get_args(spec.kind) or (str,))[0]
-            target.add_argument(spec.dest, nargs="*", type=item, **kw)
+            target.add_argument(spec.dest, nargs="*", type=_friendly(item, spec.dest), **kw)
             continue
         kw["dest"] = spec.dest
         if spec.is_switch:
@@ -259,7 +302,7 @@ def add_arguments(
         if spec.flag.choices is not None and typing.get_origin(spec.kind) is not tuple:
             kw["choices"] = spec.flag.choices
             kw["metavar"] = "{" + ",".join(map(str, spec.flag.choices)) + "}"
-        target.add_argument(spec.name, type=spec.parser(), **kw)
+        target.add_argument(spec.name, type=_friendly(spec.parser(), spec.name), **kw)
 
 
 def values_from_args(

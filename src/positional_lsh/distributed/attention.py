@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from positional_lsh import Partitions, alibi_slopes, plsh_attention, sample_part
 from positional_lsh.distributed.chunked import ChunkedWindowAttention, LocalOptions, local_window_attention
 from positional_lsh.distributed.exchange import halo_exchange
 from positional_lsh.distributed.halo import HaloPlan, crop_partitions, halo_plan
-from positional_lsh.ops._checks import check_bool, check_qkv, nonnegative_int, positive_int
+from positional_lsh.ops._checks import as_scale, check_bool, check_qkv, nonnegative_int, positive_int
 from positional_lsh.ops.options import DEFAULT_BACKEND, DEFAULT_METHOD, check_backend, check_method
 from positional_lsh.ops.partitions import check_partitions, check_slopes_match
 
@@ -55,7 +55,7 @@ def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Exception
     one position of the same batch, heads, head_dim, dtype and device), plus what sharding needs: ``q`` and ``k``
     hold the same positions, and a dtype that the metadata carries.
     """
-    shard = (q, k, v)
+    shard: tuple[torch.Tensor, ...] = (q, k, v)
     if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in shard):
         if q.shape[2] != k.shape[2]:
             return ValueError(f"q and k must hold the same positions of the shard, got {q.shape[2]} and {k.shape[2]}")
@@ -126,8 +126,9 @@ def context_parallel_plsh_attention(
             group, or with a group of one rank, this is :func:`positional_lsh.plsh_attention`.
         shard_lengths: ``(P,)`` positions per rank; default: each rank's ``n_local``, exchanged in the one small
             ``all_gather`` that every call makes (it also checks shapes, dtypes, options and the partitions'
-            checksum: when they disagree, or a rank's shard is invalid, every rank raises, the invalid rank its own
-            ``TypeError``/``ValueError`` and the others ``ValueError``).
+            checksum). Every argument is checked on every rank before that exchange; when any check fails on any
+            rank, or the ranks disagree, every rank raises the same ``ValueError`` (naming the failed ranks and
+            each one's error), so that none of them hangs.
         head_chunk: ``None`` (default): one ``plsh_attention`` call on the joined key/value window, which it keeps
             for the backward. An int: compute ``head_chunk`` key/value heads at a time and recompute them in the
             backward (:class:`~positional_lsh.distributed.chunked.ChunkedWindowAttention`): only ``q, k, v`` and
@@ -140,31 +141,76 @@ def context_parallel_plsh_attention(
         ``(B, Hq, n_local, d)`` in ``q``'s dtype, differentiable w.r.t. ``q``, ``k``, ``v``. Every rank of
         the group must call it (and run the backward) in the same order.
     """
-    head_chunk = _check_options(causal, partitions, head_chunk)
-    local = LocalOptions(causal, scale, check_backend(backend), check_method(method))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        _check_options(causal, partitions, head_chunk)
+        check_backend(backend)
+        check_method(method)
         n_local = check_qkv(q, k, v)[3]
         if shard_lengths is not None and _check_lengths(shard_lengths, 1) != [n_local]:
             raise ValueError(f"shard_lengths={shard_lengths!r} for one rank holding {n_local} positions")
-        opts = {"num_samples": num_samples, "scheme": scheme, "generator": generator, "partitions": partitions}
-        return plsh_attention(q, k, v, slopes, causal=causal, scale=scale, backend=backend, method=method, **opts)
-    # Validation, one all_gather (every rank raises alike), planning, then the exchange and the local compute.
+        return plsh_attention(
+            q, k, v, slopes, num_samples=num_samples, scheme=scheme, generator=generator, partitions=partitions,
+            causal=causal, scale=scale, backend=backend, method=method,
+        )  # fmt: skip
+    # Every check on every rank, then one all_gather (a failed check included: every rank raises alike, none
+    # hangs), then planning, the exchange and the local compute.
     world = dist.get_world_size(group)
-    lengths = None if shard_lengths is None else _check_lengths(shard_lengths, world)
-    parts_key = _sampling_key(partitions, slopes, num_samples, scheme, generator)
+    try:
+        call = _check_call(q, k, v, slopes, num_samples, partitions, scheme, generator, causal, scale, shard_lengths,
+                           head_chunk, backend, method, world)  # fmt: skip
+        err: Exception | None = None
+    except Exception as exc:  # any failure: the other ranks must learn of it before anyone raises
+        call, err = None, exc
+    table = _gather_meta(q, k, v, err, causal, scale, None if call is None else call.lengths,
+                         0 if call is None else call.parts_key, world, group)  # fmt: skip
+    _raise_if_invalid(table, err, group)
+    assert call is not None
+    lengths = _agreed_lengths(table, call.lengths)
+    n = sum(lengths)
+    if call.partitions.seq_len != n and partitions is not None:
+        raise ValueError(
+            f"partitions must be those of the whole sequence: seq_len={partitions.seq_len}, but the shards "
+            f"hold {n} positions"
+        )
+    whole = call.partitions if partitions is not None else call.partitions.with_seq_len(n)
+    plan = halo_plan(whole, lengths, causal=causal)
+    return _local_attention(q, k, v, plan, dist.get_rank(group), group, whole, call.local, call.head_chunk)
+
+
+class _Call(NamedTuple):
+    """A context-parallel call whose arguments passed this rank's checks."""
+
+    local: LocalOptions
+    head_chunk: int | None
+    lengths: list[int] | None
+    parts_key: int
+    partitions: Partitions  # given, or drawn for one position (extended to the whole sequence after the gather)
+
+
+def _check_call(
+    q: Any, k: Any, v: Any, slopes: Any, num_samples: Any, partitions: Any, scheme: Any, generator: Any,
+    causal: Any, scale: Any, shard_lengths: Any, head_chunk: Any, backend: Any, method: Any, world: int,
+) -> _Call:  # fmt: skip
+    """Every check of a call that needs no other rank, raising the first problem: options, this rank's shard, the
+    shard lengths, the scale, and the partitions (given: heads and slopes; else drawn here, which checks the slopes,
+    ``num_samples``, ``scheme`` and the int seed). What needs the whole group (equal options and partitions, the
+    total length) is compared after the gather."""
+    chunk = _check_options(causal, partitions, head_chunk)
+    local = LocalOptions(causal, scale, check_backend(backend), check_method(method))
     err = _local_error(q, k, v)
-    table = _gather_meta(q, k, v, err, causal, scale, lengths, parts_key, world, group)
-    lengths = _agreed_lengths(table, err, lengths)
+    if err is not None:
+        raise err
+    as_scale(scale, q.shape[-1])
+    lengths = None if shard_lengths is None else _check_lengths(shard_lengths, world)
     hq = q.shape[1]
+    key = _sampling_key(partitions, slopes, num_samples, scheme, generator)
     if partitions is None:
         slopes = alibi_slopes(hq) if slopes is None else slopes
-        partitions = sample_partitions(
-            sum(lengths), slopes, num_samples, scheme=scheme, generator=generator, num_heads=hq
-        )
+        partitions = sample_partitions(1, slopes, num_samples, scheme=scheme, generator=generator, num_heads=hq)
     else:
-        _check_whole_partitions(partitions, slopes, sum(lengths), hq)
-    plan = halo_plan(partitions, lengths, causal=causal)
-    return _local_attention(q, k, v, plan, dist.get_rank(group), group, partitions, local, head_chunk)
+        check_partitions(partitions, hq, partitions.seq_len)
+        check_slopes_match(slopes, partitions, hq)
+    return _Call(local, chunk, lengths, key, partitions)
 
 
 def _sampling_key(partitions: Partitions | None, slopes: Any, num_samples: int, scheme: str, generator: Any) -> int:
@@ -209,7 +255,7 @@ def _gather_meta(
         b, hq, n_local, d = q.shape
         meta[_B], meta[_HQ], meta[_HKV], meta[_LEN], meta[_D] = b, hq, k.shape[1], n_local, d
         meta[_DTYPE] = _DTYPES.index(q.dtype)
-    meta[_CAUSAL] = int(causal)
+    meta[_CAUSAL] = int(causal) if isinstance(causal, bool) else -1
     meta[_SCALE] = _digest(scale)
     meta[_LENGTHS] = _digest(lengths)
     meta[_PARTS] = parts_key
@@ -218,14 +264,35 @@ def _gather_meta(
     return torch.stack(gathered)
 
 
-def _agreed_lengths(table: torch.Tensor, err: Exception | None, lengths: list[int] | None) -> list[int]:
-    """Raise unless all ranks agree (a rank with bad input raises its own error, the others ``ValueError``);
-    return the shard lengths."""
+# Longest message of a rank's error that the other ranks receive (bytes of UTF-8).
+_MESSAGE_BYTES = 480
+
+
+def _raise_if_invalid(table: torch.Tensor, err: Exception | None, group: Any) -> None:
+    """If any rank's checks failed, every rank raises the same ``ValueError``: which ranks, and each one's error
+    (a second small all_gather, only on this path, carries the messages)."""
     bad = table[:, _ERR].nonzero().flatten().tolist()
-    if err is not None:
-        raise err
-    if bad:
-        raise ValueError(f"invalid input on rank(s) {bad} of the context-parallel group")
+    if not bad:
+        return
+    text = "" if err is None else f"{type(err).__name__}: {' '.join(str(err).split())}"
+    data = text.encode("utf-8")[:_MESSAGE_BYTES]
+    mine = torch.zeros(_MESSAGE_BYTES + 2, dtype=torch.uint8)
+    mine[0], mine[1] = len(data) // 256, len(data) % 256
+    mine[2 : 2 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[2:2]
+    gathered = [torch.empty_like(mine) for _ in range(table.shape[0])]
+    dist.all_gather(gathered, mine, group=group)
+    messages: dict[str, list[int]] = {}
+    for r in bad:
+        size = int(gathered[r][0]) * 256 + int(gathered[r][1])
+        msg = bytes(gathered[r][2 : 2 + size].tolist()).decode("utf-8", errors="replace")
+        messages.setdefault(msg, []).append(r)
+    parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in messages.items()]
+    raise ValueError(f"invalid input on rank(s) {bad} of the context-parallel group ({'; '.join(parts)})")
+
+
+def _agreed_lengths(table: torch.Tensor, lengths: list[int] | None) -> list[int]:
+    """Raise (alike on every rank) unless all ranks agree on the shapes, options and partitions; return the shard
+    lengths."""
     for col, what in (
         (_B, "batch size"),
         (_HQ, "number of query heads"),
@@ -248,17 +315,6 @@ def _agreed_lengths(table: torch.Tensor, err: Exception | None, lengths: list[in
     if lengths is not None and lengths != local:
         raise ValueError(f"shard_lengths={lengths} but the ranks hold {local} positions")
     return local
-
-
-def _check_whole_partitions(partitions: Partitions, slopes: Any, n: int, hq: int) -> None:
-    """Given partitions must be those of the whole sequence, for ``hq`` heads, with the given slopes."""
-    if partitions.seq_len != n:
-        raise ValueError(
-            f"partitions must be those of the whole sequence: seq_len={partitions.seq_len}, but the shards "
-            f"hold {n} positions"
-        )
-    check_partitions(partitions, hq, n)
-    check_slopes_match(slopes, partitions, hq)
 
 
 def _local_attention(

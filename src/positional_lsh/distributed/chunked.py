@@ -40,8 +40,8 @@ def head_slice(partitions: Partitions, h0: int, h1: int) -> Partitions:
         "pitch": partitions.pitch[:, h0:h1],
         "shift": partitions.shift[:, h0:h1],
     }
-    if getattr(partitions, "decays", None) is not None:
-        changes["decays"] = tuple(partitions.decays[h0:h1])  # type: ignore[index]
+    if partitions.decays is not None:
+        changes["decays"] = tuple(partitions.decays[h0:h1])
     return dataclasses.replace(partitions, **changes)
 
 
@@ -59,8 +59,8 @@ class ChunkedWindowAttention(torch.autograd.Function):
     """``(q, k, v)`` shard -> this rank's rows of positional-LSH attention, heads in chunks (see module docs)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,  # torch's FunctionCtx; the attributes set here are read by backward
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -89,9 +89,7 @@ class ChunkedWindowAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, *halo = ctx.saved_tensors
         plan: HaloPlan = ctx.plan
         rank = ctx.rank
@@ -140,10 +138,12 @@ def local_window_attention(
     Queries are aligned to the last keys, so with a right halo (bidirectional attention) the queries are padded
     with ``right_len`` zero rows, whose outputs are dropped (they get no gradient). Returns ``(B, Hq, n_local, d)``.
     """
-    opts = {"partitions": parts, "causal": options.causal, "scale": options.scale}
-    opts |= {"backend": options.backend, "method": options.method}
-    if options.causal or right_len == 0:
-        return plsh_attention(q, kw, vw, **opts)
     n_local = q.shape[2]
-    q = torch.cat([q, q.new_zeros((*q.shape[:2], right_len, q.shape[3]))], dim=2)
-    return plsh_attention(q, kw, vw, **opts)[:, :, :n_local]
+    padded = not (options.causal or right_len == 0)
+    if padded:
+        q = torch.cat([q, q.new_zeros((*q.shape[:2], right_len, q.shape[3]))], dim=2)
+    out = plsh_attention(
+        q, kw, vw, partitions=parts, causal=options.causal, scale=options.scale, backend=options.backend,
+        method=options.method,
+    )  # fmt: skip
+    return out[:, :, :n_local] if padded else out

@@ -12,12 +12,13 @@ holds the loss of its tokens only, divided by the total token count).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from positional_lsh import Partitions
 from positional_lsh.distributed.attention import context_parallel_plsh_attention
 
 __all__ = ["context_parallel_attend", "init_context_groups", "set_context_group", "shard_lengths", "shard_sequence"]
@@ -79,9 +80,22 @@ def set_context_group(
         if hasattr(module, "attend") and hasattr(module, "partitions"):
             if group is not None and getattr(module, "position", "plsh") != "plsh":
                 raise ValueError(f"context parallelism supports position='plsh' only, got {module.position!r}")
+            # nn.Module.__setattr__ is typed for tensors and modules only; it stores any value at runtime.
             module.context_group = group
-            module.context_shard_lengths = None if shard_lengths is None else list(shard_lengths)
-            module.context_head_chunk = head_chunk
+            lengths = None if shard_lengths is None else list(shard_lengths)  # one list per layer
+            module.context_shard_lengths = lengths  # type: ignore[assignment]
+            module.context_head_chunk = head_chunk  # type: ignore[assignment]
+
+
+class _ContextLayer(Protocol):
+    """What :func:`context_parallel_attend` reads of a language-model attention layer (``distributed`` does not
+    import ``lm``): the settings :func:`set_context_group` stored, its config and its partition draw."""
+
+    context_group: Any
+    context_shard_lengths: list[int] | None
+    cfg: Any  # positional_lsh.lm.ModelConfig
+
+    def partitions(self, seq_len: int) -> Partitions: ...
 
 
 def context_parallel_attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -92,18 +106,19 @@ def context_parallel_attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v
     (``attn.cfg``) gives the kernel backend (``attn_backend``) and the estimator's method (``plsh_method``), so
     the result equals the single-process layer's rows.
     """
-    group = attn.context_group
-    lengths = attn.context_shard_lengths
+    layer = cast(_ContextLayer, attn)
+    group = layer.context_group
+    lengths = layer.context_shard_lengths
     total = sum(lengths) if lengths is not None else k.shape[2] * dist.get_world_size(group)
     return context_parallel_plsh_attention(
         q,
         k,
         v,
-        partitions=attn.partitions(total),
+        partitions=layer.partitions(total),
         causal=True,
         group=group,
         shard_lengths=lengths,
-        head_chunk=getattr(attn, "context_head_chunk", None),
-        backend=attn.cfg.attn_backend,
-        method=attn.cfg.plsh_method,
+        head_chunk=getattr(layer, "context_head_chunk", None),
+        backend=layer.cfg.attn_backend,
+        method=layer.cfg.plsh_method,
     )

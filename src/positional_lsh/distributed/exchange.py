@@ -98,8 +98,8 @@ def return_halo_grads(
 
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,  # torch's FunctionCtx; the attributes set here are read by backward
         k: torch.Tensor,
         v: torch.Tensor,
         plan: HaloPlan,
@@ -114,9 +114,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, dk_win: torch.Tensor, dv_win: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dk_win: torch.Tensor, dv_win: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan: HaloPlan = ctx.plan
         rank, group = ctx.rank, ctx.group
         start, end, left = plan.starts[rank], plan.ends[rank], plan.left[rank]

@@ -179,14 +179,12 @@ def halo_plan(partitions: Partitions, shard_lengths: Sequence[int], causal: bool
     if nonempty:
         firsts = torch.tensor([starts[r] for r in nonempty], dtype=torch.long)
         lo, _ = block_extents(partitions, firsts)
-        lo = lo.flatten(0, 1).amin(0).tolist()
-        for r, value in zip(nonempty, lo, strict=True):
+        for r, value in zip(nonempty, lo.flatten(0, 1).amin(0).tolist(), strict=True):
             left[r] = int(value)
         if not causal:
             lasts = torch.tensor([ends[r] - 1 for r in nonempty], dtype=torch.long)
             _, hi = block_extents(partitions, lasts)
-            hi = hi.flatten(0, 1).amax(0).tolist()
-            for r, value in zip(nonempty, hi, strict=True):
+            for r, value in zip(nonempty, hi.flatten(0, 1).amax(0).tolist(), strict=True):
                 right[r] = int(value)
     transfers = []
     for dst in range(world):

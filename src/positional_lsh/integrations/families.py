@@ -121,6 +121,12 @@ def _config(model: nn.Module) -> Any:
     return getattr(model, "config", None)
 
 
+def _attr(obj: nn.Module, name: str) -> Any:
+    """``obj.name`` (``AttributeError`` when missing), typed ``Any``: the attributes of a transformers model or
+    attention module are read by name (``nn.Module.__getattr__`` is typed ``Tensor | Module``)."""
+    return getattr(obj, name)
+
+
 def _cfg(config: Any, *names: str, default: Any = None) -> Any:
     for name in names:
         value = getattr(config, name, None)
@@ -176,20 +182,20 @@ def _no_slopes(model: nn.Module) -> None:
 def _bloom_slopes(model: nn.Module) -> torch.Tensor:
     """BLOOM: ``build_alibi_tensor`` gives ``m * j`` per key (float32 products), added after scaling."""
     build = _builder(model, "build_alibi_tensor")
-    alibi = build(torch.ones(1, 2, dtype=torch.long), int(model.config.n_head), torch.float64)  # (H, 1, 2)
+    alibi = build(torch.ones(1, 2, dtype=torch.long), int(_attr(model, "config").n_head), torch.float64)  # (H, 1, 2)
     return alibi[:, 0, 1].to(torch.float64)
 
 
 def _mpt_slopes(model: nn.Module) -> torch.Tensor:
     """MPT: ``build_mpt_alibi_tensor(H, n)`` gives ``m * (j - (n - 1))``, called as ``MptModel`` calls it."""
     build = _builder(model, "build_mpt_alibi_tensor")
-    alibi = build(int(model.config.n_heads), 2)  # (H, 1, 2); no alibi_bias_max, as in MptModel.forward
+    alibi = build(int(_attr(model, "config").n_heads), 2)  # (H, 1, 2); no alibi_bias_max, as in MptModel.forward
     return (-alibi[:, 0, 0]).to(torch.float64)
 
 
 def _falcon_slopes(model: nn.Module) -> torch.Tensor | None:
     """Falcon ``alibi=True``: bfloat16 slopes times ``j``, added before dividing by ``sqrt(d)``."""
-    cfg = model.config
+    cfg = _attr(model, "config")
     if not getattr(cfg, "alibi", False):
         return None
     h = int(cfg.num_attention_heads)
@@ -201,8 +207,9 @@ def _falcon_slopes(model: nn.Module) -> torch.Tensor | None:
 def _transformer_lm_slopes(model: nn.Module) -> torch.Tensor | None:
     """The project's ``TransformerLM``: ``cfg.slopes()`` in its ALiBi modes (``alibi``, ``plsh``, ``window-alibi``)."""
     cfg = getattr(model, "cfg", None)
-    if getattr(cfg, "position", None) in ("alibi", "plsh", "window-alibi") and callable(getattr(cfg, "slopes", None)):
-        return cfg.slopes().detach().to("cpu", torch.float64).reshape(-1)
+    slopes = getattr(cfg, "slopes", None)
+    if getattr(cfg, "position", None) in ("alibi", "plsh", "window-alibi") and callable(slopes):
+        return slopes().detach().to("cpu", torch.float64).reshape(-1)
     return None
 
 
@@ -213,42 +220,43 @@ def _transformer_lm_slopes(model: nn.Module) -> torch.Tensor | None:
 
 def _rope_points(mod: nn.Module, layer: int, model: nn.Module) -> list[CapturePoint]:
     d = getattr(mod, "head_dim", None) or _cfg(_config(model), "head_dim") or (_hidden(model) // _heads(model))
-    hq, hkv = _out_features(mod.q_proj) // d, _out_features(mod.k_proj) // d
+    q_proj, k_proj, v_proj = _attr(mod, "q_proj"), _attr(mod, "k_proj"), _attr(mod, "v_proj")
+    hq, hkv = _out_features(q_proj) // d, _out_features(k_proj) // d
     return [
-        CapturePoint(layer, mod.q_proj, "q", split_heads(hq, d)),
-        CapturePoint(layer, mod.k_proj, "k", split_heads(hkv, d)),
-        CapturePoint(layer, mod.v_proj, "v", split_heads(hkv, d)),
+        CapturePoint(layer, q_proj, "q", split_heads(hq, d)),
+        CapturePoint(layer, k_proj, "k", split_heads(hkv, d)),
+        CapturePoint(layer, v_proj, "v", split_heads(hkv, d)),
     ]
 
 
 def _nanogpt_points(mod: nn.Module, layer: int, model: nn.Module) -> list[CapturePoint]:
     # Fused [q | k | v] as the project's TransformerLM (``qkv(x).view(b, l, 3, n_head, head_dim)``); RoPE,
     # when configured, comes after it.
-    h, d = mod.n_head, mod.head_dim
-    return [CapturePoint(layer, mod.qkv, "qkv", split_fused_blocks(h, h, d))]
+    h, d = _attr(mod, "n_head"), _attr(mod, "head_dim")
+    return [CapturePoint(layer, _attr(mod, "qkv"), "qkv", split_fused_blocks(h, h, d))]
 
 
 def _falcon_points(mod: nn.Module, layer: int, model: nn.Module) -> list[CapturePoint]:
-    d, h = mod.head_dim, mod.num_heads
+    d, h = _attr(mod, "head_dim"), _attr(mod, "num_heads")
     if getattr(mod, "new_decoder_architecture", False):
-        split = split_falcon_grouped(h, mod.num_kv_heads, d)
+        split = split_falcon_grouped(h, _attr(mod, "num_kv_heads"), d)
     elif getattr(mod, "multi_query", False):
         split = split_falcon_multiquery(h, d)
     else:
         split = split_fused_interleaved(h, d)
-    return [CapturePoint(layer, mod.query_key_value, "qkv", split)]
+    return [CapturePoint(layer, _attr(mod, "query_key_value"), "qkv", split)]
 
 
 def _neox_points(mod: nn.Module, layer: int, model: nn.Module) -> list[CapturePoint]:
     heads = _heads(model)
     d = getattr(mod, "head_size", None) or getattr(mod, "head_dim", None) or _hidden(model) // heads
-    return [CapturePoint(layer, mod.query_key_value, "qkv", split_neox(heads, d))]
+    return [CapturePoint(layer, _attr(mod, "query_key_value"), "qkv", split_neox(heads, d))]
 
 
 def _bloom_points(mod: nn.Module, layer: int, model: nn.Module) -> list[CapturePoint]:
     h = getattr(mod, "num_heads", None) or _heads(model)
     d = getattr(mod, "head_dim", None) or _hidden(model) // h
-    return [CapturePoint(layer, mod.query_key_value, "qkv", split_fused_interleaved(h, d))]
+    return [CapturePoint(layer, _attr(mod, "query_key_value"), "qkv", split_fused_interleaved(h, d))]
 
 
 def _fused_blocks_points(attr: str) -> Callable[[nn.Module, int, nn.Module], list[CapturePoint]]:
@@ -288,7 +296,7 @@ FAMILIES: tuple[Family, ...] = (
         name="rope",
         model_types=("llama", "mistral", "qwen2", "qwen3"),
         is_attention=lambda m: _has(m, "q_proj", "k_proj", "v_proj"),
-        num_heads=lambda model: int(model.config.num_attention_heads),
+        num_heads=lambda model: int(_attr(model, "config").num_attention_heads),
         capture=_rope_points,
         slopes=_no_slopes,
         registry=True,
@@ -297,7 +305,7 @@ FAMILIES: tuple[Family, ...] = (
         name="transformer_lm",
         model_types=(),
         is_attention=_is_nanogpt,
-        num_heads=lambda model: int(model.cfg.n_head),
+        num_heads=lambda model: int(_attr(model, "cfg").n_head),
         capture=_nanogpt_points,
         slopes=_transformer_lm_slopes,
     ),
@@ -305,7 +313,7 @@ FAMILIES: tuple[Family, ...] = (
         name="falcon",
         model_types=("falcon",),
         is_attention=lambda m: _is_fused_qkv(m, "Falcon"),
-        num_heads=lambda model: int(model.config.num_attention_heads),
+        num_heads=lambda model: int(_attr(model, "config").num_attention_heads),
         capture=_falcon_points,
         slopes=_falcon_slopes,
         attention_class="FalconAttention",
@@ -315,7 +323,7 @@ FAMILIES: tuple[Family, ...] = (
         name="gpt_neox",
         model_types=("gpt_neox",),
         is_attention=lambda m: _is_fused_qkv(m, "NeoX"),
-        num_heads=lambda model: int(model.config.num_attention_heads),
+        num_heads=lambda model: int(_attr(model, "config").num_attention_heads),
         capture=_neox_points,
         slopes=_no_slopes,
     ),
@@ -323,7 +331,7 @@ FAMILIES: tuple[Family, ...] = (
         name="bloom",
         model_types=("bloom",),
         is_attention=lambda m: _is_fused_qkv(m, None),
-        num_heads=lambda model: int(model.config.n_head),
+        num_heads=lambda model: int(_attr(model, "config").n_head),
         capture=_bloom_points,
         slopes=_bloom_slopes,
         attention_class="BloomAttention",
@@ -333,7 +341,7 @@ FAMILIES: tuple[Family, ...] = (
         name="mpt",
         model_types=("mpt",),
         is_attention=lambda m: _has(m, "Wqkv"),
-        num_heads=lambda model: int(model.config.n_heads),
+        num_heads=lambda model: int(_attr(model, "config").n_heads),
         capture=_fused_blocks_points("Wqkv"),
         slopes=_mpt_slopes,
         attention_class="MptAttention",
@@ -343,7 +351,7 @@ FAMILIES: tuple[Family, ...] = (
         name="gpt2",
         model_types=("gpt2",),
         is_attention=lambda m: _has(m, "c_attn") and hasattr(m, "split_size"),
-        num_heads=lambda model: int(model.config.n_head),
+        num_heads=lambda model: int(_attr(model, "config").n_head),
         capture=_fused_blocks_points("c_attn"),
         slopes=_no_slopes,
     ),

@@ -4,12 +4,19 @@
 and returns a :class:`ModelAdapter`: next-token logits, and exact ALiBi / positional LSH / windowed ALiBi swapped
 into the model's attention and back (:class:`LMAdapter` for :class:`~positional_lsh.lm.model.TransformerLM`,
 :class:`HFAdapter` for transformers models through :mod:`positional_lsh.integrations.hf`).
+
+A transformers checkpoint is scored with the swap saved next to its weights (``positional_lsh_swap.json``), or as
+``--position`` says (:class:`HFAttention`: ``native``, ``alibi``, ``window-alibi`` or ``plsh``, at a chosen
+``sigma`` or per-head slopes); the choice is said in one line on stderr, and a mode that cannot apply is refused.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +25,27 @@ import torch
 from positional_lsh.lm import data as D
 from positional_lsh.lm.checkpoint import (
     check_tokenizer_fingerprint,
+    checkpoint_dir,
     is_checkpoint,
     load_checkpoint,
     read_checkpoint_config,
     shipped_checkpoint_path,
 )
 from positional_lsh.lm.model import TransformerLM
+from positional_lsh.ops.errors import UserError
 
-__all__ = ["HFAdapter", "LMAdapter", "ModelAdapter", "load_for_eval"]
+__all__ = [
+    "HF_POSITION_CHOICES",
+    "HFAdapter",
+    "HFAttention",
+    "LMAdapter",
+    "ModelAdapter",
+    "encode_with_hf_tokenizer",
+    "load_for_eval",
+]
+
+HF_POSITION_CHOICES = ("saved", "native", "alibi", "window-alibi", "plsh")
+"""``plsh eval --position`` values (:class:`HFAttention`)."""
 
 
 class ModelAdapter:
@@ -99,38 +119,107 @@ class LMAdapter(ModelAdapter):
         )
 
 
-class HFAdapter(ModelAdapter):
-    """A transformers causal LM: attention swaps through :mod:`positional_lsh.integrations.hf`."""
+@dataclass(frozen=True)
+class HFAttention:
+    """How ``plsh eval`` scores a transformers checkpoint (``--position`` and its settings).
 
-    def __init__(self, model: Any, label: str, train_len: int, seed: int) -> None:
+    Attributes:
+        position: ``"saved"`` (the swap saved with the checkpoint, else the model's own attention), ``"native"``
+            (the model's own attention; a saved swap is not applied), ``"alibi"``, ``"window-alibi"`` or ``"plsh"``.
+        num_samples, scheme: ``T`` and the scheme of ``plsh`` (default: the saved swap's, else 16 and discrete).
+        sigma: one slope ``1 / sigma`` for every head; ``slopes``: one per head (default: the saved swap's, the
+            model's own ALiBi slopes, or the ALiBi schedule).
+        window: ``window-alibi``'s largest kept distance.
+    """
+
+    position: str = "saved"
+    num_samples: int | None = None
+    scheme: str | None = None
+    sigma: float | None = None
+    slopes: tuple[float, ...] | None = None
+    window: float | None = None
+
+    def given(self) -> list[str]:
+        """The flags set besides ``--position``."""
+        names = {"num_samples": "--num-samples", "scheme": "--scheme", "sigma": "--sigma", "slopes": "--slopes",
+                 "window": "--window"}  # fmt: skip
+        return [flag for name, flag in names.items() if getattr(self, name) is not None]
+
+    def check(self) -> None:
+        """Refuse (``UserError``, one line) settings that cannot apply together."""
+        if self.position not in HF_POSITION_CHOICES:
+            raise UserError(f"--position must be one of {', '.join(HF_POSITION_CHOICES)}, got {self.position!r}")
+        if self.sigma is not None and self.slopes is not None:
+            raise UserError("--sigma (one slope 1/sigma for every head) and --slopes (one per head): pass one")
+        if self.sigma is not None and not 0 < self.sigma < math.inf:
+            raise UserError(f"--sigma must be a finite number > 0, got {self.sigma}")
+        if self.slopes is not None and (not self.slopes or not all(0 <= s < math.inf for s in self.slopes)):
+            got = ",".join(map(str, self.slopes))
+            raise UserError(f"--slopes must be finite numbers >= 0, one per head, got {got!r}")
+        if self.window is not None and not 0 <= self.window < math.inf:
+            raise UserError(f"--window must be a finite number >= 0, got {self.window}")
+        if self.position == "native" and self.given():
+            raise UserError(f"--position native scores the model's own attention: {', '.join(self.given())} "
+                            "cannot apply (use --position alibi, window-alibi or plsh)")  # fmt: skip
+        if self.position in ("alibi", "window-alibi") and (self.num_samples is not None or self.scheme is not None):
+            raise UserError(f"--num-samples/--scheme apply to --position plsh, not {self.position}")
+        if self.window is not None and self.position != "window-alibi":
+            raise UserError("--window applies to --position window-alibi only")
+        if self.position == "window-alibi" and self.window is None:
+            raise UserError("--position window-alibi needs --window (the largest kept distance in tokens)")
+
+
+class HFAdapter(ModelAdapter):
+    """A transformers causal LM: attention swaps through :mod:`positional_lsh.integrations.hf`.
+
+    ``own``: the swap the model is scored with as its own attention (saved with it, or chosen by ``--position``),
+    or ``None`` for the model's own attention. The sweep's swaps are stacked on it and popped after each
+    measurement, with the own swap's slopes (or the model's native ALiBi slopes).
+    """
+
+    def __init__(self, model: Any, label: str, train_len: int, seed: int, own: Any = None, note: str = "") -> None:
         from positional_lsh.integrations import hf
+        from positional_lsh.integrations.hf.saved import describe_swap_settings, swap_settings
 
         self.hf = hf
         self.seed = seed
-        family = hf.model_family(model)
+        self._top: Any = None
         slopes = None
-        if family in hf.NATIVE_ALIBI_TYPES:
-            swap = hf.use_alibi(model)
-            slopes = swap.slopes.clone()
-            hf.restore(model)
-        super().__init__(model, label, train_len, slopes, f"native {model.config.model_type}")
+        if own is not None:
+            slopes = own.slopes.clone()
+            description = describe_swap_settings(swap_settings(own), brief=True) + note
+        else:
+            try:
+                family = hf.model_family(model)
+            except (TypeError, ValueError):
+                family = None  # a model the swap does not support (GPT-2, ...): its own attention only, no sweep
+            if family in ("bloom", "mpt", "falcon"):
+                with hf.use_alibi(model) as swap:
+                    slopes = swap.slopes.clone()
+            description = f"native {model.config.model_type}"
+        super().__init__(model, label, train_len, slopes, description)
         self.sweepable = slopes is not None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=x).logits
 
     def set_attention(self, kind: str, **kw: Any) -> None:
+        self.reset()
         if kind == "alibi":
-            self.hf.use_alibi(self.model)
+            self._top = self.hf.use_alibi(self.model, slopes=self.slopes)
         elif kind == "plsh":
-            self.hf.use_positional_lsh(self.model, num_samples=kw["samples"], scheme=kw["scheme"], seed=self.seed)
+            self._top = self.hf.use_positional_lsh(self.model, num_samples=kw["samples"], scheme=kw["scheme"],
+                                                   seed=self.seed, slopes=self.slopes)  # fmt: skip
         elif kind == "window":
-            self.hf.use_alibi(self.model, window=kw["window"])
+            self._top = self.hf.use_alibi(self.model, window=kw["window"], slopes=self.slopes)
         else:
             raise ValueError(f"unknown attention kind {kind!r}")
 
     def reset(self) -> None:
-        self.hf.restore(self.model)
+        """Pop the sweep's swap: the model's own attention (or its own swap) again."""
+        if self._top is not None:
+            self._top.restore()
+            self._top = None
 
 
 def _hf_train_len(config: Any) -> int | None:
@@ -141,7 +230,7 @@ def _hf_train_len(config: Any) -> int | None:
     return None
 
 
-def _encode_hf(tokenizer: Any, docs: Sequence[D.Document]) -> torch.Tensor:
+def encode_with_hf_tokenizer(tokenizer: Any, docs: Sequence[D.Document]) -> torch.Tensor:
     """A transformers tokenizer's token stream: each document's ids followed by its EOS id (if it has one)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     ids: list[int] = []
@@ -150,6 +239,50 @@ def _encode_hf(tokenizer: Any, docs: Sequence[D.Document]) -> torch.Tensor:
         if eos is not None:
             ids.append(int(eos))
     return torch.tensor(ids, dtype=torch.long)
+
+
+def _apply_position(model: Any, folder: Path, attention: HFAttention, seed: int) -> tuple[Any, dict[str, Any] | None]:
+    """Install the attention ``plsh eval`` scores ``model`` with: ``(own swap or None, saved settings or None)``."""
+    from positional_lsh.integrations import hf
+
+    saved = hf.read_swap_settings(folder)
+    pos = attention.position
+    if pos == "saved":
+        if saved is None:
+            if attention.given():
+                raise UserError(f"{folder} holds no saved swap ({hf.SWAP_FILE}): {', '.join(attention.given())} "
+                                "need --position alibi, window-alibi or plsh")  # fmt: skip
+            return None, None
+        pos = saved["position"]
+        if pos != "plsh" and (attention.num_samples is not None or attention.scheme is not None):
+            raise UserError(f"the swap saved with {folder} is {pos}: --num-samples/--scheme apply to plsh only")
+    if pos == "native":
+        return None, saved
+    try:
+        hf.model_family(model)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"--position {pos} cannot apply to {folder}: {exc}") from None
+    slopes: Any = None
+    if attention.sigma is not None:
+        slopes = 1.0 / attention.sigma
+    elif attention.slopes is not None:
+        slopes = list(attention.slopes)
+    elif saved is not None:
+        slopes = saved["slopes"]
+    if pos == "plsh":
+        from_saved = saved is not None and saved["position"] == "plsh"
+        swap = hf.use_positional_lsh(
+            model,
+            num_samples=attention.num_samples or (saved["num_samples"] if from_saved else 16),  # type: ignore[index]
+            scheme=attention.scheme or (saved["scheme"] if from_saved else "discrete"),  # type: ignore[index]
+            seed=saved["seed"] if from_saved else seed,  # type: ignore[index]
+            slopes=slopes,
+        )
+        if from_saved:
+            swap.set_step(saved.get("step", 0))  # type: ignore[union-attr]
+        return swap, saved
+    window = attention.window if attention.window is not None else (saved or {}).get("window")
+    return hf.use_alibi(model, window=window if pos == "window-alibi" else None, slopes=slopes), saved
 
 
 def load_for_eval(
@@ -163,18 +296,26 @@ def load_for_eval(
     cache_dir: Path | None,
     seed: int,
     device: torch.device,
+    attention: HFAttention | None = None,
 ) -> tuple[ModelAdapter, torch.Tensor]:
     """Load a model (ours or transformers') and the evaluation token stream encoded with its tokenizer.
 
-    ``path``: a ``plsh train`` checkpoint or a transformers ``save_pretrained`` folder (``None``: the shipped
-    model). ``data``: the corpus (default: the checkpoint's training corpus); ``train_len``: overrides the
-    model's; ``tokenizer``: a ``tokenizer.json`` to encode with instead of the model's; ``seed``: the seed of
-    the evaluation partitions.
+    ``path``: a ``plsh train`` checkpoint, a transformers ``save_pretrained`` folder, a peft adapter folder or a
+    ``plsh train-hf`` run directory (``None``: the shipped model). ``data``: the corpus (default: the checkpoint's
+    training corpus); ``train_len``: overrides the model's (a transformers checkpoint's default: the training length
+    saved with its swap, else its config's); ``tokenizer``: a ``tokenizer.json`` to encode with instead of the
+    model's; ``seed``: the seed of the evaluation partitions; ``attention``: how a transformers checkpoint is
+    scored (:class:`HFAttention`; default: its saved swap, else its own attention), said in one line on stderr.
     """
+    attention = attention if attention is not None else HFAttention()
+    attention.check()
     p = shipped_checkpoint_path() if path is None else Path(path)
     name = label or (p.name if path is not None else "shipped alibi-lm")
     if path is None and not is_checkpoint(p):
         raise FileNotFoundError(f"the shipped model is missing from {p}; name a checkpoint directory")
+    if is_checkpoint(p) and (attention.position != "saved" or attention.given()):
+        raise UserError(f"--position and its settings apply to transformers checkpoints; {p} is a plsh train "
+                        "checkpoint, scored with its own position mode (and the sweep)")  # fmt: skip
     if is_checkpoint(p):
         ckpt = load_checkpoint(p, device=device, eval_seed=seed)
         tok = D.BPETokenizer.load(tokenizer) if tokenizer else ckpt.tokenizer
@@ -191,11 +332,21 @@ def load_for_eval(
         if train_len is not None:
             adapter.train_len = train_len
         return adapter, stream
-    if p.is_dir() and (p / "config.json").is_file():
+    folder = checkpoint_dir(p) if p.is_dir() else p  # a plsh train-hf run directory: its latest checkpoint
+    if folder.is_dir() and any((folder / f).is_file() for f in ("config.json", "adapter_config.json")):
         from positional_lsh.integrations import hf
+        from positional_lsh.integrations.hf.saved import describe_swap_settings, swap_settings
 
-        loaded = hf.load_local_model(p, device=device)
-        tl = train_len or _hf_train_len(loaded.model.config)
+        loaded = hf.load_local_model(folder, device=device, apply_swap=False)
+        own, saved = _apply_position(loaded.model, folder, attention, seed)
+        if own is not None:
+            how = "saved with the checkpoint" if attention.position == "saved" else f"--position {attention.position}"
+            print(f"plsh eval: {name}: scoring with {describe_swap_settings(swap_settings(own))} ({how})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        elif saved is not None:
+            print(f"plsh eval: {name}: scoring the model's own attention (--position native; the swap saved with it, "
+                  f"{describe_swap_settings(saved)}, is not applied)", file=sys.stderr, flush=True)  # fmt: skip
+        tl = train_len or (saved or {}).get("train_len") or _hf_train_len(loaded.model.config)
         if tl is None:
             raise ValueError(f"cannot tell the training length of {p} from its config; pass --train-len")
         splits = D.load_splits(data)
@@ -204,11 +355,12 @@ def load_for_eval(
         if tokenizer:
             stream = D.encode_documents(D.BPETokenizer.load(tokenizer), splits[split])
         elif loaded.tokenizer is not None:
-            stream = _encode_hf(loaded.tokenizer, splits[split])
+            stream = encode_with_hf_tokenizer(loaded.tokenizer, splits[split])
         else:
             raise ValueError(f"{p} has no tokenizer files; pass --tokenizer")
-        return HFAdapter(loaded.model, name, tl, seed), stream
+        note = " (saved swap)" if own is not None and attention.position == "saved" else ""
+        return HFAdapter(loaded.model, name, tl, seed, own=own, note=note), stream
     raise ValueError(
         f"checkpoint {p} is neither a positional-lsh checkpoint (config.json + model.safetensors written by "
-        "plsh train) nor a transformers save_pretrained folder"
+        "plsh train) nor a transformers save_pretrained folder, peft adapter folder or plsh train-hf run"
     )

@@ -199,6 +199,13 @@ def _plot_extrapolation(plt: Any, rows: Sequence[EvalRow], path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def _sample_count(row: EvalRow) -> int:
+    """``T`` of a ``"plsh"`` or ``"window"`` row, the x axis of the sweep plot (always set for those kinds)."""
+    if row.samples is None:
+        raise ValueError(f"the {row.kind!r} row {row.attention!r} has no sample count")
+    return row.samples
+
+
 def _plot_sweep(plt: Any, rows: Sequence[EvalRow], sweep: list[EvalRow], path: Path) -> Path:
     """One panel per (model, evaluation length): perplexity vs T per scheme, equal-cost windows, exact ALiBi."""
     models = list(dict.fromkeys(r.model for r in sweep))
@@ -209,9 +216,9 @@ def _plot_sweep(plt: Any, rows: Sequence[EvalRow], sweep: list[EvalRow], path: P
             ax = axes[i][j]
             sub = [r for r in sweep if r.model == model and r.eval_len == length]
             for scheme in dict.fromkeys(r.scheme for r in sub if r.kind == "plsh"):
-                pts = sorted((r for r in sub if r.kind == "plsh" and r.scheme == scheme), key=lambda r: r.samples)
+                pts = sorted((r for r in sub if r.kind == "plsh" and r.scheme == scheme), key=_sample_count)
                 ax.plot([r.samples for r in pts], [r.ppl for r in pts], marker="o", label=f"plsh {scheme}")
-            pts = sorted((r for r in sub if r.kind == "window"), key=lambda r: r.samples)
+            pts = sorted((r for r in sub if r.kind == "window"), key=_sample_count)
             if pts:
                 ax.plot([r.samples for r in pts], [r.ppl for r in pts], marker="s", label="windowed ALiBi, equal cost")
             exact = [r for r in rows if r.model == model and r.eval_len == length and _is_exact_alibi(r)]

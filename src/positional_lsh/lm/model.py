@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -72,11 +73,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-KVCache = list["tuple[torch.Tensor, torch.Tensor] | None"]
+KVCache = Sequence["tuple[torch.Tensor, torch.Tensor] | None"]
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention; the position mode is set by :meth:`configure` (no parameters)."""
+
+    calls: torch.Tensor  # the int64 buffer registered in __init__ (typed here for the checker)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -190,6 +193,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The feed-forward half of a block: ``Linear(d, mlp_ratio d)``, GELU, ``Linear(mlp_ratio d, d)``, dropout."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False)
@@ -273,13 +278,17 @@ class TransformerLM(nn.Module):
             changes["position"] = position
         cfg = dataclasses.replace(self.cfg, **changes)  # validates
         self.cfg = cfg
-        for block in self.blocks:
+        for block in self._layers():
             block.attn.configure(cfg)
         return cfg
 
+    def _layers(self) -> list[Block]:
+        """The blocks, typed (iterating an ``nn.ModuleList`` gives ``nn.Module``)."""
+        return cast("list[Block]", list(self.blocks))
+
     def rng_state(self) -> list[int]:
         """The per-layer training call counters, which key the partition draws (for exact resume)."""
-        return [int(block.attn.calls) for block in self.blocks]
+        return [int(block.attn.calls) for block in self._layers()]
 
     def set_rng_state(self, states: list[int]) -> None:
         """Restore :meth:`rng_state`: one non-negative int per layer."""
@@ -289,7 +298,7 @@ class TransformerLM(nn.Module):
                 f"got {str(states)[:80]}"
             )
         counts = [nonnegative_int("states", s) for s in states]
-        for block, c in zip(self.blocks, counts, strict=True):
+        for block, c in zip(self._layers(), counts, strict=True):
             block.attn.calls.fill_(c)
 
     def _check_idx(self, idx: object, name: str = "idx") -> torch.Tensor:
@@ -320,6 +329,12 @@ class TransformerLM(nn.Module):
             new_cache.append(kv)
         logits = self.head(self.norm(x)).float()
         return logits, new_cache
+
+    @overload
+    def forward(self, idx: torch.Tensor, targets: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

@@ -22,16 +22,19 @@ can kill a run in the middle of writing one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from positional_lsh.lm.checkpoint import (
     CONFIG_FILE,
@@ -65,6 +68,7 @@ __all__ = [
     "save_run_checkpoint",
     "trainer_state",
     "truncate_log",
+    "write_checkpoint_set",
     "write_train_config",
 ]
 
@@ -106,19 +110,30 @@ def run_files(out: Path) -> list[Path]:
     return [out / name for name in _RUN_FILES if (out / name).exists()]
 
 
-def check_output_dir(path: Path, flag: str) -> None:
-    """Check, without creating anything, that directory ``path`` exists or can be created, and is writable.
+def check_output_dir(path: Path | str, flag: str) -> None:
+    """Check, leaving nothing behind, that directory ``path`` exists or can be created, and is writable.
 
-    Raises :class:`UserError` naming ``flag`` when ``path`` (or a directory above it) is a file, or when the
-    nearest existing directory is not writable — before any work is done.
+    Raises :class:`UserError` naming ``flag`` when ``path`` is empty, when it (or a directory above it) is a file,
+    or when the nearest existing directory does not take a new file — tried by creating and removing one, so that
+    file systems where permission bits do not tell (``/proc``, read-only mounts, root's access) are caught too —
+    before any work is done.
     """
-    path = Path(path)
+    if not str(path).strip():
+        raise UserError(f"{flag} must name a directory, got an empty path")
+    path = Path(path).expanduser()
     for parent in (path, *path.parents):
         if parent.exists():
             if not parent.is_dir():
                 raise UserError(f"{flag} {path}: {parent} is a file, not a directory; choose another {flag}")
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise UserError(f"{flag} {path}: {parent} is not writable; choose another {flag}")
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".plsh-write-test-", dir=parent)
+            except OSError as exc:
+                raise UserError(f"{flag} {path}: cannot create files in {parent} ({exc.strerror or exc}); "
+                                f"choose another {flag}") from None  # fmt: skip
+            os.close(fd)
+            os.unlink(probe)
             return
 
 
@@ -159,15 +174,30 @@ def save_run_checkpoint(
 
     Returns the step directory. See the module docstring for why a reader never sees a mixed set.
     """
+    return write_checkpoint_set(
+        out, state, lambda tmp: save_checkpoint(tmp, model, tokenizer, dtype=dtype, metadata=metadata)
+    )
+
+
+def write_checkpoint_set(out: Path, state: dict[str, Any], write_files: Callable[[Path], object]) -> Path:
+    """Write one checkpoint set as :func:`save_run_checkpoint` does, with any model: ``write_files(directory)``
+    writes the model's files into the (temporary) step directory, then ``state`` goes to ``trainer_state.pt``,
+    the directory is renamed to ``steps/step-NNNNNNNN-XXXXXXXX`` (``NNNNNNNN`` = ``state["step"]``) and ``LATEST``
+    names it. Used by ``plsh train`` and by ``plsh train-hf`` (transformers models). Returns the step directory.
+    """
     steps = out / STEPS_DIR
     steps.mkdir(parents=True, exist_ok=True)
     name = f"step-{int(state['step']):08d}-{uuid.uuid4().hex[:8]}"
     tmp = steps / f".tmp-{name}"
-    save_checkpoint(tmp, model, tokenizer, dtype=dtype, metadata=metadata)
-    _fault_pause()
-    torch.save(state, tmp / STATE_FILE)
-    for f in tmp.iterdir():
-        _fsync(f)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        write_files(tmp)
+        _fault_pause()
+        torch.save(state, tmp / STATE_FILE)
+        for written in tmp.iterdir():
+            _fsync(written)
+    except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk: OSError, SafetensorError, "unexpected pos"
+        raise _write_failed(exc, tmp) from None
     _fault_pause()
     final = steps / name
     os.rename(tmp, final)
@@ -184,11 +214,40 @@ def save_run_checkpoint(
     return final
 
 
+def _write_failed(exc: BaseException, tmp: Path) -> UserError:
+    """The one-line error of a checkpoint set that could not be written, after removing its half-written directory
+    (``LATEST`` still names the previous set, if any): "no space left on device" when the disk is full (the error
+    says so, or under 1 MiB is free before the removal: torch.save's "unexpected pos" does not say why)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    try:
+        free: int | None = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        free = None
+    full = (
+        (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT))
+        or "No space left on device" in text
+        or "os error 28" in text
+        or (free is not None and free < 2**20)
+    )
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = (tmp.parent.parent / POINTER_FILE).is_file()
+    kept = "the previous checkpoint is kept" if previous else "no checkpoint yet"
+    if full:
+        then = "then pass --resume" if previous else "then start again (with --overwrite)"
+        return UserError(f"no space left on device: the checkpoint could not be written into {tmp.parent} ({kept}; "
+                         f"the half-written files are removed): free some space, {then}")  # fmt: skip
+    return UserError(f"the checkpoint could not be written into {tmp.parent} ({text[:160]}; {kept})")
+
+
 def clean_stale(out: Path) -> None:
     """Remove step directories ``LATEST`` does not name (older sets, half-written ones) and pre-step-directory
-    checkpoint files superseded by a step directory."""
+    checkpoint files superseded by a step directory. Without ``LATEST``, only half-written sets (``.tmp-*``)."""
     steps = out / STEPS_DIR
-    if not (out / POINTER_FILE).is_file() or not steps.is_dir():
+    if not steps.is_dir():
+        return
+    if not (out / POINTER_FILE).is_file():
+        for p in steps.glob(".tmp-*"):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         return
     keep = checkpoint_dir(out)
     for p in steps.iterdir():
@@ -200,9 +259,25 @@ def clean_stale(out: Path) -> None:
 
 def write_train_config(out: Path, record: dict[str, Any]) -> None:
     """Write ``train_config.json`` (through a temporary name)."""
-    tmp = out / (TRAIN_CONFIG_FILE + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / TRAIN_CONFIG_FILE)
+    _replace_text(out / TRAIN_CONFIG_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def _replace_text(file: Path, text: str) -> None:
+    """Write ``text`` to ``file`` through a temporary name; on a write error (a full disk) the temporary file is
+    removed, ``file`` is unchanged and the :class:`UserError` names it."""
+    tmp = file.with_name(file.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, file)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _file_error(file, exc) from None
+
+
+def _file_error(file: Path, exc: OSError) -> UserError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return UserError(f"no space left on device: {file} could not be written (unchanged); free some space")
+    return UserError(f"{file} could not be written ({exc.strerror or exc})")
 
 
 def read_train_config(out: Path) -> dict[str, Any]:
@@ -249,8 +324,11 @@ def load_trainer_state(out: Path) -> tuple[dict[str, Any], Path]:
 
 def append_log(out: Path, record: dict[str, Any]) -> None:
     """Append one JSON record to the run's ``log.jsonl``."""
-    with open(out / LOG_FILE, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        with open(out / LOG_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as exc:
+        raise _file_error(out / LOG_FILE, exc) from None
 
 
 def truncate_log(out: Path, step: int) -> int:
@@ -270,9 +348,7 @@ def truncate_log(out: Path, step: int) -> int:
         else:
             kept.append(line)
     if dropped:
-        tmp = file.with_name(file.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, file)
+        _replace_text(file, "".join(line + "\n" for line in kept))
     return dropped
 
 

@@ -1,7 +1,7 @@
 """Stop a training run cleanly on Ctrl-C (SIGINT) or SIGTERM (what job schedulers send).
 
 :class:`StopOnSignal` replaces the handlers of both signals while training: the first signal only sets
-:attr:`StopOnSignal.signal`, and the training loop saves a checkpoint after the current step and returns; a
+``StopOnSignal.signal``, and the training loop saves a checkpoint after the current step and returns; a
 second signal ends the process at once (exit code ``128 + signal number``), leaving the last complete
 checkpoint (checkpoint sets are written atomically, see :mod:`positional_lsh.lm.run_dir`).
 """

@@ -123,6 +123,18 @@ def _prepare_data(
     return tok, streams
 
 
+def _check_stream_lengths(cfg: TrainConfig, streams: dict[str, torch.Tensor], seq_len: int) -> None:
+    """``UserError`` naming ``--data`` and ``--seq-len`` when a split holds fewer than ``seq_len + 1`` tokens (one
+    training window and its next-token targets), before the model is built."""
+    for split in ("train", "validation"):
+        have = int(streams[split].numel())
+        if have < seq_len + 1:
+            raise UserError(
+                f"--data {cfg.data or 'default'}: its {split} split has {have} tokens, but --seq-len {seq_len} needs "
+                f"at least {seq_len + 1} per split; give more text or a smaller --seq-len"
+            )
+
+
 def _train_batches(
     tokens: torch.Tensor, seq_len: int, batch_size: int, info: _Dist, generator: torch.Generator
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -351,6 +363,7 @@ def _setup(
         out.mkdir(parents=True, exist_ok=True)
     info.barrier()
     tok, streams = _prepare_data(cfg, out, info, state["tokenizer"] if state is not None else None)
+    _check_stream_lengths(cfg, streams, model_cfg.seq_len)
     model_cfg = dataclasses.replace(model_cfg, vocab_size=tok.vocab_size)
     if info.main and state is None:
         record = {"train": dataclasses.asdict(cfg), "model": model_cfg.to_dict(), "command": command}

@@ -146,10 +146,6 @@ def as_generator(generator: GeneratorLike, name: str = "generator") -> torch.Gen
         return None
     if isinstance(generator, bool):
         raise TypeError(f"{name} must be a torch.Generator, an int seed or None, got bool")
-    if isinstance(generator, numbers.Integral):
-        if generator < 0:
-            raise ValueError(f"{name} seed must be >= 0, got {generator}")
-        return torch.Generator(device="cpu").manual_seed(int(generator))
     if isinstance(generator, torch.Generator):
         if generator.device.type != "cpu":
             raise ValueError(
@@ -157,6 +153,10 @@ def as_generator(generator: GeneratorLike, name: str = "generator") -> torch.Gen
                 f"gives the same result on every device), got one on {generator.device}"
             )
         return generator
+    if isinstance(generator, numbers.Integral):
+        if not 0 <= generator < 2**64:
+            raise ValueError(f"{name} seed must be in [0, 2**64) (a torch.Generator seed), got {generator}")
+        return torch.Generator(device="cpu").manual_seed(int(generator))
     raise TypeError(f"{name} must be a torch.Generator, an int seed or None, got {type(generator).__name__}")
 
 
@@ -170,7 +170,7 @@ def as_scale(scale: float | None, head_dim: int) -> float:
     return float(scale)
 
 
-def as_window(window: object, num_heads: int) -> torch.Tensor | None:
+def as_window(window: SlopesLike, num_heads: int) -> torch.Tensor | None:
     """``None`` (no window), one number for all heads, or one per head; returns float64 (H,)."""
     if window is None:
         return None

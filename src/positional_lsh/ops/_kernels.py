@@ -2,12 +2,15 @@
 
 Two backends share one contract:
 
-* ``"flash"`` — torch's fused CPU flash-attention op
-  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward). It returns the
-  log-sum-exp and takes an externally supplied ``out``/``lse`` in the backward, which is exactly what
-  the positional-LSH merge needs. CPU only.
+* ``"flash"`` — torch's fused flash-attention op of the device, with its log-sum-exp and a backward that takes an
+  externally supplied ``out``/``lse``, which is exactly what the positional-LSH merge needs:
+  on the CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (and ``..._backward``), which also takes a float
+  mask; on CUDA ``aten._scaled_dot_product_flash_attention`` (and ``..._backward``, dropout 0), which takes no mask.
+  Where the CUDA op refuses the inputs (:func:`cuda_flash_refusal`: an additive mask, float32/float64, a head dim
+  that is not a multiple of 8 or above 256, causal with ``Lq != Lk``, a GPU older than sm_80, or torch's own
+  check) the call runs the math backend instead, forward and backward alike (the same test decides both).
 * ``"math"`` — plain batched matmuls with softmax, processed in chunks to bound memory. Runs on any
-  device and dtype (CUDA included); used where the fused CPU op is unavailable.
+  device and dtype.
 
 Contract: ``q (N, M, Lq, d)``, ``k, v (N, M, Lk, d)`` (any strides on the first two dims; the flash backend
 needs stride 1 in the last dim, see :func:`kernel_layout`),
@@ -27,6 +30,10 @@ from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_cuda_flash = torch.ops.aten._scaled_dot_product_flash_attention
+_cuda_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
+# The devices whose fused flash op backend="flash" runs (CPU and CUDA; "meta" takes the CUDA op's shape functions).
+_FLASH_DEVICES = ("cpu", "cuda")
 
 # The math backend materializes at most this many score entries at once.
 _MATH_CHUNK_ELEMENTS = 2**24
@@ -34,13 +41,85 @@ _MATH_CHUNK_ELEMENTS = 2**24
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The torch kernel (``"flash"`` or ``"math"``) for ``backend`` in ``ops.options.ALIBI_BACKENDS`` on ``device``:
-    ``"auto"`` is the fused flash op on the CPU and the math backend elsewhere."""
+    ``"auto"`` is the device's fused flash op on the CPU and on CUDA and the math backend elsewhere."""
     check_backend(backend, ALIBI_BACKENDS)
     if backend == "auto":
-        return "flash" if device.type == "cpu" else "math"
-    if backend == "flash" and device.type != "cpu":
-        raise ValueError(f"backend='flash' uses torch's CPU flash-attention op; tensors are on {device}. Use 'math'")
+        return "flash" if device.type in _FLASH_DEVICES else "math"
+    if backend == "flash" and device.type not in _FLASH_DEVICES:
+        raise ValueError(
+            f"backend='flash' uses torch's fused flash-attention op of the CPU or CUDA; tensors are on {device}. "
+            "Use 'math'"
+        )
     return backend
+
+
+def cuda_flash_refusal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None
+) -> str | None:
+    """Why torch's fused CUDA flash op does not take this call (``None`` if it does); then ``"flash"`` runs the math
+    backend. Decided from the shapes, dtypes and device alone, so the forward and the backward of a call agree.
+
+    The op computes ``softmax(scale q k^T) v`` (with ``is_causal`` only for ``Lq == Lk``, where its causal mask is
+    the contract's) and returns the natural-log ``lse (N, M, Lq)`` float32; it takes no additive mask, half
+    precision only, head dims that are multiples of 8 up to 256 (torch's SDPA pads the others before calling it),
+    sm_80 or newer. On a CUDA device torch's own check (``torch.backends.cuda.can_use_flash_attention``) must
+    agree too.
+    """
+    if bias is not None:
+        return "an additive mask"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} (float16 or bfloat16 only)"
+    d = q.shape[-1]
+    if d % 8 or d > 256 or k.shape[-1] != d or v.shape[-1] != d:
+        return f"head dim {d} (a multiple of 8, at most 256)"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "not (N, M, L, d)"
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return "no queries or keys"
+    if causal and q.shape[-2] != k.shape[-2]:
+        return "causal with Lq != Lk (the op aligns its causal mask to the first key)"
+    if q.device.type == "cuda":
+        if torch.cuda.get_device_capability(q.device) < (8, 0):
+            return "a GPU older than sm_80"
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, False)
+        if not torch.backends.cuda.can_use_flash_attention(params, False):
+            return "torch's check (torch.backends.cuda.can_use_flash_attention)"
+    return None
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def cuda_flash_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` from torch's fused CUDA flash op (the caller checked :func:`cuda_flash_refusal`)."""
+    q, k, v = (_last_contiguous(x) for x in (q, k, v))
+    out, lse = _cuda_flash(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out, lse
+
+
+def cuda_flash_attend_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` from torch's fused CUDA flash backward for an arbitrary (merged) ``out``/``lse``, dropout 0
+    (its random-state inputs are unused then)."""
+    q, k, v, dout, out = (_last_contiguous(x) for x in (q, k, v, dout, out))
+    lse = lse.to(torch.float32).contiguous()
+    seed = torch.zeros((2,), dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    lq, lk = q.shape[-2], k.shape[-2]
+    return _cuda_flash_backward(
+        dout, q, k, v, out, lse, None, None, lq, lk, 0.0, causal, seed, offset, scale=scale
+    )  # fmt: skip
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -139,6 +218,10 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning ``(out, lse)``; see the module docstring."""
     lk = k.shape[-2]
+    if backend == "flash" and q.device.type != "cpu":
+        if cuda_flash_refusal(q, k, v, causal, bias) is None:
+            return cuda_flash_attend(q, k, v, causal, scale)
+        backend = "math"
     if backend == "flash":
         mask = _full_bias(q, lk, causal, bias, q.dtype)
         plain_causal = causal and mask is None
@@ -172,6 +255,10 @@ def attend_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one call, given the (possibly merged) ``out`` and ``lse``."""
     lk = k.shape[-2]
+    if backend == "flash" and q.device.type != "cpu":
+        if cuda_flash_refusal(q, k, v, causal, bias) is None:
+            return cuda_flash_attend_backward(dout, q, k, v, out, lse, causal, scale)
+        backend = "math"
     if backend == "flash":
         mask = _full_bias(q, lk, causal, bias, q.dtype)
         plain_causal = causal and mask is None

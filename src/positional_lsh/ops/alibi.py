@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -213,8 +214,8 @@ def _alibi_backward_item(
 
 class _AlibiFunction(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,  # torch's FunctionCtx, with this function's attributes set on it
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -253,13 +254,12 @@ class _AlibiFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = ctx.saved_tensors
         q, k, v = saved[:3]
         acc = acc_dtype(q.dtype)
-        grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+        dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+        grads = (dq, dk, dv)
         window = saved[6] if ctx.has_window else None
         items = _head_items(q, k, window)
         run = partial(
@@ -273,7 +273,6 @@ class _AlibiFunction(torch.autograd.Function):
             backend=ctx.backend,
         )
         run_all(run, items, pool_size(len(items), q.device))
-        dq, dk, dv = grads
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
@@ -308,6 +307,19 @@ def alibi_attention(
     Returns:
         ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd. A NaN or inf in a key or value makes exactly
         the rows that keep that key NaN; masked (causal or out-of-window) keys never reach a row.
+
+    Example:
+        >>> import torch
+        >>> from positional_lsh import alibi_attention, alibi_bias, alibi_slopes
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 4, 64, 16, dtype=torch.float64, generator=g) for _ in range(3))
+        >>> bias = alibi_bias(64, 64, alibi_slopes(4), causal=True, dtype=torch.float64)  # -m |i - j|, -inf if j > i
+        >>> dense = torch.softmax(q @ k.transpose(-1, -2) / 16**0.5 + bias, dim=-1) @ v
+        >>> torch.allclose(alibi_attention(q, k, v), dense)
+        True
+        >>> windowed = alibi_attention(q, k, v, window=8.0)  # keys with |i - j| <= 8 only
+        >>> torch.allclose(windowed[..., :9, :], dense[..., :9, :])  # rows 0..8 have no farther key
+        True
     """
     _, hq, _, _, _, d = check_qkv(q, k, v)
     sc = as_scale(scale, d)

@@ -18,12 +18,58 @@ import torch
 from torch import nn
 
 from positional_lsh.ops import compiled, engine
-from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_slopes, check_qkv, positive_int
+from positional_lsh.ops._checks import GeneratorLike, QKVShape, SlopesLike, as_slopes, check_qkv, positive_int
+from positional_lsh.ops.errors import check_memory, check_seconds, format_seconds
+from positional_lsh.ops.multiplicity import call_estimate, exact_seconds
 from positional_lsh.ops.options import DEFAULT_BACKEND, DEFAULT_METHOD, check_backend, check_method
 from positional_lsh.ops.partitions import Partitions, check_partitions, check_slopes_match, sample_partitions
 from positional_lsh.ops.sampling import PartitionSampler, sample_op, slopes_tensor
 
-__all__ = ["PositionalLSHAttention", "plsh_attention"]
+__all__ = ["MAX_OVER_EXACT", "MAX_SECONDS", "PositionalLSHAttention", "check_call_size", "plsh_attention"]
+
+MAX_SECONDS = 60.0
+"""A call is refused up front when its estimated time exceeds both this (seconds) ..."""
+MAX_OVER_EXACT = 10.0
+"""... and this many times exact attention over the same call: then positional LSH cannot be the point."""
+
+
+def check_call_size(
+    num_samples: int,
+    num_heads: int,
+    q_len: int,
+    k_len: int,
+    head_dim: int,
+    causal: bool,
+    method: str,
+    *,
+    what: str | None = None,
+) -> None:
+    """Refuse a call, before anything is drawn, whose estimated host memory exceeds this machine's
+    (:func:`~positional_lsh.ops.errors.check_memory`) or whose estimated time exceeds both :data:`MAX_SECONDS` and
+    :data:`MAX_OVER_EXACT` times exact attention over the same call (lower bounds from the cost model,
+    :func:`~positional_lsh.ops.multiplicity.call_estimate`; e.g. ``num_samples=10**6`` at ``n = 4096``). One line with
+    the estimate: :class:`~positional_lsh.ops.errors.UserError` (a ``ValueError``) naming ``what`` (default: the
+    call's sizes). Every eager :func:`plsh_attention` call runs it; commands check their flags with it up front."""
+    need, seconds = call_estimate(num_samples, num_heads, q_len, method)
+    what = what or (f"plsh_attention with num_samples={num_samples}, {num_heads} heads and {q_len} queries "
+                    f"(method={method!r})")  # fmt: skip
+    check_memory(need, what)
+    exact = exact_seconds(num_heads, q_len, k_len, head_dim, causal)
+    why = f"exact attention over the same call takes about {format_seconds(exact)}; see alibi_attention"
+    check_seconds(seconds, max(MAX_SECONDS, MAX_OVER_EXACT * exact), what, why)
+
+
+def _check_size(shape: QKVShape, num_samples: int, route: engine.Route) -> None:
+    """:func:`check_call_size` of an eager call (not under ``torch.compile``, where shapes may be symbolic)."""
+    if not route.compiled:
+        check_call_size(num_samples, shape.q_heads, shape.q_len, shape.k_len, shape.head_dim, route.causal,
+                        route.method)  # fmt: skip
+
+
+def _shape_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The output of a call on ``meta`` tensors: its shape and dtype (``q``'s), connected to ``q, k, v`` for
+    autograd (zero gradients): shape propagation, as torch's own ops do on the meta device."""
+    return q * 0 + (k.sum() + v.sum()) * 0
 
 
 def _execute(
@@ -84,10 +130,12 @@ def plsh_attention(
             with :func:`~positional_lsh.register_scheme` (see :func:`~positional_lsh.ops.schemes.scheme_names`).
         generator: CPU ``torch.Generator``, ``int`` seed, or ``None`` (torch's global RNG).
         scale: score scale, default ``1/sqrt(d)``.
-        backend: ``"auto"`` (CPU: torch's fused flash op; other devices: ``"math"``), ``"flash"``, ``"math"``,
-            or ``"triton"`` (the Triton kernels of the multiplicity form, for ``method="multiplicity"`` or
-            ``"auto"``; float32/bfloat16/float16 on CUDA). ``"auto"`` with ``method="multiplicity"`` on CUDA
-            uses them when triton is installed (docs/implementation.md, "The Triton kernel").
+        backend: ``"auto"`` (CPU and CUDA: torch's fused flash op of the device, on CUDA the math backend where it
+            refuses the inputs; other devices: ``"math"``), ``"flash"``, ``"math"``, or ``"triton"`` (the Triton
+            kernels of the multiplicity form, for ``method="multiplicity"`` or ``"auto"``; float32/bfloat16/float16
+            on CUDA). On CUDA ``"auto"`` uses them whenever the multiplicity form is chosen (``method=
+            "multiplicity"``, or ``"auto"`` when the cost model picks it) and triton is installed
+            (docs/implementation.md, "The Triton kernels").
         method: ``"samples"`` (one kernel call per block group of every sample, merged by log-sum-exp),
             ``"multiplicity"`` (query tiles attending to the union of their blocks with the additive mask
             ``log c``, ``c[i,j]`` the number of samples in which ``i`` and ``j`` share a block), or ``"auto"``
@@ -99,10 +147,40 @@ def plsh_attention(
     Returns:
         ``(B, Hq, Lq, d)`` tensor in ``q``'s dtype. Differentiable w.r.t. ``q``, ``k``, ``v`` (exact gradients
         of the estimator for the sampled partitions). NaN in the inputs propagates to NaN in the rows it
-        reaches; it never raises.
+        reaches; it never raises. On ``meta`` tensors: a ``meta`` tensor of that shape (shape propagation).
+
+    Raises:
+        TypeError, ValueError: naming the bad argument; :class:`~positional_lsh.ops.errors.UserError` (a
+            ``ValueError``) with the estimate for a call too large to run (:func:`check_call_size`).
+
+    Example:
+        >>> import torch
+        >>> import positional_lsh as plsh
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 4, 256, 16, generator=g) for _ in range(3))
+        >>> out = plsh.plsh_attention(q, k, v, num_samples=8, generator=0)
+        >>> out.shape
+        torch.Size([1, 4, 256, 16])
+        >>> torch.equal(out, plsh.plsh_attention(q, k, v, num_samples=8, generator=0))  # same seed, same output
+        True
+
+        More samples, closer to exact ALiBi; a slope of 0 is one block per head, i.e. plain causal attention:
+
+        >>> exact = plsh.alibi_attention(q, k, v)
+        >>> def error(t):
+        ...     return ((plsh.plsh_attention(q, k, v, num_samples=t, generator=0) - exact).norm() / exact.norm()).item()
+        >>> error(256) < error(4)
+        True
+        >>> sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> torch.allclose(plsh.plsh_attention(q, k, v, slopes=0.0), sdpa, atol=1e-6)
+        True
     """
     shape = check_qkv(q, k, v)
     route = engine.dispatch(q, causal=causal, scale=scale, backend=backend, method=method)
+    if partitions is None:
+        _check_size(shape, positive_int("num_samples", num_samples), route)
+    elif isinstance(partitions, Partitions):
+        _check_size(shape, partitions.num_samples, route)
     if partitions is None and route.compiled:
         partitions = _compiled_draw(slopes, shape.q_heads, shape.k_len, num_samples, scheme, generator)
     elif partitions is None:
@@ -112,6 +190,8 @@ def plsh_attention(
     else:
         check_slopes_match(slopes, partitions, shape.q_heads)
     check_partitions(partitions, shape.q_heads, shape.k_len)
+    if q.device.type == "meta" and not route.compiled:
+        return _shape_only(q, k, v)
     return _execute(q, k, v, partitions, route)
 
 
@@ -136,7 +216,23 @@ class PositionalLSHAttention(nn.Module):
       fresh partitions and a new module with the same ``seed`` repeats the sequence, but it is not the sequence
       of eager training calls (which draw from one generator stream);
     * training mode with ``seed=None`` draws from torch's global RNG inside the op, as eager training does.
+
+    Example:
+        >>> import torch
+        >>> from positional_lsh import PositionalLSHAttention
+        >>> attn = PositionalLSHAttention(num_heads=4, num_samples=4, seed=0)
+        >>> q, k, v = (torch.randn(2, 4, 128, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        >>> y = attn(q, k, v)  # training mode: fresh partitions at every call
+        >>> y.shape, int(attn.calls)
+        (torch.Size([2, 4, 128, 16]), 1)
+        >>> torch.equal(attn(q, k, v), y)
+        False
+        >>> _ = attn.eval()  # eval mode: the partitions drawn from eval_seed, at every call
+        >>> torch.equal(attn(q, k, v), attn(q, k, v))
+        True
     """
+
+    calls: torch.Tensor  # the int64 buffer registered in __init__ (typed here for the checker)
 
     def __init__(
         self,
@@ -200,8 +296,11 @@ class PositionalLSHAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shape = check_qkv(q, k, v)
         route = engine.dispatch(q, causal=self.causal, scale=self.scale, backend=self.backend, method=self.method)
+        _check_size(shape, self.num_samples, route)
         partitions = self.sample(shape.k_len)
         if self.training:
             self.calls.add_(1)
         check_partitions(partitions, shape.q_heads, shape.k_len)
+        if q.device.type == "meta" and not route.compiled:
+            return _shape_only(q, k, v)
         return _execute(q, k, v, partitions, route)

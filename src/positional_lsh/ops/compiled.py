@@ -18,6 +18,8 @@ The partition draw under ``torch.compile`` is the custom op ``positional_lsh::sa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from positional_lsh.ops._kernels import acc_dtype
@@ -55,7 +57,20 @@ def plsh_forward(
 
 
 @plsh_forward.register_fake
-def _(q, k, v, pitch, shift, slopes, scheme, max_block, causal, scale, kernel, method):
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pitch: torch.Tensor,
+    shift: torch.Tensor,
+    slopes: torch.Tensor,
+    scheme: str,
+    max_block: int | None,
+    causal: bool,
+    scale: float,
+    kernel: str,
+    method: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return out, torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
 
@@ -85,11 +100,28 @@ def plsh_backward(
 
 
 @plsh_backward.register_fake
-def _(dout, q, k, v, out, lse, pitch, shift, slopes, scheme, max_block, causal, scale, kernel, method):
-    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+def _(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pitch: torch.Tensor,
+    shift: torch.Tensor,
+    slopes: torch.Tensor,
+    scheme: str,
+    max_block: int | None,
+    causal: bool,
+    scale: float,
+    kernel: str,
+    method: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    return dq, dk, dv
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
     q, k, v, pitch, shift, slopes, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, pitch, shift, slopes)
@@ -97,7 +129,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
-def _backward_fn(ctx, dout, dlse):
+def _backward_fn(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     q, k, v, out, lse, pitch, shift, slopes = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)

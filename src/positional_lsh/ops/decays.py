@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -90,7 +91,13 @@ class Decay:
             return self.table[:n].to(torch.float64)
         assert self.fn is not None
         out = self.fn(torch.arange(n, dtype=torch.long))
-        out = torch.as_tensor(out, dtype=torch.float64).reshape(-1)
+        try:
+            out = torch.as_tensor(out, dtype=torch.float64).reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"the decay callable must return numbers k(d) (a tensor or a sequence of floats) for an int64 tensor "
+                f"of distances, got {type(out).__name__} {str(out)[:40]!r}"
+            ) from None
         if out.numel() != n:
             raise ValueError(f"the decay callable returned {out.numel()} values for {n} distances")
         return out
@@ -207,14 +214,24 @@ def mean_pitch(decay: DecayLike, n: int) -> float:
 
 
 def _decay_list(decays: DecayLike | Sequence[DecayLike], num_heads: int | None) -> list[Decay]:
+    if isinstance(decays, (str, bytes)):
+        raise TypeError(
+            f"decay must be a Decay (e.g. exponential_decay(0.1)), a callable k(distance), tabulated values, or one of "
+            f"those per head, got the string {decays!r}"
+        )
+    if not isinstance(decays, Sequence) and not (isinstance(decays, Decay) or callable(decays)
+                                                 or isinstance(decays, torch.Tensor)):  # fmt: skip
+        raise TypeError(f"decay must be a Decay, a callable, tabulated values or a sequence of them, got "
+                        f"{type(decays).__name__}")  # fmt: skip
     if isinstance(decays, Decay) or callable(decays) or isinstance(decays, torch.Tensor):
-        one = as_decay(decays)  # type: ignore[arg-type]
+        one = as_decay(decays)
         return [one] * (1 if num_heads is None else positive_int("num_heads", num_heads))
-    items = list(decays)  # type: ignore[arg-type]
+    items = list(decays)
     if items and all(isinstance(x, (int, float)) for x in items):  # one tabulated decay for every head
-        one = tabulated_decay(items)  # type: ignore[arg-type]
+        one = tabulated_decay(cast("list[float]", items))
         return [one] * (1 if num_heads is None else positive_int("num_heads", num_heads))
-    out = [as_decay(x) for x in items]
+    # A number among per-head decays reaches tabulated_decay as a one-entry table, as before typing.
+    out = [as_decay(cast(DecayLike, x)) for x in items]
     if not out:
         raise ValueError("decay must name at least one head's decay")
     if num_heads is not None and positive_int("num_heads", num_heads) != len(out):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,7 +40,10 @@ from positional_lsh.ops.options import check_backend, check_method
 from positional_lsh.ops.partitions import Partitions
 from positional_lsh.ops.per_sample import samples_backward, samples_cost, samples_forward, samples_plan
 
-__all__ = ["Plan", "Route", "backward", "dispatch", "forward", "kernel_inputs", "plan", "rows_reaching", "run"]
+__all__ = [
+    "Plan", "Route", "backward", "dispatch", "forward", "kernel_inputs", "plan", "rows_reaching", "run",
+    "triton_device", "triton_installed",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,9 @@ class Route:
 
     Attributes:
         method: ``"samples"``, ``"multiplicity"``, or ``"auto"`` (the cost model decides at :func:`plan` time).
-        kernel: ``"flash"`` (torch's CPU flash op), ``"math"`` (batched matmuls) or ``"triton"``.
+        kernel: ``"flash"`` (torch's fused flash op of the device: CPU or CUDA), ``"math"`` (batched matmuls) or
+            ``"triton"`` (the multiplicity form on the Triton kernels; with ``method="auto"`` the per-sample path,
+            where the cost model picks it, runs on the device's torch kernel).
         compiled: whether the call is traced by ``torch.compile`` (then it runs the custom ops).
         causal: the causal mask.
         scale: the score scale.
@@ -61,33 +67,43 @@ class Route:
     scale: float
 
 
-def _triton_installed() -> bool:
+def triton_installed() -> bool:
+    """Whether triton can be imported (``find_spec``: without importing it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_device(device: torch.device) -> bool:
+    """Whether ``backend="auto"`` sends the multiplicity form on ``device`` to the Triton kernels: CUDA devices.
+
+    The one device test of :func:`dispatch` (tests replace it to check the routing of CUDA calls without a GPU).
+    """
+    return device.type == "cuda"
 
 
 def dispatch(q: torch.Tensor, *, causal: object, scale: float | None, backend: object, method: object) -> Route:
     """The one decision of how a call runs, from its arguments (``q (B, Hq, Lq, d)`` gives device and dtype).
 
     * ``backend="triton"``: the Triton kernels (the multiplicity form; ``method="samples"`` is refused);
-    * ``backend="auto"``, ``method="multiplicity"``, CUDA, not float64, triton installed: the Triton kernels;
-    * otherwise the torch kernels: ``backend="auto"`` is ``"flash"`` on the CPU and ``"math"`` elsewhere;
+    * ``backend="auto"``, ``method`` ``"multiplicity"`` or ``"auto"``, a CUDA device (:func:`triton_device`), triton
+      installed and inputs it takes (float32/bfloat16/float16, ``d <= 256``): kernel ``"triton"``. With
+      ``method="auto"`` the cost model decides at :func:`plan` time, and every call it gives the multiplicity form
+      runs the Triton kernels; the others take the per-sample path on torch's fused CUDA flash op (``"flash"``;
+      the math backend where that op refuses the inputs). That cost model was fitted on a CPU: on CUDA it is
+      unfitted until measured (docs/implementation.md, "Choosing the method");
+    * otherwise the torch kernels: ``backend="auto"`` is ``"flash"`` on the CPU and on CUDA (torch's fused flash op
+      of the device, with the math backend where it refuses the inputs) and ``"math"`` elsewhere;
     * ``compiled`` when ``torch.compile`` is tracing the call.
 
-    Validates ``causal`` (bool), ``scale`` (positive float or ``None``: ``1/sqrt(d)``), ``backend``
-    (``ops.options.BACKENDS``) and ``method`` (``ops.options.METHODS``), naming the argument on error.
+    Reads only ``q.shape``, ``q.dtype`` and ``q.device``. Validates ``causal`` (bool), ``scale`` (positive float or
+    ``None``: ``1/sqrt(d)``), ``backend`` (``ops.options.BACKENDS``) and ``method`` (``ops.options.METHODS``),
+    naming the argument on error.
     """
     causal = check_bool("causal", causal)
     scale_f = as_scale(scale, q.shape[-1])
     backend = check_backend(backend)
     method = check_method(method)
     compiling = torch.compiler.is_compiling()
-    if backend == "triton" or (
-        backend == "auto"
-        and method == "multiplicity"
-        and q.device.type == "cuda"
-        and q.dtype != torch.float64
-        and _triton_installed()
-    ):
+    if backend == "triton":
         if method == "samples":
             raise ValueError(
                 "backend='triton' computes method='multiplicity' (or 'auto', which means it there), "
@@ -97,47 +113,83 @@ def dispatch(q: torch.Tensor, *, causal: object, scale: float | None, backend: o
 
         check_triton_call(q)
         return Route("multiplicity", "triton", compiling, causal, scale_f)
+    if backend == "auto" and method != "samples" and triton_device(q.device) and triton_installed():
+        from positional_lsh.ops.triton_multiplicity import triton_refusal
+
+        if triton_refusal(q) is None:
+            return Route(method, "triton", compiling, causal, scale_f)
     return Route(method, resolve_backend(backend, q.device), compiling, causal, scale_f)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A call's work, host-side: the partitions, the resolved method and the backend's plan.
+    """A call's work, host-side: the partitions, the resolved method, the backend's plan and its kernel.
 
     ``work`` is a list of :class:`~positional_lsh.ops.per_sample.HeadWork` (``method="samples"``), a
-    :class:`~positional_lsh.ops.multiplicity.MultiplicityPlan` (``"multiplicity"``, torch kernels) or the int32
-    bounds of :func:`~positional_lsh.ops.triton_multiplicity.triton_plan` (Triton kernels).
+    :class:`~positional_lsh.ops.multiplicity.MultiplicityPlan` (``"multiplicity"``, torch kernels) or the
+    :class:`~positional_lsh.ops.triton_plan.TritonWork` of
+    :func:`~positional_lsh.ops.triton_multiplicity.triton_plan` (Triton kernels). ``kernel`` is the kernel the plan
+    runs on: the route's, except for a ``"triton"`` route whose ``method="auto"`` chose the per-sample path (then
+    the device's torch kernel, ``resolve_backend("auto", device)``).
     """
 
     route: Route
     method: str
     partitions: Partitions
     work: object
+    kernel: str
 
 
 def plan(route: Route, partitions: Partitions, num_kv_heads: int, q_len: int, device: torch.device) -> Plan:
     """The backend's plan of a call (host-side; reads the partition values). ``method="auto"`` is resolved here:
     one sample never takes the multiplicity form (it computes the same pairs plus a mask), otherwise the cost model
-    decides (see ``_auto_method``)."""
+    decides (see ``_auto_tiles``); on a ``"triton"`` route the multiplicity form is the Triton kernels."""
     causal = route.causal
-    if route.kernel == "triton":
-        from positional_lsh.ops.triton_multiplicity import triton_plan
-
-        return Plan(route, "multiplicity", partitions, triton_plan(partitions, q_len, causal, device))
     heads = list(range(partitions.num_heads))
     method = route.method
+    if route.kernel == "triton":
+        if method == "auto":
+            samples = samples_plan(partitions, num_kv_heads, q_len, causal)
+            if _auto_tiles(partitions, heads, num_kv_heads, q_len, causal, samples) is None:
+                return Plan(route, "samples", partitions, samples, resolve_backend("auto", device))
+        from positional_lsh.ops.triton_multiplicity import triton_plan
+
+        return Plan(route, "multiplicity", partitions, triton_plan(partitions, q_len, causal, device), "triton")
     if method == "multiplicity":
-        return Plan(route, method, partitions, multiplicity_plan(partitions, heads, num_kv_heads, q_len, causal))
+        mplan = multiplicity_plan(partitions, heads, num_kv_heads, q_len, causal)
+        return Plan(route, method, partitions, mplan, route.kernel)
     samples = samples_plan(partitions, num_kv_heads, q_len, causal)
-    # "auto": the multiplicity form when the sum of its per-head estimates is at most AUTO_MARGIN times the
-    # per-sample path's. Decided once per call, for all heads (a per-head split measured slower than either method
-    # alone at n = 16384, T = 8; docs/implementation.md).
-    if method == "auto" and partitions.num_samples > 1:
-        tiles = tilings(partitions, heads, q_len, causal)
-        if sum(tiles[h][0] for h in heads) <= AUTO_MARGIN * samples_cost(samples, q_len):
+    if method == "auto":
+        tiles = _auto_tiles(partitions, heads, num_kv_heads, q_len, causal, samples)
+        if tiles is not None:
             mplan = multiplicity_plan(partitions, heads, num_kv_heads, q_len, causal, tiles)
-            return Plan(route, "multiplicity", partitions, mplan)
-    return Plan(route, "samples", partitions, samples)
+            return Plan(route, "multiplicity", partitions, mplan, route.kernel)
+    return Plan(route, "samples", partitions, samples, route.kernel)
+
+
+def _auto_tiles(
+    partitions: Partitions,
+    heads: list[int],
+    num_kv_heads: int,
+    q_len: int,
+    causal: bool,
+    samples: list | None = None,
+) -> dict | None:
+    """``method="auto"``: the tiling of the multiplicity form when the cost model picks it, else ``None``.
+
+    The multiplicity form when the sum of its per-head estimates is at most ``AUTO_MARGIN`` times the per-sample
+    path's; never for one sample. Decided once per call, for all heads (a per-head split measured slower than either
+    method alone at n = 16384, T = 8; docs/implementation.md). The constants were fitted on the CPU; the same
+    decision routes CUDA calls (Triton kernels or the fused flash op), unfitted there.
+    """
+    if partitions.num_samples <= 1:
+        return None
+    if samples is None:
+        samples = samples_plan(partitions, num_kv_heads, q_len, causal)
+    tiles = tilings(partitions, heads, q_len, causal)
+    if sum(tiles[h][0] for h in heads) <= AUTO_MARGIN * samples_cost(samples, q_len):
+        return tiles
+    return None
 
 
 def rows_reaching(bad: torch.Tensor, partitions: Partitions, q_len: int, causal: bool) -> torch.Tensor:
@@ -184,8 +236,8 @@ def forward(
     in the accumulation dtype (float32 from the Triton kernels), and the inputs as the kernels read them (what the
     backward needs). Rows that keep a non-finite key are NaN."""
     route = p.route
-    q, k, v, bad = kernel_inputs(q, k, v, route.kernel)
-    if route.kernel == "triton":
+    q, k, v, bad = kernel_inputs(q, k, v, p.kernel)
+    if p.kernel == "triton":
         from positional_lsh.ops.triton_multiplicity import triton_forward
 
         out, lse = triton_forward(p.work, q, k, v, route.causal, route.scale)  # type: ignore[arg-type]
@@ -194,9 +246,9 @@ def forward(
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         if p.method == "samples":
-            samples_forward(p.work, q, k, v, out, lse, route.causal, route.scale, route.kernel)  # type: ignore[arg-type]
+            samples_forward(p.work, q, k, v, out, lse, route.causal, route.scale, p.kernel)  # type: ignore[arg-type]
         else:
-            multiplicity_forward(p.work, q, k, v, out, lse, route.scale, route.kernel)  # type: ignore[arg-type]
+            multiplicity_forward(p.work, q, k, v, out, lse, route.scale, p.kernel)  # type: ignore[arg-type]
     if bad is not None:
         poison_rows(out, lse, rows_reaching(bad, p.partitions, q.shape[2], route.causal))
     return out.to(q.dtype), lse, (q, k, v)
@@ -209,7 +261,7 @@ def backward(
     them) and the upstream gradient ``dout``."""
     route = p.route
     dout = dout.contiguous()
-    if route.kernel == "triton":
+    if p.kernel == "triton":
         from positional_lsh.ops.triton_multiplicity import triton_backward
 
         return triton_backward(p.work, saved, dout, route.causal, route.scale)  # type: ignore[arg-type]
@@ -221,9 +273,9 @@ def backward(
         torch.zeros(v.shape, dtype=acc, device=q.device),
     )
     if p.method == "samples":
-        samples_backward(p.work, saved, dout, grads, route.causal, route.scale, route.kernel)  # type: ignore[arg-type]
+        samples_backward(p.work, saved, dout, grads, route.causal, route.scale, p.kernel)  # type: ignore[arg-type]
     else:
-        multiplicity_backward(p.work, saved, dout, grads, route.scale, route.kernel)  # type: ignore[arg-type]
+        multiplicity_backward(p.work, saved, dout, grads, route.scale, p.kernel)  # type: ignore[arg-type]
     dq, dk, dv = grads
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -232,9 +284,7 @@ class _EngineFunction(torch.autograd.Function):
     """The eager autograd Function of every backend: :func:`forward` and :func:`backward` for one :class:`Plan`."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Plan
-    ) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Plan) -> torch.Tensor:
         out, lse, inputs = forward(p, q, k, v)
         ctx.save_for_backward(*inputs, out, lse)
         ctx.plan = p
@@ -242,9 +292,7 @@ class _EngineFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return *backward(ctx.plan, ctx.saved_tensors, dout), None
 
 

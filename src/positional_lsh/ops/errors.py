@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["UserError", "check_memory", "memory_bytes"]
+__all__ = ["UserError", "check_memory", "check_seconds", "format_bytes", "format_seconds", "memory_bytes"]
 
 
 class UserError(ValueError):
@@ -32,6 +32,32 @@ def check_memory(need: float, what: str) -> None:
         raise UserError(
             f"{what} needs about {_size(need)} of memory; this machine has {_size(have)}: use smaller values"
         )
+
+
+def check_seconds(seconds: float, limit: float, what: str, why: str = "") -> None:
+    """Refuse (:class:`UserError`, one line with the estimate) work whose estimated time ``seconds`` exceeds
+    ``limit``; ``what`` names the values that set it, ``why`` (optional) says why the limit is what it is."""
+    if seconds > limit:
+        raise UserError(
+            f"{what} would take about {format_seconds(seconds)} (estimated; refused above {format_seconds(limit)}"
+            f"{'' if not why else ': ' + why}): use smaller values"
+        )
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for a message: ``"45 s"``, ``"12 min"``, ``"3.1 h"``, ``"2.4e+03 days"``."""
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.3g} h"
+    return f"{seconds / 86400:.3g} days"
+
+
+def format_bytes(n: float) -> str:
+    """A size for a message: ``"512 B"``, ``"1.5 GB"`` (powers of 1024)."""
+    return _size(n)
 
 
 def _size(n: float) -> str:

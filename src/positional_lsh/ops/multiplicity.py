@@ -47,9 +47,13 @@ __all__ = [
     "BLOCK_COST",
     "CALL_ROW_COST",
     "ENTRY_COST",
+    "PLAN_BYTES",
+    "PLAN_COST",
     "MultiplicityPlan",
+    "call_estimate",
     "exact_ceil",
     "exact_floor",
+    "exact_seconds",
     "integer_pitch_shift",
     "multiplicity_plan",
     "row_bounds",
@@ -76,6 +80,10 @@ BOUND_COST = 24.0  # per (query row, sample): block bounds, scatter of the start
 ENTRY_COST = 0.82  # per-sample path: one score entry of a block ...
 BLOCK_COST = 420.0  # ... per block
 CALL_ROW_COST = 64.0  # ... per (kernel call, query row): the planning and merging that grow with calls and Lq
+# Planning the per-sample path, per (sample, head): its segment lists (28-42 us and about 500 bytes each, measured at
+# n = 256 and 4096 on the same machine; samples_plan). Used by the up-front size check only (call_estimate).
+PLAN_COST = 28000.0
+PLAN_BYTES = 500.0
 # (2.1e6 ns per call at the fitted n = 32768; a constant per call overrated the per-sample path at small n and
 # sent heads at T = 1-4, n = 2048, to the multiplicity form at 2-9x the time: docs/implementation.md).
 # method="auto" takes the multiplicity form (for all heads of a call) when the sum of its estimates is at most this
@@ -222,13 +230,25 @@ def tilings(
     fine_last = torch.clamp(fine + unit, max=q_len) - 1 + q0
     # (fine tiles, T, heads) bounds, a few heads at a time: sample_bounds holds ~10 float64 temporaries of that
     # shape, which for all heads at once would dominate the call's peak memory at large n and T.
-    chunk = max(1, _BOUNDS_ELEMENTS // max(1, fine.numel() * pitch.shape[0]))
+    # At very large T one head alone is too many: then a head's samples are taken a slice at a time as well.
+    num_t = pitch.shape[0]
+    chunk = max(1, _BOUNDS_ELEMENTS // max(1, fine.numel() * num_t))
+    t_chunk = num_t if chunk > 1 else max(1, _BOUNDS_ELEMENTS // max(1, fine.numel()))
     lo_cols, end_cols = [], []
     for a in range(0, len(heads), chunk):
-        p, sh = pitch[:, a : a + chunk], shift[:, a : a + chunk]
-        lo_cols.append(sample_bounds(p, sh, n, (fine + q0)[:, None, None])[0].amin(1))
-        if not causal:
-            end_cols.append(sample_bounds(p, sh, n, fine_last[:, None, None])[1].amax(1))
+        lo_h: torch.Tensor | None = None
+        end_h: torch.Tensor | None = None
+        for b in range(0, num_t, t_chunk):
+            p, sh = pitch[b : b + t_chunk, a : a + chunk], shift[b : b + t_chunk, a : a + chunk]
+            lo = sample_bounds(p, sh, n, (fine + q0)[:, None, None])[0].amin(1)
+            lo_h = lo if lo_h is None else torch.minimum(lo_h, lo)
+            if not causal:
+                end = sample_bounds(p, sh, n, fine_last[:, None, None])[1].amax(1)
+                end_h = end if end_h is None else torch.maximum(end_h, end)
+        assert lo_h is not None
+        lo_cols.append(lo_h)
+        if end_h is not None:
+            end_cols.append(end_h)
     lo_fine = torch.cat(lo_cols, 1)  # (fine tiles, heads)
     end_fine = (fine_last + 1)[:, None].expand_as(lo_fine) if causal else torch.cat(end_cols, 1)
     best: dict[int, tuple[float, tuple[torch.Tensor, ...], int]] = {}
@@ -304,11 +324,11 @@ def tile_rows(g: _Group, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def integer_pitch_shift(g: _Group) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The ``(pitch, shift)`` of ``g``'s tiles as int64 ``(N, 1, T)`` when every pitch is a finite integer ``>= 1``
-    and every shift an integer (the integer schemes, e.g. ``discrete`` and ``fixed``, without slope-0 heads); else
-    ``None``."""
+    """The ``(pitch, shift)`` of ``g``'s tiles as int64 ``(N, 1, T)`` when every pitch is an integer in
+    ``[1, 2**51)`` and every shift an integer (the integer schemes, e.g. ``discrete`` and ``fixed``, without slope-0
+    heads or pitches of tiny slopes, whose int64 block ends could overflow); else ``None``."""
     pitch, shift = g.pitch, g.shift
-    ok = torch.isfinite(pitch) & (pitch >= 1) & (exact_floor(pitch) == pitch) & (exact_floor(shift) == shift)
+    ok = (pitch >= 1) & (pitch < 2.0**51) & (exact_floor(pitch) == pitch) & (exact_floor(shift) == shift)
     if not bool(ok.all()):
         return None
     return pitch.long()[:, None, :], shift.long()[:, None, :]
@@ -447,3 +467,37 @@ def multiplicity_backward(
             dq_f.index_add_(1, qi, gq.flatten(1, 2).to(dq.dtype))
             dk_f.index_add_(1, ki, gk.flatten(1, 2).to(dk.dtype))
             dv_f.index_add_(1, ki, gv.flatten(1, 2).to(dv.dtype))
+
+
+def call_estimate(num_samples: int, num_heads: int, q_len: int, method: str) -> tuple[float, float]:
+    """Lower bounds on the host memory (bytes) and time (seconds) of one estimator call, before anything is drawn.
+
+    From the cost model above (measured on a 2-core CPU; unmeasured elsewhere), with ``T`` samples, ``H`` query heads
+    and ``Lq`` query rows — only the terms that grow with ``T``, so a refusal on these numbers is never a close call:
+
+    * ``"samples"``: planning each (sample, head) (``PLAN_COST``, ``PLAN_BYTES``) and at least one kernel call per
+      (sample, head) (``CALL_ROW_COST`` per query row);
+    * ``"multiplicity"``: the block bounds of every (query row, sample, head) (``BOUND_COST``); in memory, the tile
+      plan's pitches and shifts (16 bytes per (tile of the largest height, sample, head)) and one chunk's bounds
+      (``8 * 4`` bytes per (row of the smallest tile, sample));
+    * ``"auto"``: the per-sample plan (always built), then the cheaper of the two kernels' terms.
+    """
+    th = float(num_samples) * num_heads
+    plan_s = th * PLAN_COST * 1e-9
+    kernel_s = th * CALL_ROW_COST * q_len * 1e-9
+    mult_s = th * q_len * BOUND_COST * 1e-9
+    mult_b = 16.0 * th * math.ceil(q_len / _TILES[-1]) + 32.0 * _TILES[0] * num_samples
+    if method == "samples" or num_samples == 1:
+        return th * PLAN_BYTES, plan_s + kernel_s
+    if method == "multiplicity":
+        return mult_b, mult_s
+    return th * PLAN_BYTES, plan_s + min(kernel_s, mult_s)
+
+
+def exact_seconds(num_heads: int, q_len: int, k_len: int, head_dim: int, causal: bool) -> float:
+    """The cost model's time for exact attention over the same call (every query-key pair once, ``ENTRY_COST`` per
+    score entry at ``d = 64``, scaled by ``head_dim / 64``): the yardstick of the up-front size check."""
+    pairs = float(q_len) * k_len
+    if causal:
+        pairs -= q_len * (q_len - 1) / 2.0
+    return num_heads * pairs * ENTRY_COST * max(1.0, head_dim / 64.0) * 1e-9

@@ -14,10 +14,12 @@ __all__ = [
     "BACKENDS", "DEFAULT_BACKEND", "DEFAULT_METHOD", "KERNELS", "METHODS", "check_backend", "check_method"]
 
 KERNELS = ("flash", "math")
-"""The torch attention kernels (``ops._kernels``): torch's fused CPU flash op, and batched matmuls (any device)."""
+"""The torch attention kernels (``ops._kernels``): torch's fused flash op of the CPU or CUDA, and batched matmuls (any
+device)."""
 
 BACKENDS = ("auto", *KERNELS, "triton")
-"""``backend=``: ``"auto"`` (CPU: ``"flash"``, other devices: ``"math"``), a torch kernel, or ``"triton"`` (the
+"""``backend=``: ``"auto"`` (CPU and CUDA: ``"flash"``, other devices: ``"math"``; for positional LSH on CUDA the
+Triton kernels whenever the multiplicity form is chosen, with triton installed), a torch kernel, or ``"triton"`` (the
 Triton kernels of the multiplicity form; positional LSH only, exact ALiBi has no Triton path)."""
 
 ALIBI_BACKENDS = ("auto", *KERNELS)

@@ -66,7 +66,9 @@ def sample_op(
 
 
 @sample_op.register_fake
-def _(step, seed, slopes, num_samples, scheme):
+def _(
+    step: torch.Tensor | None, seed: int | None, slopes: torch.Tensor, num_samples: int, scheme: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (num_samples, slopes.shape[0])
     return torch.empty(shape, dtype=torch.float64), torch.empty(shape, dtype=torch.float64)
 
@@ -126,7 +128,7 @@ class PartitionSampler:
         sample_partitions(1, self.slopes, 1, scheme=scheme, generator=0)  # validates the scheme now
         self.scheme = scheme
         self.seed = _check_seed("seed", seed, allow_none=True)
-        self.eval_seed = _check_seed("eval_seed", eval_seed, allow_none=False)
+        self.eval_seed = check_int("eval_seed", eval_seed, minimum=0)
         self._eval: Partitions | None = None
         self._train: tuple[int, Partitions] | None = None
 

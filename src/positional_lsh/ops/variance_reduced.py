@@ -14,7 +14,7 @@ are registered in :mod:`positional_lsh.ops.schemes` (``coupled=True``, with thei
   law is the mixture of the strata (= the exact law) and, given the pitch, its shift is uniform.
   Stratifying the pitch removes most of the error of the mean block size (the low-frequency part of
   Mbar - A); sharing a pitch among K evenly shifted masks makes their average close to the triangle
-  max(0, 1 - |i-j|/pitch) it estimates. K ~ sqrt(T)/2 balances the two (measured, docs/theory.md).
+  ``max(0, 1 - |i-j|/pitch)`` it estimates. K ~ sqrt(T)/2 balances the two (measured, docs/theory.md).
 * ``"discrete-antithetic"``: independent pitches, each used by an antithetic pair of masks whose
   shifts are half a pitch apart. An ablation: coupling shifts alone gains little; see docs/theory.md.
 

@@ -4,7 +4,7 @@ Setting (docs/theory.md §11): one head, slope ``m``, sampled masks with mean ``
 Inputs are constrained by ``|q_i| <= R``, ``|k_j| <= R`` (so ``|s_ij| <= c := scale R^2``) and ``|v_j| <= 1``
 (Euclidean norms). For a query row ``i`` with keys ``J`` (``j <= i`` when causal), put ``a_j = A_ij e^{s_ij}``,
 ``b_j = Mbar_ij e^{s_ij}``, ``w = a / sum a`` (exact ALiBi weights) and ``w~ = b / sum b`` (positional LSH).
-Then, for **every** input in the constraint set,
+Then, for **every** input in the constraint set, ::
 
     |out_i - out~_i| = |sum_j (w_j - w~_j) v_j| <= sum_j |w_j - w~_j| <= 2 sum_j |a_j - b_j| / sum_j a_j
                      <= 2 sup_{u in [e^-c, e^c]^J} sum_j u_j |Mbar_ij - A_ij| / sum_j u_j A_ij      (tight form)
@@ -104,7 +104,7 @@ def uniform_error_bound(
         raise ValueError(f"score_bound must be >= 0, got {score_bound!r}")
     n = partitions.seq_len
     slope = float(partitions.slopes[head])
-    mbar = (head_mean_mask(partitions, head) if mbar is None else mbar).numpy()
+    mbar_rows = (head_mean_mask(partitions, head) if mbar is None else mbar).numpy()
     lo, hi = math.exp(-c), math.exp(c)
     tight = np.empty(n)
     simple = np.empty(n)
@@ -113,7 +113,7 @@ def uniform_error_bound(
     for start in range(0, n, chunk):
         rows = np.arange(start, min(n, start + chunk))
         a = _alibi_rows(rows, n, slope)
-        m = mbar[rows]
+        m = mbar_rows[rows]
         e = np.abs(m - a)
         if causal:
             keep = np.arange(n)[None, :] <= rows[:, None]
@@ -180,9 +180,9 @@ def worst_row_error(
                 s.clamp_(-c, c)
         with torch.no_grad():
             w, wt = _row_weights(s, log_m, log_a)
-            err = float((w - wt).abs().sum())
-            if err > best_err:
-                best_err, best_s = err, s.detach().clone()
+            final = float((w - wt).abs().sum())
+            if final > best_err:
+                best_err, best_s = final, s.detach().clone()
     return best_err, best_s
 
 
@@ -209,7 +209,9 @@ def realize_row_input(
     return q, k, v
 
 
-def _oracle_error(q, k, v, partitions: Partitions, head: int, scale: float, causal: bool) -> torch.Tensor:
+def _oracle_error(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Partitions, head: int, scale: float, causal: bool
+) -> torch.Tensor:
     """Per-row ``|out - out~|``, float64: ``(B, n)`` for inputs ``(B, 1, n, d)``.
 
     ``out~`` by ``dense_plsh_attention``, ``out`` by exact ``alibi_attention``. Batch several inputs into one
@@ -232,7 +234,7 @@ def _oracle_max_errors(inputs: list[tuple[torch.Tensor, ...]], partitions: Parti
 
 def _gaussian_inputs(n: int, radius: float, head_dim: int, draws: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(seed)
-    inputs = []
+    inputs: list[tuple[torch.Tensor, ...]] = []
     for _ in range(draws):
         q, k, v = (torch.randn(1, 1, n, head_dim, generator=g, dtype=torch.float64) for _ in range(3))
         q = q / q.norm(dim=-1, keepdim=True) * radius
@@ -266,7 +268,7 @@ def _full_pgd(
         mask = torch.triu(torch.full((n, n), -math.inf, dtype=torch.float64), 1)
         log_a, log_m = log_a + mask, log_m + mask
 
-    def project(q, k, v):
+    def project(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         with torch.no_grad():
             q *= (radius / q.norm(dim=-1, keepdim=True).clamp_min(radius))
             k *= (radius / k.norm(dim=-1, keepdim=True).clamp_min(radius))

@@ -58,6 +58,7 @@ from positional_lsh.cli.validate.sweeps import (
     main_sweep,
     unbiasedness,
 )
+from positional_lsh.lm.run_dir import check_output_dir
 
 __all__ = [
     "MEASUREMENT_FIELDS",
@@ -92,7 +93,7 @@ def run_validation(cfg: ValidateConfig) -> ValidationResult:
     if not isinstance(cfg, ValidateConfig):
         raise TypeError(f"cfg must be a ValidateConfig, got {type(cfg).__name__}")
     prev_threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, cfg.threads))
+    torch.set_num_threads(cfg.threads)
     try:
         return _run(cfg)
     finally:
@@ -103,10 +104,11 @@ def _run(cfg: ValidateConfig) -> ValidationResult:
     """Inputs, the four experiments, findings, then the files."""
     t_start = time.perf_counter()
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(out, "--out")  # before any work; created once the inputs are loaded
     if cfg.adversarial:
         from positional_lsh.cli.validate.adversarial import run_adversarial
 
+        out.mkdir(parents=True, exist_ok=True)
         files, found = run_adversarial(cfg, out)
         meta = _meta(cfg, {"source": "adversarial inputs"}, found, time.perf_counter() - t_start)
         files["config"] = out / "config.json"
@@ -119,6 +121,7 @@ def _run(cfg: ValidateConfig) -> ValidationResult:
     if bad:
         raise ValueError(f"heads {bad} out of range for {num_heads} heads")
     sets = slope_sets(cfg, num_heads, model_slopes)
+    out.mkdir(parents=True, exist_ok=True)
     with tqdm(total=_total(cfg, len(sets), len(heads)), desc="plsh validate", unit="head",
               disable=not cfg.progress, file=sys.stderr) as bar:  # fmt: skip
         rows, skipped = main_sweep(cfg, contexts, sets, heads, scale, bar)

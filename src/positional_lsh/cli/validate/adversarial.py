@@ -48,10 +48,17 @@ def adversarial_row(cfg: ValidateConfig, n: int, t: int, slope: float, seed: int
         "worst_by": res.worst_by, "equal_keys": f.get("equal keys"), "aligned_key": f.get("aligned key"),
         "bound_vertex": f.get("bound vertex"), "row_pgd": f.get("row PGD"), "full_pgd": f.get("full PGD"),
         "bound_tight": res.bound_tight, "bound_simple": res.bound_simple,
-        "worst_over_gaussian": res.worst / res.gaussian, "worst_over_bound": res.worst / res.bound_tight,
+        "worst_over_gaussian": _ratio(res.worst, res.gaussian), "worst_over_bound": _ratio(res.worst, res.bound_tight),
         "violation": res.violation, "seconds": time.perf_counter() - t0,
     }  # fmt: skip
     return row, (res, parts)
+
+
+def _ratio(a: float, b: float) -> float:
+    """``a / b``; 0 when both are 0 (a slope so small or large that every mask is exact: no error, bound 0)."""
+    if b == 0:
+        return 0.0 if a == 0 else float("inf")
+    return a / b
 
 
 def save_violation(path: Path, res: Any, parts: Any, row: dict[str, Any]) -> Path:

@@ -62,10 +62,13 @@ def load_shipped() -> tuple[torch.nn.Module, Callable[[str], Sequence[int]], str
 
 
 def _read_text(path: str) -> str:
+    """``--text``: a UTF-8 text file (binary or other encodings refused, naming the file, as ``plsh train`` does)."""
+    from positional_lsh.lm.data import read_text_file
+
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"text file not found: {p}")
-    return p.read_text(encoding="utf-8", errors="replace")
+    return read_text_file(p, what="--text")
 
 
 def load_contexts(cfg: ValidateConfig) -> tuple[list[Context], torch.Tensor | None, float | None, dict[str, Any]]:
@@ -101,10 +104,11 @@ def load_contexts(cfg: ValidateConfig) -> tuple[list[Context], torch.Tensor | No
         model, tok = load_model_for_capture(cfg.checkpoint, tokenizer=cfg.tokenizer)
         encode: Callable[[str], Sequence[int]] = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
         text = _read_text(cfg.text)
+        hf_config: Any = model.config  # a transformers PretrainedConfig: read by name
         desc = {
             "source": "checkpoint",
             "checkpoint": str(cfg.checkpoint),
-            "model_type": model.config.model_type,
+            "model_type": hf_config.model_type,
             "text": str(cfg.text),
         }
     else:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from positional_lsh.cli import parsers
 from positional_lsh.cli.parsers import option, to_argv
-from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops._checks import nonnegative_int, positive_int
+from positional_lsh.ops.errors import check_memory
 from positional_lsh.ops.schemes import get_scheme
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
 DEFAULT_SAMPLES = (1, 10, 100, 1000, 10000)
 DEFAULT_SCHEMES = ("discrete", "discrete-strat")
 COMPARE_SCHEMES = ("discrete", "discrete-strat", "gamma", "gamma-strat", "discrete-antithetic")
+MAX_SCORE_BOUND = 350.0  # adversarial_score_bound: the uniform bound's exp(2 c) must stay finite in float64
 SLOPE_RANGE = (-0.6, -0.4)  # expected fitted slope of relative spectral error vs s (independent sampling)
 UNBIASED_TEST_SLOPES = (0.5, 0.05)
 
@@ -167,11 +169,58 @@ class ValidateConfig:
         for name in ("adversarial_lengths", "report_adversarial_lengths"):
             if any(n > 4096 for n in getattr(self, name)):
                 raise ValueError(f"{name} must be <= 4096 (dense float64 references)")
+            if any(n < 2 for n in getattr(self, name)):
+                raise ValueError(f"{name} must be >= 2 (a query and a key to compare), got {getattr(self, name)}")
         if not 0 < self.block_delta < 1:
             raise ValueError(f"block_delta must be in (0, 1), got {self.block_delta}")
-        for name in ("adversarial_sigma", "adversarial_score_bound"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("adversarial_sigma", "adversarial_score_bound", "tol", "max_work"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if not math.isfinite(self.adversarial_sigma):
+            raise ValueError(f"adversarial_sigma must be finite (sigma = 1/slope of one ALiBi head), got "
+                             f"{self.adversarial_sigma}")  # fmt: skip
+        if self.adversarial_score_bound > MAX_SCORE_BOUND:
+            raise ValueError(
+                f"adversarial_score_bound must be <= {MAX_SCORE_BOUND:g} (the uniform bound holds exp(2 c), which "
+                f"overflows float64 above ~354), got {self.adversarial_score_bound}"
+            )
+        if not self.tol < 1:
+            raise ValueError(f"tol must be in (0, 1) (a relative Lanczos tolerance), got {self.tol}")
+        for name in ("threads", "adversarial_head_dim", "adversarial_rows", "compare_repeats", "synthetic_head_dim",
+                     "max_output_len"):  # fmt: skip
+            positive_int(name, getattr(self, name))
+        for name in ("seed", "compare_samples", "unbiasedness_replicates", "adversarial_pgd_max_len"):
+            nonnegative_int(name, getattr(self, name))
+        if not isinstance(self.out_dir, str) or not self.out_dir.strip():
+            raise ValueError(f"out_dir (--out) must be a directory path, got {self.out_dir!r}")
+        check_memory(*self.memory_estimate())
+
+    def memory_estimate(self) -> tuple[float, str]:
+        """A lower bound on the run's peak memory (bytes) and the flags that set it: the largest of what one step
+        holds at once — one context's synthetic Q/K/V (float32), the block labels of one head's draw (int64,
+        ``n * s`` for the main sweep's ``(n, s)`` within ``max_work``, ``n * length_samples`` for the length sweep,
+        ``n * T`` for the adversarial cells), one dense ``n x n`` float64 matrix where the output metrics or the
+        adversarial references are computed."""
+        parts: list[tuple[float, str]] = []
+        per_pos = (4.0 * 3 * self.synthetic_layers * self.synthetic_heads * self.synthetic_head_dim
+                   if self.source == "synthetic" else 0.0)  # fmt: skip
+        for n in self.seq_lens:
+            parts.append((per_pos * n, f"--seq-lens {n}"))
+            for t in self.samples:
+                if n * t <= self.max_work:
+                    parts.append((8.0 * n * t, f"--seq-lens {n} with --samples {t}"))
+            if n <= self.max_output_len:
+                parts.append((8.0 * n * n, f"--seq-lens {n} (dense output metrics up to --max-output-len)"))
+        for n in self.lengths:
+            parts.append((8.0 * n * self.length_samples, f"--lengths {n} with --length-samples {self.length_samples}"))
+        cells = [(n, t) for n in self.adversarial_lengths for t in self.adversarial_samples] if self.adversarial else []
+        if not self.adversarial:
+            cells = [(n, t) for n in self.report_adversarial_lengths for t in self.report_adversarial_samples]
+        for n, t in cells:
+            flags = "--adversarial-lengths/--adversarial-samples" if self.adversarial else "--report-adversarial-*"
+            parts.append((8.0 * n * t + 16.0 * n * n, f"{flags} n={n}, T={t}"))
+        return max(parts, default=(0.0, ""))
 
 
 def derive_seed(base: int, *parts: object) -> int:

@@ -219,7 +219,7 @@ def _measure_head(
         **mask,
         **_bounds(n, slope, s, mask["alibi_norm"], cfg),
     }
-    outs = []
+    outs: list[tuple[int | str, int | str, dict[str, float]]] = []  # (input, layer, errors); "" without inputs
     if dense is not None:
         for ctx in ctxs:
             for lq in ctx.layers:

@@ -47,17 +47,27 @@ Modules, each importing only those listed before it (no import cycle, no private
 
 * :mod:`~positional_lsh.integrations.hf.masks` — the mask side: the registered mask function and the ``(B, n)``
   key-validity mask;
+* :mod:`~positional_lsh.integrations.hf.cache` — :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`, a
+  KV cache that drops the keys no later query can reach (``swap.new_cache()``);
 * :mod:`~positional_lsh.integrations.hf.attention_swap` — :class:`AttentionSwap`, the installed replacement: its
-  settings, per-layer partition samplers and attention call;
+  settings, per-layer partition samplers and attention call (autocast, the decoding path, padding; its custom ops
+  under ``torch.compile``);
 * :mod:`~positional_lsh.integrations.hf.forward` — what the replacement forwards share: finding a module's swap,
   the attention call with merged heads, the refusals (dropout, ``output_attentions``), installing an instance
   attribute;
 * one module per family's replacement attention: :mod:`~positional_lsh.integrations.hf.bloom`, ``mpt``, ``falcon``
   (each a ``forward``) and :mod:`~positional_lsh.integrations.hf.rope` (the registered attention function and the
   rotary neutralization);
+* :mod:`~positional_lsh.integrations.hf.saved` — the swap's settings saved next to the weights
+  (``positional_lsh_swap.json``): writing, reading and checking them;
 * :mod:`~positional_lsh.integrations.hf.swap` — the API: :func:`use_positional_lsh`, :func:`use_alibi`,
-  :func:`restore`, ... (installing and undoing);
-* :mod:`~positional_lsh.integrations.hf.loading` — loading a local checkpoint.
+  :func:`restore`, ... (installing, stacking and undoing; peft models; re-applying saved settings);
+* :mod:`~positional_lsh.integrations.hf.loading` — loading a local checkpoint (or a peft adapter folder),
+  re-applying its saved swap;
+* :mod:`~positional_lsh.integrations.hf.trainer` — :class:`SwapStepCallback`, the swap's training step in
+  transformers ``Trainer`` checkpoints (exact resume; imported on first use: it needs accelerate);
+* :mod:`~positional_lsh.integrations.hf.train` — the training loop of ``plsh train-hf`` (from a config or a local
+  checkpoint, full or LoRA, the run directory of ``plsh train``).
 
 The model families themselves (attention modules, heads, slopes, Q/K/V) are one table,
 :mod:`positional_lsh.integrations.families`, which names each replacement forward by its import path.
@@ -67,7 +77,9 @@ Usage::
     from positional_lsh.integrations import hf
     swap = hf.use_positional_lsh(model, num_samples=16, seed=0)   # or hf.use_alibi(model, window=None)
     out = model.generate(ids, max_new_tokens=20)
+    model.save_pretrained("ckpt")                               # also writes ckpt/positional_lsh_swap.json
     hf.restore(model)                                           # or: with hf.use_alibi(model): ...
+    model, tok = hf.load_local_model("ckpt")                    # re-applies the saved swap (one line on stderr)
 """
 
 from __future__ import annotations
@@ -87,13 +99,17 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
 from positional_lsh.integrations.hf.loading import LoadedModel, load_local_model
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, padding_mask_interface
 from positional_lsh.integrations.hf.rope import attention_function
+from positional_lsh.integrations.hf.saved import SWAP_FILE, read_swap_settings, swap_settings, write_swap_settings
 from positional_lsh.integrations.hf.swap import (
     NATIVE_ALIBI_TYPES,
     ROPE_TYPES,
     AttentionSwap,
+    apply_saved_swap,
+    apply_swap_settings,
     current_swap,
     model_family,
     restore,
+    unwrap_model,
     use_alibi,
     use_positional_lsh,
 )
@@ -102,15 +118,32 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "NATIVE_ALIBI_TYPES",
     "ROPE_TYPES",
+    "SWAP_FILE",
     "AttentionSwap",
     "LoadedModel",
+    "SwapStepCallback",
+    "apply_saved_swap",
+    "apply_swap_settings",
     "current_swap",
     "load_local_model",
     "model_family",
+    "read_swap_settings",
     "restore",
+    "swap_settings",
+    "unwrap_model",
     "use_alibi",
     "use_positional_lsh",
+    "write_swap_settings",
 ]
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, attention_function)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask_interface)
+
+
+def __getattr__(name: str) -> object:
+    """``SwapStepCallback`` is imported on first access: transformers' ``TrainerCallback`` needs accelerate."""
+    if name == "SwapStepCallback":
+        from positional_lsh.integrations.hf.trainer import SwapStepCallback
+
+        return SwapStepCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

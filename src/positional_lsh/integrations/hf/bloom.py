@@ -28,20 +28,24 @@ def bloom_forward(
     output_attentions: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    """The forward of a swapped ``BloomAttention`` (installed on the instance): the layer's own projections, then
+    this library's attention (positional LSH or exact ALiBi, as the swap says), the output projection and the
+    residual; the same arguments and return value as transformers' forward."""
+    layer: Any = self  # a transformers BloomAttention: its attributes are read by name, untyped
     check_no_attentions(output_attentions)
     swap = swap_of(self)
-    check_dropout(self, self.attention_dropout.p)
-    q, k, v = self._reshape(self.query_key_value(hidden_states))  # (B, H, L, d) each
+    check_dropout(self, layer.attention_dropout.p)
+    q, k, v = layer._reshape(layer.query_key_value(hidden_states))  # (B, H, L, d) each
     if layer_past is not None:
-        k, v = layer_past.update(k, v, self.layer_idx)
-    ctx = attend_native(self, swap, q, k, v, attention_mask, self.inv_norm_factor)  # (B, L, H * d)
-    if self.pretraining_tp > 1 and self.slow_but_exact:
-        slices = self.hidden_size / self.pretraining_tp
+        k, v = layer_past.update(k, v, layer.layer_idx)
+    ctx = attend_native(self, swap, q, k, v, attention_mask, layer.inv_norm_factor)  # (B, L, H * d)
+    if layer.pretraining_tp > 1 and layer.slow_but_exact:
+        slices = layer.hidden_size / layer.pretraining_tp
         out = torch.zeros_like(ctx)
-        for i in range(self.pretraining_tp):
+        for i in range(layer.pretraining_tp):
             a, z = int(i * slices), int((i + 1) * slices)
-            out = out + F.linear(ctx[:, :, a:z], self.dense.weight[:, a:z])
+            out = out + F.linear(ctx[:, :, a:z], layer.dense.weight[:, a:z])
     else:
-        out = self.dense(ctx)
-    out = residual + F.dropout(out, p=self.hidden_dropout, training=self.training)
+        out = layer.dense(ctx)
+    out = residual + F.dropout(out, p=layer.hidden_dropout, training=layer.training)
     return out, None

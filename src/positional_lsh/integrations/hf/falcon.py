@@ -30,15 +30,19 @@ def falcon_forward(
     position_embeddings: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    """The forward of a swapped ``FalconAttention`` (``alibi=True`` models; installed on the instance): the
+    layer's own projections, then this library's attention (positional LSH or exact ALiBi, as the swap says) and
+    the output projection; the same arguments and return value as transformers' forward."""
+    layer: Any = self  # a transformers FalconAttention: its attributes are read by name, untyped
     check_no_attentions(output_attentions)
     swap = swap_of(self)
-    check_dropout(self, self.attention_dropout.p)
-    num_kv_heads = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
-    q, k, v = self._split_heads(self.query_key_value(hidden_states))  # (B, L, heads, d)
+    check_dropout(self, layer.attention_dropout.p)
+    num_kv_heads = layer.num_heads if layer.new_decoder_architecture else layer.num_kv_heads
+    q, k, v = layer._split_heads(layer.query_key_value(hidden_states))  # (B, L, heads, d)
     b, lq = q.shape[:2]
-    q = q.transpose(1, 2).reshape(b, self.num_heads, lq, self.head_dim)
-    k = k.transpose(1, 2).reshape(b, num_kv_heads, lq, self.head_dim)
-    v = v.transpose(1, 2).reshape(b, num_kv_heads, lq, self.head_dim)
+    q = q.transpose(1, 2).reshape(b, layer.num_heads, lq, layer.head_dim)
+    k = k.transpose(1, 2).reshape(b, num_kv_heads, lq, layer.head_dim)
+    v = v.transpose(1, 2).reshape(b, num_kv_heads, lq, layer.head_dim)
     if layer_past is not None:
-        k, v = layer_past.update(k, v, self.layer_idx)
-    return self.dense(attend_native(self, swap, q, k, v, attention_mask, self.inv_norm_factor)), None
+        k, v = layer_past.update(k, v, layer.layer_idx)
+    return layer.dense(attend_native(self, swap, q, k, v, attention_mask, layer.inv_norm_factor)), None

@@ -9,14 +9,22 @@ and :mod:`~positional_lsh.integrations.hf.masks`, so no replacement imports the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
-from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, key_validity
+from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, MASK_SUPPORT, key_validity
 
-__all__ = ["attend_native", "check_dropout", "check_no_attentions", "set_instance_attr", "swap_of"]
+__all__ = [
+    "attend_native",
+    "check_dropout",
+    "check_model_inputs",
+    "check_no_attentions",
+    "set_instance_attr",
+    "swap_of",
+]
 
 
 def swap_of(module: nn.Module) -> AttentionSwap:
@@ -57,7 +65,8 @@ def attend_native(
     """
     b, lq = q.shape[0], q.shape[-2]
     valid = key_validity(attention_mask, b, k.shape[-2])
-    ctx = swap.attend(module.layer_idx, module.training, q, k, v, valid, scale)
+    layer: Any = module  # a transformers attention module: its layer_idx is read by name, untyped
+    ctx = swap.attend(layer.layer_idx, module.training, q, k, v, valid, scale)
     return ctx.transpose(1, 2).reshape(b, lq, -1)
 
 
@@ -77,6 +86,22 @@ def check_no_attentions(output_attentions: object) -> None:
             "output_attentions=True is not supported: positional_lsh attention never materializes attention "
             "probabilities"
         )
+
+
+def check_model_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    """``ValueError`` unless the ``attention_mask`` of a swapped model's call is ``None`` or a 2-D padding mask.
+
+    Run by the swap's forward pre-hook on the base model, before the stock model reads the mask (BLOOM and Falcon
+    build their ALiBi tensor from it, and a 4-D mask would fail there with an unrelated unpacking error), so that
+    every family refuses a 4-D or custom mask with the same message. Positional arguments are checked for 4-D
+    tensors (only a mask has four dimensions among a causal LM's inputs).
+    """
+    masks = [kwargs.get("attention_mask")] + [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    for mask in masks:
+        if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            continue
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"unsupported attention mask {shape}: {MASK_SUPPORT}")
 
 
 def set_instance_attr(obj: object, name: str, value: object, undo: list[Callable[[], None]]) -> None:

@@ -3,7 +3,10 @@
 :func:`padding_mask_interface` is registered in transformers' ``AttentionMaskInterface`` under
 :data:`ATTN_IMPLEMENTATION` (by the package ``__init__``); the attention then receives only the padding (causality
 is applied by the attention itself), checks it with :func:`key_validity` and splits each batch row into its valid
-run with :func:`valid_runs`. This module imports nothing else from the integration.
+run with :func:`valid_runs`. The mask covers the whole sequence: a cache that dropped dead keys
+(:class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`) hands the attention fewer keys than mask positions, and
+the attention reads the position of its first key from the difference. This module imports nothing else from the
+integration.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ from typing import Any
 import torch
 from transformers.masking_utils import causal_mask_function
 
-__all__ = ["ATTN_IMPLEMENTATION", "key_validity", "padding_mask_interface", "valid_runs"]
+__all__ = ["ATTN_IMPLEMENTATION", "MASK_SUPPORT", "key_validity", "padding_mask_interface", "valid_runs"]
 
 #: Name under which the attention and mask functions are registered in transformers.
 ATTN_IMPLEMENTATION = "positional_lsh"
+
+#: What the swapped attention accepts as ``attention_mask`` (the end of every refusal of another mask).
+MASK_SUPPORT = (
+    "positional_lsh attention takes only a 2-D (batch, seq_len) padding mask (4-D and custom masks are not supported)"
+)
 
 
 def padding_mask_interface(
@@ -30,13 +38,17 @@ def padding_mask_interface(
     attention_mask: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
     **kwargs: Any,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """Mask function registered as ``"positional_lsh"``: a ``(B, kv_length)`` bool key-validity mask.
 
     Causality is applied by the attention itself; only the padding is passed on, so no ``n x n`` mask is
-    built. Anything other than a plain causal mask with padding raises ``ValueError``.
+    built. Anything other than a plain causal mask with padding raises ``ValueError``. Under ``torch.compile``
+    without an ``attention_mask``, the same-sequence mask transformers hands down for possibly packed sequences
+    gives ``None`` (no padding) once the graph checks that it is the plain causal one.
     """
     if mask_function is not causal_mask_function:
+        if attention_mask is None and torch.compiler.is_compiling():
+            return _traced_causal(batch_size, kv_length, mask_function, device)
         raise ValueError(
             "positional_lsh attention supports only the plain causal mask (with left/right padding); this forward "
             "asked for another pattern (sliding window, packed sequences, bidirectional or a custom mask overlay)"
@@ -57,25 +69,43 @@ def padding_mask_interface(
     return attention_mask[:, -kv_length:].to(torch.bool)
 
 
-def key_validity(attention_mask: object, batch: int, k_len: int) -> torch.Tensor | None:
-    """The attention's ``attention_mask`` argument as a ``(batch, k_len)`` bool key-validity mask.
+def _traced_causal(
+    batch_size: int, kv_length: int, mask_function: Callable, device: torch.device | str
+) -> torch.Tensor | None:
+    """Under ``torch.compile`` without an attention mask, transformers cannot tell whether the position ids pack
+    several sequences (it would read them) and hands down ``causal AND same-sequence``. Packed sequences are
+    refused when the graph runs (``torch._assert_async``: the last query must see every key, as with one
+    sequence per row); then the mask is the plain causal one: ``None``, no padding."""
+    q_idx = torch.tensor(kv_length - 1, device=device)
+    b_idx = torch.arange(batch_size, device=device)[:, None]
+    kv_idx = torch.arange(kv_length, device=device)[None, :]
+    seen = mask_function(b_idx, torch.zeros_like(q_idx), q_idx, kv_idx)
+    torch._assert_async(
+        torch.as_tensor(seen, device=device).all(),
+        "positional_lsh attention supports only the plain causal mask: these position ids pack several sequences "
+        "in one row (or the model asked for another mask pattern)",
+    )
+    return None
 
-    ``None`` stays ``None`` (every key valid). Anything but the 2-D mask :func:`padding_mask_interface` hands down
-    (a 4-D or custom mask) raises ``ValueError``.
+
+def key_validity(attention_mask: object, batch: int, k_len: int) -> torch.Tensor | None:
+    """The attention's ``attention_mask`` argument as a ``(batch, m)`` bool key-validity mask, ``m >= k_len``.
+
+    The mask covers the ``m`` positions of the sequence and the keys are its last ``k_len`` (``m > k_len`` when the
+    cache dropped dead keys). ``None`` stays ``None`` (every key valid). Anything but the 2-D mask
+    :func:`padding_mask_interface` hands down (a 4-D or custom mask) raises ``ValueError``.
     """
     if attention_mask is None:
         return None
     if (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dim() == 2
-        and tuple(attention_mask.shape) == (batch, k_len)
+        and attention_mask.shape[0] == batch
+        and attention_mask.shape[1] >= k_len
     ):
         return attention_mask.to(torch.bool)
     shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-    raise ValueError(
-        f"unsupported attention mask {shape} for {batch} sequences of {k_len} keys: positional_lsh attention takes "
-        "only a 2-D (batch, seq_len) padding mask (4-D and custom masks are not supported)"
-    )
+    raise ValueError(f"unsupported attention mask {shape} for {batch} sequences of {k_len} keys: {MASK_SUPPORT}")
 
 
 def valid_runs(key_valid: torch.Tensor) -> list[tuple[int, int]]:
@@ -95,5 +125,5 @@ def valid_runs(key_valid: torch.Tensor) -> list[tuple[int, int]]:
             f"attention_mask has padding between valid tokens in batch row(s) {rows}; positional_lsh attention "
             "supports left and/or right padding only (each row's valid tokens must be one contiguous run)"
         )
-    rows = zip(first.tolist(), end.tolist(), count.tolist(), strict=True)
-    return [(int(f), int(e)) if c > 0 else (0, 0) for f, e, c in rows]
+    runs = zip(first.tolist(), end.tolist(), count.tolist(), strict=True)
+    return [(int(f), int(e)) if c > 0 else (0, 0) for f, e, c in runs]

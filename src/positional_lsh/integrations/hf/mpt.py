@@ -23,13 +23,17 @@ def mpt_forward(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    """The forward of a swapped ``MptAttention`` (installed on the instance): the layer's own projections, then
+    this library's attention (positional LSH or exact ALiBi, as the swap says) and the output projection; the same
+    arguments and return value as transformers' forward."""
+    layer: Any = self  # a transformers MptAttention: its attributes are read by name, untyped
     swap = swap_of(self)
-    check_dropout(self, self.attn_dropout_p)
+    check_dropout(self, layer.attn_dropout_p)
     b, lq = hidden_states.shape[:2]
-    mixed = self.Wqkv(hidden_states)
-    if self.clip_qkv:
-        mixed = mixed.clamp(min=-self.clip_qkv, max=self.clip_qkv)
-    q, k, v = (x.reshape(b, lq, self.n_heads, self.head_dim).transpose(1, 2) for x in mixed.chunk(3, dim=2))
+    mixed = layer.Wqkv(hidden_states)
+    if layer.clip_qkv:
+        mixed = mixed.clamp(min=-layer.clip_qkv, max=layer.clip_qkv)
+    q, k, v = (x.reshape(b, lq, layer.n_heads, layer.head_dim).transpose(1, 2) for x in mixed.chunk(3, dim=2))
     if cache is not None:
-        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-    return self.out_proj(attend_native(self, swap, q, k, v, attention_mask, self.softmax_scale)), None
+        k, v = cache.update(k, v, layer.layer_idx, kwargs=kwargs)
+    return layer.out_proj(attend_native(self, swap, q, k, v, attention_mask, layer.softmax_scale)), None

@@ -53,7 +53,8 @@ def attention_function(
         check_dropout(module, float(dropout))
     b, lk = query.shape[0], key.shape[-2]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = swap.attend(module.layer_idx, module.training, query, key, value, key_validity(attention_mask, b, lk), scale)
+    layer: Any = module  # a transformers attention module: its layer_idx is read by name, untyped
+    out = swap.attend(layer.layer_idx, module.training, query, key, value, key_validity(attention_mask, b, lk), scale)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -70,7 +71,7 @@ def check_installable(model: nn.Module) -> list[nn.Module]:
 
     ``ValueError`` for models with sliding-window layers (``config.layer_types``) or without a rotary embedding.
     """
-    cfg = model.config
+    cfg: Any = model.config  # a transformers PretrainedConfig: read by name
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
         raise ValueError(
             "models with sliding-window layers (config.layer_types) are not supported; positional_lsh and "
@@ -84,7 +85,8 @@ def check_installable(model: nn.Module) -> list[nn.Module]:
 
 def install(model: nn.Module, rotary: list[nn.Module], undo: list[Callable[[], None]]) -> None:
     """Neutralize the rotary embeddings and select the registered attention, recording each change in ``undo``."""
-    cfg = model.config
+    hf_model: Any = model  # a transformers PreTrainedModel: set_attn_implementation and config are untyped here
+    cfg = hf_model.config
     if getattr(cfg, "sliding_window", None) is not None:
         # Mistral: a full-attention cache and the plain causal mask (ALiBi/positional LSH replace it).
         old_window = cfg.sliding_window
@@ -93,7 +95,7 @@ def install(model: nn.Module, rotary: list[nn.Module], undo: list[Callable[[], N
     for m in rotary:
         set_instance_attr(m, "forward", types.MethodType(_neutral_rotary(m.forward), m), undo)
     old_impl = cfg._attn_implementation
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    undo.append(lambda: model.set_attn_implementation(old_impl))
+    hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    undo.append(lambda: hf_model.set_attn_implementation(old_impl))
     if cfg._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_IMPLEMENTATION!r}")

@@ -7,6 +7,26 @@ attention module; the RoPE family goes through transformers' attention registry
 (:mod:`~positional_lsh.integrations.hf.attention_swap`, re-exported here) records every change, and
 :meth:`AttentionSwap.restore` undoes them.
 
+**What a swap changes, and how it is undone.** Installing compares the instance attributes of every module of the
+model and of its configs before and after, and records each one that changed as data — ``(object, name, had it,
+old value)`` — plus the forward pre-hook it registered (a callable object holding its swap, not a closure). So
+``copy.deepcopy`` of a swapped model copies the records onto the copy's own objects: the copy is swapped like the
+original, and restoring one leaves the other alone.
+
+**Swaps stack.** ``use_*`` on a swapped model installs the new swap *on top*: its records hold the swap below
+as the old values, so restoring it (``swap.restore()``, or leaving its ``with`` block) brings the swap below back,
+with its partitions and its training step. Restoring a swap first restores every swap stacked on it;
+:func:`restore` restores them all (the model's own attention).
+
+**peft.** A ``PeftModel`` (LoRA, ...) is accepted: the swap is installed on its base transformers model (the
+attention modules are the same objects whether the adapter is active, disabled or merged), and recorded on the
+``PeftModel`` too, so ``current_swap`` / ``restore`` accept either, and a model from ``merge_and_unload()`` keeps
+the swap.
+
+**Saving.** While swapped, the model's ``save_pretrained`` (and a ``PeftModel``'s) also writes the swap's settings,
+:data:`~positional_lsh.integrations.hf.saved.SWAP_FILE`, next to the weights, with the configs as they were
+before the swap (e.g. Mistral's ``sliding_window``); :func:`apply_saved_swap` re-applies them.
+
 Partitions are drawn per layer, independently across layers, by a
 :class:`~positional_lsh.ops.sampling.PartitionSampler` seeded with ``layer_seed(seed, layer)``
 (:func:`positional_lsh.ops.sampling.layer_seed`, the formula the project's language model uses); in training mode
@@ -15,19 +35,21 @@ step ``c`` draws from ``layer_seed(layer_seed(seed, layer), c)``.
 
 from __future__ import annotations
 
+import os
 import types
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from positional_lsh.integrations.families import FAMILIES, Family, attention_modules, family_of, native_slopes
 from positional_lsh.integrations.hf import rope
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
-from positional_lsh.integrations.hf.forward import check_no_attentions, set_instance_attr
+from positional_lsh.integrations.hf.forward import check_model_inputs, check_no_attentions
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION
+from positional_lsh.integrations.hf.saved import read_swap_settings, write_swap_settings
 from positional_lsh.ops._checks import as_slopes, as_window, check_bool, check_int
 from positional_lsh.ops.options import (
     ALIBI_BACKENDS,
@@ -43,9 +65,12 @@ __all__ = [
     "NATIVE_ALIBI_TYPES",
     "ROPE_TYPES",
     "AttentionSwap",
+    "apply_saved_swap",
+    "apply_swap_settings",
     "current_swap",
     "model_family",
     "restore",
+    "unwrap_model",
     "use_alibi",
     "use_positional_lsh",
 ]
@@ -55,8 +80,7 @@ NATIVE_ALIBI_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES if f.forward is 
 #: ``config.model_type`` values of rotary models run in the paper's setup (RoPE neutralized).
 ROPE_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES if f.registry for t in f.model_types)
 
-#: ``backend=`` values of :func:`use_alibi`: :data:`~positional_lsh.ops.options.BACKENDS` without ``"triton"``
-#: (exact and windowed ALiBi, :func:`~positional_lsh.alibi_attention`, have no Triton kernels).
+_STACK_ATTR = "_positional_lsh_changes"  # on the model: the records of every installed swap, bottom first
 
 
 # --------------------------------------------------------------------------------------------------
@@ -64,10 +88,28 @@ ROPE_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES if f.registry for t in f
 # --------------------------------------------------------------------------------------------------
 
 
-def _swappable_family(model: nn.Module) -> Family:
-    """The model's swappable :class:`Family`; ``TypeError`` / ``ValueError`` otherwise."""
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+def unwrap_model(model: object) -> PreTrainedModel:
+    """The transformers model to swap: ``model`` itself, or the base model of a peft ``PeftModel``.
+
+    ``TypeError`` for anything else (naming ``model.module`` for a ``DistributedDataParallel`` wrapper).
+    """
+    if isinstance(model, PreTrainedModel):
+        return model
+    if isinstance(model, nn.Module) and callable(getattr(type(model), "get_base_model", None)):
+        inner = getattr(model, "get_base_model")()  # noqa: B009  peft's PeftModel (LoRA, prefix tuning, ...)
+        if isinstance(inner, PreTrainedModel):
+            return inner
+    hint = ""
+    if isinstance(getattr(model, "module", None), nn.Module):
+        hint = " (a DistributedDataParallel or DataParallel wrapper: pass its .module, or swap before wrapping)"
+    raise TypeError(
+        f"model must be a transformers PreTrainedModel or a peft PeftModel wrapping one, got {type(model).__name__}"
+        + hint
+    )
+
+
+def _swappable_family(model: PreTrainedModel) -> Family:
+    """The model's swappable :class:`Family`; ``ValueError`` otherwise."""
     cfg = model.config
     mt = getattr(cfg, "model_type", None)
     if mt == "falcon" and not getattr(cfg, "alibi", False):
@@ -84,8 +126,11 @@ def _swappable_family(model: nn.Module) -> Family:
 
 
 def model_family(model: nn.Module) -> str:
-    """``"bloom"``, ``"mpt"``, ``"falcon"`` (native ALiBi) or ``"rope"`` (Llama family); ``ValueError`` otherwise."""
-    return _swappable_family(model).name
+    """``"bloom"``, ``"mpt"``, ``"falcon"`` (native ALiBi) or ``"rope"`` (Llama family); ``ValueError`` otherwise.
+
+    A peft ``PeftModel`` is looked through (its base model's family).
+    """
+    return _swappable_family(unwrap_model(model)).name
 
 
 def _attention_modules(model: nn.Module, family: Family) -> list[nn.Module]:
@@ -94,23 +139,162 @@ def _attention_modules(model: nn.Module, family: Family) -> list[nn.Module]:
         raise ValueError(f"found no attention modules in this {family.name} model")
     for i, m in enumerate(mods):
         if getattr(m, "layer_idx", None) is None:
-            m.layer_idx = i  # pragma: no cover - every supported class sets it
+            # Every supported class sets it. nn.Module.__setattr__ is typed for tensors and modules only; it stores
+            # any value at runtime.
+            m.layer_idx = i  # type: ignore[assignment]  # pragma: no cover
     return mods
 
 
 def current_swap(model: nn.Module) -> AttentionSwap | None:
-    """The :class:`AttentionSwap` installed on ``model``, or ``None``."""
-    swap = getattr(model, SWAP_ATTR, None)
+    """The :class:`AttentionSwap` in effect on ``model`` (the top of the stack; a ``PeftModel`` or the model
+    inside it), or ``None``."""
+    swap = getattr(model, "__dict__", {}).get(SWAP_ATTR)
+    if swap is None and not isinstance(model, PreTrainedModel) and isinstance(model, nn.Module):
+        try:
+            swap = unwrap_model(model).__dict__.get(SWAP_ATTR)
+        except TypeError:
+            swap = None
     return swap if isinstance(swap, AttentionSwap) and swap.active else None
 
 
 def restore(model: nn.Module) -> bool:
-    """Put the model's own attention back; returns whether a swap was installed."""
-    swap = current_swap(model)
-    if swap is None:
-        return False
-    swap.restore()
-    return True
+    """Put the model's own attention back (every stacked swap); returns whether a swap was installed."""
+    restored = False
+    while (swap := current_swap(model)) is not None:
+        swap.restore()
+        restored = True
+    return restored
+
+
+# --------------------------------------------------------------------------------------------------
+# What a swap changes: data records (deep-copyable), undone in reverse order
+# --------------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+@dataclass(eq=False)
+class SwapChanges:
+    """Every change one swap made, as data: calling it undoes them (the swap's restore does).
+
+    Attributes:
+        swap: the swap these changes installed.
+        entries: ``(object, attribute, had it, old value)`` for each instance attribute of a module or config that
+            installing set, in the order found; undone in reverse.
+        hook_module, hook_id: the module holding the swap's forward pre-hook and the hook's id.
+    """
+
+    swap: AttentionSwap
+    entries: list[tuple[Any, str, bool, Any]] = field(default_factory=list)
+    hook_module: nn.Module | None = None
+    hook_id: int | None = None
+
+    def __call__(self) -> None:
+        if self.hook_module is not None and self.hook_id is not None:
+            for hooks in (self.hook_module._forward_pre_hooks, self.hook_module._forward_pre_hooks_with_kwargs):
+                hooks.pop(self.hook_id, None)
+            self.hook_module = None
+        while self.entries:
+            obj, name, had, old = self.entries.pop()
+            if had:
+                obj.__dict__[name] = old
+            else:
+                obj.__dict__.pop(name, None)
+
+    def config_entries(self) -> list[tuple[Any, str, bool, Any]]:
+        """The entries of config objects (what a save writes as it was before the swap)."""
+        return [e for e in self.entries if isinstance(e[0], PretrainedConfig)]
+
+
+@dataclass(eq=False)
+class _RestoreAbove:
+    """An undo record of a swap with another stacked on it: restoring the lower one restores the upper one first."""
+
+    above: AttentionSwap
+
+    def __call__(self) -> None:
+        self.above.restore()
+
+
+def _watched(outer: nn.Module) -> list[Any]:
+    """The modules of ``outer`` and every config they hold (the objects an install may change)."""
+    objs: list[Any] = list(outer.modules())
+    seen = {id(o) for o in objs}
+    configs = [getattr(m, "config", None) for m in objs if isinstance(m, PreTrainedModel)]
+    while configs:
+        cfg = configs.pop()
+        if isinstance(cfg, PretrainedConfig) and id(cfg) not in seen:
+            seen.add(id(cfg))
+            objs.append(cfg)
+            configs.extend(getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", {}) or {})
+    return objs
+
+
+def _snapshot(objs: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
+    return [(o, dict(o.__dict__)) for o in objs]
+
+
+def _diff(before: list[tuple[Any, dict[str, Any]]]) -> list[tuple[Any, str, bool, Any]]:
+    """The instance attributes that changed since ``before`` (by identity), as undo entries."""
+    out = []
+    for obj, old in before:
+        new = obj.__dict__
+        for name in list(old) + [n for n in new if n not in old]:
+            if old.get(name, _MISSING) is not new.get(name, _MISSING):
+                out.append((obj, name, name in old, old.get(name)))
+    return out
+
+
+@dataclass(eq=False)
+class StepHook:
+    """The base model's forward pre-hook of one swap: refuses ``output_attentions`` and advances the training step.
+
+    It acts only while its swap is the one in effect (not shadowed by a swap stacked on top). A new step per
+    training-mode model call, except calls continuing a KV cache (they keep the step's partitions).
+    """
+
+    swap: AttentionSwap
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if module.__dict__.get(SWAP_ATTR) is not self.swap:
+            return
+        check_no_attentions(kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False))
+        check_model_inputs(args, kwargs)
+        if module.training:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
+                self.swap.advance_step()
+
+
+@dataclass(eq=False)
+class SaveWithSwap:
+    """A swapped model's ``save_pretrained``: the model's own, with the configs as before the swap, then the
+    swap's settings (:data:`~positional_lsh.integrations.hf.saved.SWAP_FILE`) in the same folder (main process)."""
+
+    owner: nn.Module
+    original: Any
+
+    def __call__(self, save_directory: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
+        swap = current_swap(self.owner)
+        stack: list[SwapChanges] = list(unwrap_model(self.owner).__dict__.get(_STACK_ATTR, []))
+        entries = [e for changes in stack for e in changes.config_entries()]
+        current = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _, _ in entries]
+        for obj, name, had, old in reversed(entries):  # the configs as they were before the first swap
+            if had:
+                obj.__dict__[name] = old
+            else:
+                obj.__dict__.pop(name, None)
+        try:
+            result = self.original(save_directory, *args, **kwargs)
+        finally:
+            for obj, name, value in current:
+                if value is _MISSING:
+                    obj.__dict__.pop(name, None)
+                else:
+                    obj.__dict__[name] = value
+        if swap is not None and kwargs.get("is_main_process", True):
+            write_swap_settings(swap, save_directory)
+        return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -118,51 +302,46 @@ def restore(model: nn.Module) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _install(model: nn.Module, swap: AttentionSwap, family: Family) -> None:
-    """Install ``swap`` on ``model``: every change is recorded on the swap, or undone if installing fails."""
-    mods = _attention_modules(model, family)
-    rotary = rope.check_installable(model) if family.registry else []
-    undo: list[Callable[[], None]] = []  # from here on every change is recorded
+def _install(outer: nn.Module, inner: PreTrainedModel, swap: AttentionSwap, family: Family) -> None:
+    """Install ``swap`` on ``inner`` (``outer``: the object the caller passed, e.g. a ``PeftModel``).
+
+    Every change is recorded on the swap (:class:`SwapChanges`), or undone if installing fails.
+    """
+    below = current_swap(inner)
+    mods = _attention_modules(inner, family)
+    rotary = rope.check_installable(inner) if family.registry else []
+    watched = _watched(outer)
+    before = _snapshot(watched)
+    changes = SwapChanges(swap)
+    scratch: list[Any] = []  # the helpers' own undo closures: not used (the snapshot records everything)
     try:
         if family.registry:
-            rope.install(model, rotary, undo)
+            rope.install(inner, rotary, scratch)
         else:
-            cfg = model.config
-            old_internal = cfg._attn_implementation_internal
             # Only selects the registered mask function (a (B, n) padding mask instead of (B, 1, n, n)).
-            cfg._attn_implementation_internal = ATTN_IMPLEMENTATION
-            undo.append(lambda: setattr(cfg, "_attn_implementation_internal", old_internal))
+            inner.config._attn_implementation_internal = ATTN_IMPLEMENTATION
             fwd = family.load_forward()
             for m in mods:
-                set_instance_attr(m, "forward", types.MethodType(fwd, m), undo)
-        for m in mods:
-            set_instance_attr(m, SWAP_ATTR, swap, undo)
-        handle = model.base_model.register_forward_pre_hook(_step_hook(swap), with_kwargs=True)
-        undo.append(handle.remove)
-        set_instance_attr(model, SWAP_ATTR, swap, undo)
+                m.__dict__["forward"] = types.MethodType(fwd, m)
+        for obj in {id(o): o for o in (*mods, inner.base_model, inner, outer)}.values():
+            obj.__dict__[SWAP_ATTR] = swap
+        for obj in {id(o): o for o in (inner, outer)}.values():
+            old_save = obj.__dict__.get("save_pretrained", obj.save_pretrained)
+            obj.__dict__["save_pretrained"] = SaveWithSwap(obj, old_save)
+        inner.__dict__[_STACK_ATTR] = [*inner.__dict__.get(_STACK_ATTR, []), changes]
+        handle = inner.base_model.register_forward_pre_hook(StepHook(swap), with_kwargs=True)
+        changes.hook_module, changes.hook_id = inner.base_model, handle.id
+        changes.entries = _diff(before)
     except BaseException:
-        while undo:
-            undo.pop()()
+        changes.entries = _diff(before)
+        changes()
         raise
-    for change in undo:
-        swap.add_undo(change)
+    swap.add_undo(changes)
+    if below is not None:
+        below.add_undo(_RestoreAbove(swap))
 
 
-def _step_hook(swap: AttentionSwap) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-    """Forward pre-hook of the base model: refuses ``output_attentions`` and advances the training step."""
-
-    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        check_no_attentions(kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False))
-        if module.training:
-            # A new step per model call, except calls continuing a KV cache (they keep the step's partitions).
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
-                swap.advance_step()
-
-    return pre_hook
-
-
-def _family_and_slopes(model: nn.Module, slopes: object) -> tuple[Family, torch.Tensor]:
+def _family_and_slopes(model: PreTrainedModel, slopes: Any) -> tuple[Family, torch.Tensor]:
     """The model's swappable family and the ``(H,)`` float64 slopes to use (default: the model's own)."""
     family = _swappable_family(model)
     h = family.num_heads(model)
@@ -186,7 +365,8 @@ def use_positional_lsh(
     """Replace the attention of ``model`` by positional-LSH attention (the ALiBi estimator with ``T`` samples).
 
     Args:
-        model: a BLOOM, MPT, Falcon (``alibi=True``), Llama, Mistral, Qwen2 or Qwen3 transformers model.
+        model: a BLOOM, MPT, Falcon (``alibi=True``), Llama, Mistral, Qwen2 or Qwen3 transformers model, or a peft
+            ``PeftModel`` wrapping one (the swap goes on its base model).
         num_samples: ``T``, sampled partitions per head and layer.
         scheme: ``"discrete"`` (exactly unbiased, fastest), ``"gamma"`` (the paper's) or ``"fixed"`` (ablation).
         seed: seed of the partitions (independent per layer); ``None`` draws one from torch's global RNG
@@ -202,20 +382,36 @@ def use_positional_lsh(
             passed to :func:`positional_lsh.plsh_attention`.
 
     Returns:
-        the installed :class:`AttentionSwap` (also a context manager that restores the model on exit).
-        A previous swap on the model is restored first.
+        the installed :class:`AttentionSwap` (also a context manager that restores it on exit). On a swapped
+        model the new swap is stacked on the one in effect, which comes back when the new one is restored.
+
+    Example:
+        >>> import torch
+        >>> from transformers import BloomConfig, BloomForCausalLM
+        >>> from positional_lsh.integrations.hf import use_positional_lsh
+        >>> _ = torch.manual_seed(0)
+        >>> model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)).eval()
+        >>> ids = torch.randint(0, 64, (1, 48))
+        >>> with torch.no_grad():
+        ...     exact = model(ids).logits
+        ...     with use_positional_lsh(model, num_samples=8, seed=0):  # the swap is undone on exit
+        ...         approx = model(ids).logits
+        ...     after = model(ids).logits
+        >>> approx.shape == exact.shape, torch.equal(after, exact)
+        (True, True)
     """
+    inner = unwrap_model(model)
     if seed is not None:
         seed = check_int("seed", seed, minimum=0)
     resample_in_training = check_bool("resample_in_training", resample_in_training)
     backend, method = check_backend(backend), check_method(method)
-    family, m = _family_and_slopes(model, slopes)
+    family, m = _family_and_slopes(inner, slopes)
     # Validates num_samples and scheme (a layer's sampler is built the same way, AttentionSwap.sampler).
     PartitionSampler(m.numel(), m, num_samples=num_samples, scheme=scheme, seed=0, eval_seed=0)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
     swap = AttentionSwap(
-        model,
+        inner,
         family.name,
         "plsh",
         m,
@@ -226,8 +422,7 @@ def use_positional_lsh(
         backend=backend,
         method=method,
     )
-    restore(model)
-    _install(model, swap, family)
+    _install(model, inner, swap, family)
     return swap
 
 
@@ -252,17 +447,54 @@ def use_alibi(
             have no Triton kernels.
 
     Returns:
-        the installed :class:`AttentionSwap` (a context manager that restores the model on exit).
+        the installed :class:`AttentionSwap` (a context manager that restores it on exit; stacked as in
+        :func:`use_positional_lsh`).
     """
+    inner = unwrap_model(model)
     if backend == "triton":
         raise ValueError(
             "backend='triton' is not available for use_alibi: exact and windowed ALiBi (alibi_attention) have no "
             f"Triton kernels; use one of {ALIBI_BACKENDS} (the Triton kernels serve use_positional_lsh)"
         )
     backend = check_backend(backend, ALIBI_BACKENDS)
-    family, m = _family_and_slopes(model, slopes)
+    family, m = _family_and_slopes(inner, slopes)
     win = as_window(window, m.numel())
-    swap = AttentionSwap(model, family.name, "alibi", m, window=win, backend=backend)
-    restore(model)
-    _install(model, swap, family)
+    swap = AttentionSwap(inner, family.name, "alibi", m, window=win, backend=backend)
+    _install(model, inner, swap, family)
     return swap
+
+
+# --------------------------------------------------------------------------------------------------
+# Saved settings
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_swap_settings(model: nn.Module, settings: dict[str, Any]) -> AttentionSwap:
+    """Install the swap described by ``settings`` (as :func:`~positional_lsh.integrations.hf.saved.swap_settings`
+    writes them, checked by ``read_swap_settings``), at the saved training step.
+
+    ``backend`` and ``method`` are not re-applied (they choose how to compute, not what): the defaults are used.
+    """
+    position = settings["position"]
+    if position == "plsh":
+        swap = use_positional_lsh(
+            model,
+            num_samples=settings["num_samples"],
+            scheme=settings["scheme"],
+            seed=settings["seed"],
+            slopes=settings["slopes"],
+            resample_in_training=settings.get("resample_in_training", True),
+        )
+    elif position in ("alibi", "window-alibi"):
+        swap = use_alibi(model, window=settings.get("window"), slopes=settings["slopes"])
+    else:
+        raise ValueError(f"settings['position'] must be 'plsh', 'alibi' or 'window-alibi', got {position!r}")
+    swap.set_step(int(settings.get("step", 0)))
+    return swap
+
+
+def apply_saved_swap(model: nn.Module, folder: str | os.PathLike[str]) -> AttentionSwap | None:
+    """Re-apply the swap saved in ``folder`` (its :data:`~positional_lsh.integrations.hf.saved.SWAP_FILE`) to
+    ``model``, e.g. after a plain ``from_pretrained(folder)``; ``None`` (nothing changed) if there is none."""
+    settings = read_swap_settings(folder)
+    return None if settings is None else apply_swap_settings(model, settings)

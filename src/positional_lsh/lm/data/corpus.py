@@ -7,7 +7,7 @@
 * **Your own text** (``load_text_files``): a ``.txt`` file or a directory of them, one document per file
   (or per ``separator``-delimited part); ``split_documents`` splits any document list by document.
 * **Hugging Face datasets** (``load_hf_dataset``), optional: WikiText-103, the paper's corpus, is cut
-  into articles at its `` = Title = `` headings.
+  into articles at its ``= Title =`` headings.
 * ``load_splits`` picks one of these from a single source string (e.g. a ``--data`` flag).
 """
 
@@ -37,6 +37,7 @@ __all__ = [
     "load_hf_dataset",
     "load_splits",
     "load_text_files",
+    "read_text_file",
     "split_by_position",
     "split_documents",
     "split_wikitext_articles",
@@ -122,7 +123,7 @@ def _open_text(path: Path) -> IO[str]:
 @functools.lru_cache(maxsize=4)
 def _read_jsonl(path: str, mtime_ns: int) -> tuple[Document, ...]:
     del mtime_ns  # part of the cache key only
-    docs = []
+    docs: list[Document] = []
     with _open_text(Path(path)) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -193,7 +194,7 @@ def split_documents(
     docs = as_documents("documents", documents)
     if isinstance(fractions, str | bytes) or not isinstance(fractions, Sequence) or len(fractions) != 3:
         raise TypeError("fractions must be a sequence of 3 numbers (train, validation, test)")
-    fr = []
+    fr: list[float] = []
     for f in fractions:
         if isinstance(f, bool) or not isinstance(f, numbers.Real):
             raise TypeError(f"fractions must hold numbers, got {type(f).__name__}")
@@ -232,6 +233,23 @@ def split_documents(
 # --------------------------------------------------------------------------------------------
 
 
+def read_text_file(path: str | os.PathLike[str], *, encoding: str = "utf-8", what: str = "path") -> str:
+    """The text of one file, refused (``ValueError`` naming the file; ``what`` names the flag or argument) unless it
+    is text: valid ``encoding`` and no NUL bytes (a binary file such as an executable is not decoded with
+    replacement characters)."""
+    f = as_path(what, path)
+    if not f.is_file():
+        raise ValueError(f"{what} {f} is not a file")
+    try:
+        text = f.read_text(encoding=encoding)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} {f} is not valid {encoding} text ({exc.reason} at byte {exc.start}); "
+                         "pass text files") from None  # fmt: skip
+    if "\x00" in text:
+        raise ValueError(f"{what} {f} holds NUL bytes: it looks binary, not text; pass text files")
+    return text
+
+
 def load_text_files(
     path: str | os.PathLike[str],
     *,
@@ -261,13 +279,7 @@ def load_text_files(
         raise ValueError(f"path must be a file or a directory, got {p}")
     docs: list[Document] = []
     for f, name in named:
-        try:
-            text = f.read_text(encoding=encoding)
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"path {f} is not valid {encoding} text ({exc.reason} at byte {exc.start}); "
-                             "pass text files") from None  # fmt: skip
-        if "\x00" in text:
-            raise ValueError(f"path {f} holds NUL bytes: it looks binary, not text; pass text files")
+        text = read_text_file(f, encoding=encoding)
         parts = [text] if separator is None else text.split(separator)
         parts = [t for t in parts if t.strip()]
         for j, t in enumerate(parts):
@@ -279,7 +291,7 @@ def load_text_files(
 
 
 def _wikitext_title(line: str) -> str | None:
-    """The title if ``line`` is a WikiText article heading `` = Title = `` (not `` = = Section = = ``)."""
+    """The title if ``line`` is a WikiText article heading ``= Title =`` (not ``= = Section = =``)."""
     s = line.strip()
     if len(s) > 4 and s.startswith("= ") and s.endswith(" =") and not s.startswith("= ="):
         return s[2:-2].strip()
@@ -287,9 +299,9 @@ def _wikitext_title(line: str) -> str | None:
 
 
 def split_wikitext_articles(lines: Iterable[str], *, source: str = "wikitext") -> list[Document]:
-    """Cut WikiText lines (the rows of its ``text`` column) into articles at `` = Title = `` headings.
+    """Cut WikiText lines (the rows of its ``text`` column) into articles at ``= Title =`` headings.
 
-    Section headings (`` = = Section = = ``) stay inside their article. Each article's text starts with its
+    Section headings (``= = Section = =``) stay inside their article. Each article's text starts with its
     heading line, as in the WikiText files; text before the first heading, if any, is one more document.
     """
     if isinstance(lines, str | bytes) or not isinstance(lines, Iterable):

@@ -166,7 +166,18 @@ class BPETokenizer:
             p = p / "tokenizer.json"
             if not p.is_file():
                 raise ValueError(f"path {p.parent} holds no tokenizer.json")
-        return cls.from_str(p.read_text(encoding="utf-8"))
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"{p} is not a tokenizer.json: not UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from None
+        except IsADirectoryError:
+            raise ValueError(f"{p} is a directory, not a tokenizer.json") from None
+        try:
+            return cls.from_str(text)
+        except ValueError as exc:
+            raise ValueError(f"{p} is not a valid tokenizer.json ({' '.join(str(exc).split())[:160]})") from None
 
     def to_str(self) -> str:
         """The tokenizer as a JSON string (the ``tokenizers`` format)."""
@@ -181,7 +192,13 @@ class BPETokenizer:
             p = p / "tokenizer.json"
         elif not p.parent.exists():
             raise ValueError(f"path's directory does not exist: {p.parent}")
-        p.write_text(self.to_str(), encoding="utf-8")
+        tmp = p.with_name(p.name + ".tmp")  # through a temporary name: a full disk never leaves a torn file
+        try:
+            tmp.write_text(self.to_str(), encoding="utf-8")
+            os.replace(tmp, p)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         return p
 
     # -- properties --------------------------------------------------------------------------

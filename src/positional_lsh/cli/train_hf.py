@@ -1,0 +1,192 @@
+"""``plsh train-hf``: train or fine-tune a transformers model with positional LSH (the command line of
+:func:`positional_lsh.integrations.hf.train.train_hf`).
+
+Its flags are generated from :class:`~positional_lsh.integrations.hf.train.HFTrainConfig` (:data:`HF_TRAIN_FLAGS`)
+and from :class:`TrainHFCommand` (``--preset``, ``--resume``, ``--overwrite``). Every argparse default is ``None``:
+the dataclass's defaults apply, after the preset's, to what is not given. Under ``torchrun``:
+``torchrun --nproc_per_node N -m positional_lsh.cli train-hf ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from positional_lsh.cli import main as plsh_main
+from positional_lsh.cli.parsers import Flag, add_arguments, comma_list, option, values_from_args
+from positional_lsh.integrations.hf_train_config import (
+    FINETUNE_MODES,
+    HF_POSITIONS,
+    PRESETS,
+    WEIGHT_DTYPES,
+    HFTrainConfig,
+)
+from positional_lsh.lm.run_dir import RESUME_MAY_CHANGE, TRAIN_CONFIG_FILE, read_train_config
+from positional_lsh.lm.train_config import AUTOCAST_CHOICES
+from positional_lsh.ops.errors import UserError
+from positional_lsh.ops.options import BACKENDS, METHODS
+
+__all__ = ["HF_TRAIN_FLAGS", "TrainHFCommand", "add_train_hf_arguments", "config_from_args", "main"]
+
+HF_TRAIN_FLAGS = {
+    "out_dir": Flag("run directory (checkpoints, trainer state, log)", name="--out"),
+    "config": Flag("train from scratch: a transformers config.json, a folder holding one, or a built-in config "
+                   "(qwen3-0.6b, tiny-qwen3)", group="model"),
+    "checkpoint": Flag("fine-tune: a local save_pretrained folder, a peft adapter folder or a plsh train-hf run",
+                       group="model"),
+    "finetune": Flag("full: every weight; lora: peft LoRA adapters (needs peft)", choices=FINETUNE_MODES,
+                     group="model"),
+    "lora_r": Flag("LoRA rank", group="model"),
+    "lora_alpha": Flag("LoRA alpha", group="model"),
+    "lora_dropout": Flag("LoRA dropout", group="model"),
+    "lora_targets": Flag("modules that get LoRA adapters", group="model"),
+    "dtype": Flag("weights dtype (bfloat16: e.g. a frozen LoRA base)", choices=WEIGHT_DTYPES,
+                  group="model"),
+    "gradient_checkpointing": Flag("recompute activations in the backward (same gradients, less memory)",
+                                   name="--gradient-checkpointing", group="model"),
+    "position": Flag("attention: plsh (positional LSH), alibi, window-alibi, or native (the model's own)",
+                     choices=HF_POSITIONS, group="attention"),
+    "num_samples": Flag("positional-LSH samples T", group="attention"),
+    "scheme": Flag("positional-LSH scheme: discrete, gamma, fixed, ...", group="attention"),
+    "sigma": Flag("one slope 1/sigma for every head (the paper: 256); default: the model's own slopes or the ALiBi "
+                  "schedule", group="attention", show_default=False),
+    "slopes": Flag("one slope per head, comma-separated (instead of --sigma)", parse=comma_list(float),
+                   group="attention", show_default=False),
+    "window": Flag("window-alibi: largest kept distance in tokens", group="attention", show_default=False),
+    "partition_seed": Flag("seed of the training partitions (default: --seed)", group="attention",
+                           show_default=False),
+    "attn_backend": Flag("attention kernel backend", choices=BACKENDS, group="attention"),
+    "plsh_method": Flag("positional-LSH method (same result)", choices=METHODS, group="attention"),
+    "data": Flag("'default' (shipped corpus), hf:PATH[:NAME], a .jsonl[.xz] file, text files/dir, or a datasets "
+                 "save_to_disk folder", group="data"),
+    "tokenizer": Flag("a tokenizer.json or a transformers tokenizer folder (default: the checkpoint's, or a BPE "
+                      "trained on the data)", group="data"),
+    "vocab_size": Flag("BPE vocabulary when training a tokenizer", group="data"),
+    "cache_dir": Flag("token cache directory (default: $PLSH_CACHE_DIR or ~/.cache/positional_lsh; '' disables)",
+                      group="data"),
+    "seq_len": Flag("training window in tokens", group="data"),
+    "batch_size": Flag("windows per micro-batch per process", group="optimization"),
+    "grad_accum": Flag("micro-batches per step", group="optimization"),
+    "steps": Flag("optimizer steps", group="optimization"),
+    "lr": Flag("peak learning rate", group="optimization"),
+    "min_lr": Flag("final learning rate", group="optimization"),
+    "warmup": Flag("warm-up steps", group="optimization"),
+    "weight_decay": Flag("AdamW weight decay on matrices", group="optimization"),
+    "beta1": Flag("AdamW beta1", group="optimization"),
+    "beta2": Flag("AdamW beta2", group="optimization"),
+    "grad_clip": Flag("gradient-norm clip, 0 disables", group="optimization"),
+    "eval_interval": Flag("validate every N steps", group="run"),
+    "eval_batches": Flag("validation batches", group="run"),
+    "ckpt_interval": Flag("resumable checkpoint every N steps", group="run"),
+    "seed": Flag("seed of init, LoRA init, data order and partitions", group="run"),
+    "autocast": Flag("mixed precision (auto: bf16 where native)", choices=AUTOCAST_CHOICES, group="run"),
+    "device": Flag("auto, cpu, cuda, cuda:1 ...", group="run"),
+    "threads": Flag("torch intra-op threads", group="run"),
+    "stop_after": Flag("stop at this step with a resumable checkpoint", group="run"),
+    "progress": Flag("no progress bar", name="--no-progress", group="run"),
+}  # fmt: skip
+"""``plsh train-hf``'s flags for :class:`~positional_lsh.integrations.hf.train.HFTrainConfig`."""
+
+_PER_JOB = ("out_dir", "stop_after", "progress", "device", "threads")
+
+
+@dataclass
+class TrainHFCommand:
+    """``plsh train-hf``'s own switches (the settings are in ``HFTrainConfig``)."""
+
+    preset: str | None = option(
+        None,
+        "settings to start from: paper-qwen3-0.6b, paper-mistral-7b (the paper's §5.1, GPU) or tiny (CI, CPU); flags "
+        "given override them",
+        choices=tuple(PRESETS),
+    )
+    resume: bool = option(False, "continue the run in --out from its latest checkpoint (its settings are kept; a "
+                          "conflicting flag is refused, more --steps are applied)")  # fmt: skip
+    overwrite: bool = option(False, "replace the previous run in --out")
+
+
+def add_train_hf_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``plsh train-hf``'s options to a parser (every default ``None``: presets fill in what is not given)."""
+    add_arguments(p, HFTrainConfig, flags={"out_dir": HF_TRAIN_FLAGS["out_dir"]}, none_defaults=True)
+    add_arguments(p, TrainHFCommand, none_defaults=True)
+    groups = {title: p.add_argument_group(title) for title in ("model", "attention", "data", "optimization", "run")}
+    add_arguments(p, HFTrainConfig, flags={k: v for k, v in HF_TRAIN_FLAGS.items() if k != "out_dir"}, groups=groups,
+                  none_defaults=True)  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~positional_lsh.integrations.hf.train.HFTrainConfig`: defaults, the preset, the flags given."""
+    kw: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    given = values_from_args(args, HFTrainConfig, flags=HF_TRAIN_FLAGS, given_only=True)
+    if "checkpoint" in given:
+        kw.pop("config", None)  # a checkpoint given replaces the preset's config
+    kw.update(given)
+    return HFTrainConfig(**kw)
+
+
+def _resume_changes(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The flags given with ``--resume`` against the saved settings: per-job flags apply, equal values are fine,
+    changes of :data:`~positional_lsh.lm.run_dir.RESUME_MAY_CHANGE` are applied (and said), others refused."""
+    saved = read_train_config(out)["train"]
+    if args.preset:
+        print("plsh train-hf: --resume: --preset is ignored (the run keeps its own settings)", file=sys.stderr)
+    changes: dict[str, Any] = {}
+    for name, value in values_from_args(args, HFTrainConfig, flags=HF_TRAIN_FLAGS, given_only=True).items():
+        old = saved.get(name)
+        if name in _PER_JOB or value == old or (isinstance(value, tuple) and list(value) == old):
+            continue
+        flag = HF_TRAIN_FLAGS[name].name or "--" + name.replace("_", "-")
+        if name in RESUME_MAY_CHANGE:
+            changes[name] = value
+            print(f"plsh train-hf: --resume: {flag} changes from {old} to {value}", file=sys.stderr)
+            continue
+        raise UserError(f"--resume: {flag} {value} conflicts with the run's {old} (saved in {out / TRAIN_CONFIG_FILE});"
+                        " drop the flag, or start a new run")  # fmt: skip
+    return changes
+
+
+def _main(args: argparse.Namespace) -> int:
+    """0 when steps were trained (or the run was finished), 1 when none were, ``128 + signal`` when stopped."""
+    from positional_lsh.integrations.hf.train import train_hf
+
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+    if args.resume:
+        if args.out_dir is None:
+            raise UserError("--resume needs --out, the run directory to continue")
+        out = Path(args.out_dir)
+        changes = _resume_changes(args, out)
+        saved = read_train_config(out)["train"]
+        cfg = config_from_args(argparse.Namespace(**{**vars(args), "preset": None, "config": saved.get("config"),
+                                                     "checkpoint": saved.get("checkpoint")}))  # fmt: skip
+    else:
+        cfg, changes = config_from_args(args), {}
+        cfg.validate()
+    result = train_hf(cfg, resume=bool(args.resume), overwrite=bool(args.overwrite), changes=changes,
+                      command=getattr(args, "command_line", None))  # fmt: skip
+    if result.interrupted is not None:
+        return 128 + int(getattr(signal, result.interrupted))
+    return 0 if result.step > 0 or result.finished else 1
+
+
+def register_cli(sub: argparse._SubParsersAction) -> None:
+    """Add ``plsh train-hf`` to the ``plsh`` command line."""
+    p = sub.add_parser(
+        "train-hf",
+        help="train or fine-tune (full or LoRA) a transformers model with plsh / alibi / window-alibi / native",
+        description="Train a transformers model from a config, or fine-tune a local checkpoint (full or LoRA), with "
+        "positional-LSH (or ALiBi) attention; the run directory, resume and torchrun of plsh train. Needs "
+        "transformers (and peft for LoRA): pip install 'positional-lsh[train]'.",
+    )
+    add_train_hf_arguments(p)
+    p.set_defaults(func=_main)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``plsh train-hf ARGS`` as a function: :func:`positional_lsh.cli.main` with ``train-hf`` in front."""
+    return plsh_main(["train-hf", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,157 @@
+"""The swap's settings saved next to a model's weights: ``positional_lsh_swap.json``.
+
+A swapped model's ``save_pretrained`` (and a ``PeftModel``'s, and ``plsh train-hf``'s checkpoints) write
+:data:`SWAP_FILE` beside ``config.json``: the position mode (``plsh``, ``alibi``, ``window-alibi``), ``T``, the
+scheme, the seed, the slopes and windows (float64, exact in JSON), the training step and, when known, the training
+length. :func:`~positional_lsh.integrations.hf.load_local_model` re-applies it (and says so in one line); a plain
+``from_pretrained`` does not (transformers knows nothing of it): ``hf.apply_saved_swap(model, folder)`` does.
+
+Only settings of the model are re-applied: ``backend`` and ``method`` are recorded but are choices of how to compute
+(every method gives the same result), so a re-applied swap uses the defaults (``"auto"``) and runs on any device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from positional_lsh.integrations.hf.attention_swap import AttentionSwap
+from positional_lsh.ops.errors import UserError
+
+__all__ = [
+    "SWAP_FILE",
+    "SWAP_FORMAT",
+    "describe_swap_settings",
+    "read_swap_settings",
+    "swap_position",
+    "swap_settings",
+    "write_swap_settings",
+]
+
+SWAP_FILE = "positional_lsh_swap.json"
+"""The file, next to a checkpoint's ``config.json``, holding the swap's settings."""
+SWAP_FORMAT = "positional-lsh-swap"
+_POSITIONS = ("plsh", "alibi", "window-alibi")
+
+
+def swap_position(swap: AttentionSwap) -> str:
+    """``"plsh"``, ``"alibi"`` (exact) or ``"window-alibi"`` (``use_alibi`` with a window)."""
+    if swap.mode == "plsh":
+        return "plsh"
+    return "alibi" if swap.window is None else "window-alibi"
+
+
+def swap_settings(swap: AttentionSwap, **extra: Any) -> dict[str, Any]:
+    """The JSON-ready settings of ``swap`` (``extra``: more fields, e.g. ``train_len``)."""
+    if not isinstance(swap, AttentionSwap):
+        raise TypeError(f"swap must be an AttentionSwap, got {type(swap).__name__}")
+    out: dict[str, Any] = {
+        "format": SWAP_FORMAT,
+        "version": 1,
+        "position": swap_position(swap),
+        "family": swap.family,
+        "slopes": [float(s) for s in swap.slopes.tolist()],
+        "window": None if swap.window is None else [float(w) for w in swap.window.tolist()],
+        "num_samples": swap.num_samples,
+        "scheme": swap.scheme,
+        "seed": swap.seed,
+        "resample_in_training": swap.resample_in_training,
+        "step": swap.step,
+        "backend": swap.backend,
+        "method": swap.method,
+    }
+    out.update(extra)
+    return out
+
+
+def write_swap_settings(swap: AttentionSwap, folder: str | os.PathLike[str], **extra: Any) -> Path:
+    """Write :data:`SWAP_FILE` into ``folder`` (through a temporary name); returns its path."""
+    path = Path(folder) / SWAP_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(swap_settings(swap, **extra), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _numbers(file: Path, name: str, value: object, *, positive: bool) -> list[float]:
+    if not isinstance(value, list) or not value or any(isinstance(v, bool) or not isinstance(v, int | float)
+                                                       for v in value):  # fmt: skip
+        raise UserError(f"{file}: {name!r} must be a non-empty list of numbers, got {value!r:.80}")
+    out = [float(v) for v in value]
+    if any(not math.isfinite(v) and v != math.inf for v in out) or any(v < 0 or (positive and v == 0) for v in out):
+        raise UserError(f"{file}: {name!r} must hold numbers {'> 0' if positive else '>= 0'}, got {value!r:.80}")
+    return out
+
+
+def read_swap_settings(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The settings saved in ``folder`` (``None`` if it holds no :data:`SWAP_FILE`), checked.
+
+    Raises :class:`~positional_lsh.ops.errors.UserError` naming the file when it is not JSON, not of this format
+    or holds a bad field.
+    """
+    file = Path(folder) / SWAP_FILE
+    if not file.is_file():
+        return None
+    try:
+        s = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{file} is not valid JSON ({exc}); delete it to load the model with its own "
+                        "attention") from None  # fmt: skip
+    if not isinstance(s, dict) or s.get("format") != SWAP_FORMAT:
+        raise UserError(f"{file} is not a {SWAP_FORMAT} file")
+    if s.get("version") != 1:
+        raise UserError(f"{file}: version {s.get('version')!r} is not supported (this library writes version 1)")
+    if s.get("position") not in _POSITIONS:
+        raise UserError(f"{file}: 'position' must be one of {list(_POSITIONS)}, got {s.get('position')!r}")
+    s["slopes"] = _numbers(file, "slopes", s.get("slopes"), positive=False)
+    if s["position"] == "window-alibi":
+        s["window"] = _numbers(file, "window", s.get("window"), positive=False)
+    elif s.get("window") is not None:
+        raise UserError(f"{file}: 'window' must be null for position {s['position']!r}")
+    step = s.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise UserError(f"{file}: 'step' must be an integer >= 0, got {step!r}")
+    if s["position"] == "plsh":
+        for name in ("num_samples", "seed"):
+            v = s.get(name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "num_samples" else 0):
+                raise UserError(f"{file}: {name!r} must be an integer >= {1 if name == 'num_samples' else 0}, "
+                                f"got {v!r}")  # fmt: skip
+        if not isinstance(s.get("scheme"), str):
+            raise UserError(f"{file}: 'scheme' must be a scheme name, got {s.get('scheme')!r}")
+        if not isinstance(s.get("resample_in_training", True), bool):
+            raise UserError(f"{file}: 'resample_in_training' must be true or false")
+    train_len = s.get("train_len")
+    if train_len is not None and (isinstance(train_len, bool) or not isinstance(train_len, int) or train_len < 1):
+        raise UserError(f"{file}: 'train_len' must be a positive integer, got {train_len!r}")
+    return s
+
+
+def _slopes_text(slopes: list[float], brief: bool) -> str:
+    if len(set(slopes)) == 1:
+        s = slopes[0]
+        if brief:
+            return f"sigma {1 / s:g}" if s > 0 else "slope 0"
+        return f"sigma {1 / s:g} (slope {s:g}) for every head" if s > 0 else "slope 0 for every head"
+    return f"{len(slopes)} per-head slopes {slopes[0]:.3g}..{slopes[-1]:.3g}"
+
+
+def describe_swap_settings(settings: dict[str, Any], *, brief: bool = False) -> str:
+    """One line: the position mode and its settings (``plsh T=16 discrete, seed 0, sigma 256 ..., step 120``);
+    ``brief``: without the seed, the step and the slope (``plsh T=16 discrete, sigma 256``)."""
+    pos = settings["position"]
+    slopes = _slopes_text(list(settings["slopes"]), brief)
+    if pos == "plsh":
+        if brief:
+            return f"plsh T={settings['num_samples']} {settings['scheme']}, {slopes}"
+        text = f"plsh T={settings['num_samples']} {settings['scheme']}, seed {settings['seed']}, {slopes}"
+        return text + f", training step {settings.get('step', 0)}"
+    if pos == "window-alibi":
+        w = list(settings["window"])
+        win = f"window {w[0]:g}" if len(set(w)) == 1 else f"per-head windows {w[0]:g}..{w[-1]:g}"
+        return f"window-alibi {win}, {slopes}"
+    return f"alibi (exact), {slopes}"

@@ -1,0 +1,139 @@
+"""positional_lsh.ops.decode: the estimator for the last queries of a sequence on their own blocks' keys, against the
+dense float64 oracle written from the definition (conftest.naive_estimator) and against plsh_attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from positional_lsh import plsh_attention, sample_partitions
+from positional_lsh.ops.decode import block_bounds, key_reach, plsh_decode
+
+from conftest import naive_estimator, naive_mean_mask
+
+SLOPES = torch.tensor([0.5, 0.12, 0.03, 0.0])  # the last head has no bias: one block, pitch inf
+
+
+def _qkv(lq: int, n: int, *, b: int = 2, hq: int = 4, hkv: int = 2, d: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float64)
+    return q, k, torch.randn(b, hkv, n, d, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "scheme, causal, lq, chunk",
+    [
+        ("discrete", True, 1, 64),
+        ("gamma", True, 1, 64),
+        ("discrete", True, 7, 3),
+        ("gamma", False, 7, 3),
+        ("fixed", True, 40, 64),
+        ("discrete-strat", False, 40, 16),
+    ],
+)
+def test_equals_the_dense_oracle(scheme, causal, lq, chunk):
+    n = 40
+    parts = sample_partitions(n, SLOPES, 5, scheme=scheme, generator=3)
+    q, k, v = _qkv(lq, n)
+    ref = naive_estimator(q, k, v, naive_mean_mask(parts.pitch, parts.shift, n), causal=causal)
+    out = plsh_decode(q, k, v, parts, causal=causal, query_chunk=chunk)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, plsh_attention(q, k, v, partitions=parts, causal=causal), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scheme", ["discrete", "gamma"])
+def test_dropped_keys_and_key_reach(scheme):
+    # Keys more than key_reach positions before the first query are never in one of its blocks: dropping them gives
+    # the same rows; dropping one more key is refused.
+    n, lq = 300, 3
+    slopes = torch.tensor([0.5, 0.2, 0.1, 0.05])
+    parts = sample_partitions(n, slopes, 6, scheme=scheme, generator=5)
+    reach = key_reach(parts)
+    assert reach is not None and 0 < reach < n - lq
+    labels = parts.labels()  # (T, H, n)
+    pos = torch.arange(n)
+    for i in (n - lq, n - 1):  # no sample shares a block between i and a key more than `reach` before it
+        same = (labels == labels[..., i : i + 1]).any(0).any(0)
+        assert not same[pos < i - reach].any()
+    q, k, v = _qkv(lq, n, seed=2)
+    ref = plsh_attention(q, k, v, partitions=parts)  # on every key (plsh_decode = the oracle: the test above)
+    live = n - lq - reach  # the first key a query of this call (or a later one) can reach
+    out = plsh_decode(q, k[:, :, live:], v[:, :, live:], parts, key_offset=live)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    first = int(block_bounds(parts, torch.tensor([n - lq]))[0].min())  # the exact first key needed
+    assert live <= first
+    out = plsh_decode(q, k[:, :, first:], v[:, :, first:], parts, key_offset=first)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="dropped"):
+        plsh_decode(q, k[:, :, first + 1 :], v[:, :, first + 1 :], parts, key_offset=first + 1)
+    assert key_reach(sample_partitions(n, SLOPES, 2, generator=0)) is None  # slope 0: every key stays reachable
+    capped = sample_partitions(n, torch.tensor([1e-3] * 4), 4, generator=0, max_block=16)
+    assert key_reach(capped) <= 15
+
+
+def test_block_bounds_are_the_blocks_of_labels():
+    n = 57
+    for scheme, slopes in (("gamma", SLOPES), ("discrete", torch.tensor([3.0, 0.7, 0.01, 0.0]))):
+        parts = sample_partitions(n, slopes, 7, scheme=scheme, generator=11)
+        starts, ends = block_bounds(parts, torch.arange(n))
+        labels = parts.labels()
+        for t in range(parts.num_samples):
+            for h in range(parts.num_heads):
+                for p in range(n):
+                    block = torch.nonzero(labels[t, h] == labels[t, h, p]).flatten()
+                    assert (int(starts[t, h, p]), int(ends[t, h, p])) == (int(block.min()), int(block.max()) + 1)
+
+
+def test_gradients_half_types_and_nonfinite_keys():
+    n, lq = 48, 4
+    parts = sample_partitions(n, SLOPES, 4, scheme="gamma", generator=1)
+    q, k, v = _qkv(lq, n, seed=4)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    plsh_decode(*leaves, parts).square().sum().backward()
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    plsh_attention(*ref_leaves, partitions=parts).square().sum().backward()
+    for a, b in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-11)
+    # float32 / bfloat16: accumulated in float32, returned in the input dtype.
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        out = plsh_decode(q.to(dtype), k.to(dtype), v.to(dtype), parts)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), plsh_decode(q, k, v, parts), rtol=0, atol=tol)
+    # A non-finite key: the rows that keep it are NaN, as in plsh_attention; the others are untouched.
+    k_bad = k.clone()
+    k_bad[0, 0, n - 2] = float("inf")
+    got = plsh_decode(q, k_bad, v, parts)
+    want = plsh_attention(q, k_bad, v, partitions=parts)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=0, atol=1e-12)
+
+
+def test_bad_input():
+    n = 20
+    parts = sample_partitions(n, SLOPES, 2, generator=0)
+    q, k, v = _qkv(1, n)
+    with pytest.raises(ValueError, match="seq_len"):
+        plsh_decode(q, k, v, parts.with_seq_len(n - 1))  # partitions for fewer positions than the keys cover
+    # More positions are fine: only the pitches and shifts are read, and the sequence ends with the last key.
+    torch.testing.assert_close(plsh_decode(q, k, v, parts.with_seq_len(n + 100)), plsh_decode(q, k, v, parts))
+    with pytest.raises(ValueError, match="heads"):
+        plsh_decode(q[:, :2], k[:, :1], v[:, :1], parts)
+    with pytest.raises(ValueError, match="key_offset"):
+        plsh_decode(q, k, v, parts, key_offset=-1)
+    with pytest.raises(TypeError, match="key_offset"):
+        plsh_decode(q, k, v, parts, key_offset=1.0)
+    with pytest.raises(ValueError, match="query_chunk"):
+        plsh_decode(q, k, v, parts, query_chunk=0)
+    with pytest.raises(TypeError, match="partitions"):
+        plsh_decode(q, k, v, "x")
+    with pytest.raises(TypeError, match="causal"):
+        plsh_decode(q, k, v, parts, causal=1)
+    with pytest.raises(TypeError, match="dtype"):
+        plsh_decode(q.float(), k, v, parts)
+    with pytest.raises(ValueError, match="positions"):
+        block_bounds(parts, torch.tensor([n]))
+    with pytest.raises(TypeError, match="positions"):
+        block_bounds(parts, torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="partitions"):
+        key_reach(None)

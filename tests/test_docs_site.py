@@ -1,0 +1,207 @@
+"""The API reference (docs/conf.py, docs/api/) renders every public name, with its signature, and fails on faults.
+
+One Sphinx build of the API pages (in-process, the ``dummy`` builder: read and resolve, write nothing; about ten
+seconds) is compared with the ``__all__`` of each public module: every name must be a cross-reference target, and
+the object it leads to must be rendered with its signature. The same build must be free of warnings (CI builds the
+whole site with ``-W``; this names the warnings in the test report). Small made-up projects show that a broken
+reference and an undocumented public function are warnings, so that a clean build means something.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import io
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+sphinx_application = pytest.importorskip("sphinx.application")
+from sphinx import addnodes  # noqa: E402
+from sphinx.util import console  # noqa: E402
+
+# napoleon (Sphinx 9) reads autodoc's options through a mapping interface that Sphinx itself deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:The mapping interface for autodoc options")
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+REQUIRED = (
+    "positional_lsh",
+    "positional_lsh.theory",
+    "positional_lsh.lm",
+    "positional_lsh.integrations.hf",
+    "positional_lsh.distributed",
+    "positional_lsh.ops",
+)
+
+
+def _conf() -> ModuleType:
+    """docs/conf.py as a module (it is not on the import path)."""
+    if "plsh_docs_conf" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("plsh_docs_conf", DOCS / "conf.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["plsh_docs_conf"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["plsh_docs_conf"]
+
+
+def _build(srcdir: Path, outdir: Path) -> tuple[Any, str]:
+    console.nocolor()
+    warnings = io.StringIO()
+    app = sphinx_application.Sphinx(
+        str(srcdir), str(DOCS), str(outdir / "out"), str(outdir / "doctrees"), "dummy",
+        status=None, warning=warnings, freshenv=True,
+    )  # fmt: skip
+    app.build()
+    return app, warnings.getvalue()
+
+
+@pytest.fixture(scope="module")
+def api_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, str]:
+    """The API pages built with the project's conf.py (the guide pages are stubs: only their names are linked)."""
+    tmp = tmp_path_factory.mktemp("api_site")
+    src = tmp / "src"
+    shutil.copytree(DOCS / "api", src / "api")
+    stubs = sorted(p.stem for p in DOCS.glob("*.md") if p.stem != "index")
+    for stub in stubs:
+        (src / f"{stub}.md").write_text(f"# {stub}\n")
+    (src / "index.md").write_text("# index\n\n```{toctree}\napi/index\n" + "\n".join(stubs) + "\n```\n")
+    return _build(src, tmp)
+
+
+def _signature_nodes(app: Any) -> dict[str, addnodes.desc_signature]:
+    found = {}
+    for docname in app.env.found_docs:
+        if docname.startswith("api/"):
+            for sig in app.env.get_doctree(docname).findall(addnodes.desc_signature):
+                for node_id in sig["ids"]:
+                    found.setdefault(node_id, sig)
+    return found
+
+
+def _has_python_constructor(cls: type) -> bool:
+    """Whether calling ``cls`` runs Python code with a signature (not only a builtin's ``(*args)``, like an
+    exception that adds nothing to ``ValueError``)."""
+    return any(
+        "__init__" in vars(base) or "__new__" in vars(base) for base in cls.__mro__ if base.__module__ != "builtins"
+    )
+
+
+def test_the_reference_covers_the_required_modules() -> None:
+    assert set(REQUIRED) <= set(_conf().PUBLIC_MODULES)
+    pages = {p.stem for p in (DOCS / "api").glob("*.rst")}
+    rooms = {room.rpartition(".")[2] for room in _conf().ROOMS}
+    assert rooms <= pages, f"a room without an API page: {rooms - pages}"
+
+
+def test_every_public_name_is_rendered_with_its_signature(api_build: tuple[Any, str]) -> None:
+    app, _ = api_build
+    objects = app.env.get_domain("py").objects
+    signatures = _signature_nodes(app)
+    missing, unsigned = [], []
+    for module_name in _conf().PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        assert module.__name__ in objects, f"{module_name} has no section"
+        for attr in getattr(module, "__all__", ()):
+            full = f"{module_name}.{attr}"
+            entry = objects.get(full)
+            if entry is None:
+                missing.append(full)
+                continue
+            obj = getattr(module, attr)
+            if inspect.isfunction(obj) or (inspect.isclass(obj) and _has_python_constructor(obj)):
+                sig = signatures.get(entry.node_id)
+                if sig is None or not list(sig.findall(addnodes.desc_parameterlist)):
+                    unsigned.append(full)
+    assert not missing, f"public names not rendered: {missing}"
+    assert not unsigned, f"public callables rendered without a signature: {unsigned}"
+
+
+def test_every_public_name_is_rendered_in_full_once(api_build: tuple[Any, str]) -> None:
+    """Each object's docstring text is shown at its home, and every other listing leads there."""
+    app, _ = api_build
+    objects = app.env.get_domain("py").objects
+    conf = _conf()
+    for alias, home in conf.ALIASES.items():
+        assert not objects[home].aliased, f"{home} (the home of {alias}) is not rendered in full"
+        assert (objects[alias].docname, objects[alias].node_id) == (objects[home].docname, objects[home].node_id)
+
+
+def test_the_api_pages_build_without_warnings(api_build: tuple[Any, str]) -> None:
+    _, warnings = api_build
+    assert not warnings.strip(), "the API reference has warnings (CI fails on them):\n" + warnings
+
+
+def _tiny_project(tmp_path: Path, body: str, module_source: str) -> str:
+    """Build one page, with the project's conf.py, that documents a made-up module; the warnings."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "tiny_plsh_module.py").write_text(textwrap.dedent(module_source))
+    sys.path.insert(0, str(package))
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "index.rst").write_text("Tiny\n====\n\n" + textwrap.dedent(body))
+        _, warnings = _build(src, tmp_path)
+    finally:
+        sys.path.remove(str(package))
+        sys.modules.pop("tiny_plsh_module", None)
+    return warnings
+
+
+def test_a_broken_reference_is_a_warning(tmp_path: Path) -> None:
+    warnings = _tiny_project(
+        tmp_path,
+        ".. automodule:: tiny_plsh_module\n   :members:\n",
+        '''
+        """A module."""
+
+        __all__ = ["f"]
+
+
+        def f(x: int) -> int:
+            """Calls :func:`positional_lsh.no_such_function`."""
+            return x
+        ''',
+    )
+    assert "reference target not found: positional_lsh.no_such_function" in warnings
+
+
+def test_an_undocumented_public_function_is_a_warning(tmp_path: Path) -> None:
+    warnings = _tiny_project(
+        tmp_path,
+        ".. automodule:: tiny_plsh_module\n   :members:\n   :undoc-members:\n",
+        '''
+        """A module."""
+
+        __all__ = ["g"]
+
+
+        def g(x: int) -> int:
+            return x
+        ''',
+    )
+    assert "undocumented public function: tiny_plsh_module.g" in warnings
+
+
+def test_class_signatures_hide_private_parameters() -> None:
+    conf = _conf()
+    sig = "(model: Module, mode: str, _undo: list[Callable[[], None]] = <factory>, seed: int = <factory>)"
+    assert conf.public_signature(None, "class", "X", object, {}, sig, None) == (
+        "(model: Module, mode: str, seed: int = ...)",
+        None,
+    )
+    assert conf.public_signature(None, "function", "f", object, {}, sig, None) is None
+
+
+def test_a_reexport_points_to_its_home() -> None:
+    text = "\n".join(_conf().module_rst("positional_lsh"))
+    assert ".. automodule:: positional_lsh\n   :no-members:" in text
+    assert ".. py:function:: plsh_attention(q, k, v, slopes=None, *, num_samples=8," in text
+    assert "Documented at :func:`positional_lsh.ops.attention.plsh_attention`." in text
