@@ -22,17 +22,24 @@ from positional_lsh.cli import main as plsh_main
 from positional_lsh.cli.parsers import Flag, add_arguments, option, values_from_args
 from positional_lsh.lm.config import ALIBI_IMPLS, POSITIONS, ModelConfig
 from positional_lsh.lm.run_dir import RESUME_MAY_CHANGE, read_train_config
-from positional_lsh.lm.train import AUTOCAST_CHOICES, QUICK_PRESET, TrainConfig, train
+from positional_lsh.lm.train import AUTOCAST_CHOICES, QUICK_PRESET, TrainConfig, TrainResult, train
 from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.options import BACKENDS, METHODS
 
-__all__ = ["MODEL_FLAGS", "TRAIN_FLAGS", "TrainCommand", "add_train_arguments", "configs_from_args", "main"]
+__all__ = [
+    "MODEL_FLAGS",
+    "SHARED_TRAIN_FLAGS",
+    "TRAIN_FLAGS",
+    "TrainCommand",
+    "add_train_arguments",
+    "check_resume_or_overwrite",
+    "configs_from_args",
+    "main",
+    "shared_train_flags",
+    "train_exit_code",
+]
 
-TRAIN_FLAGS = {
-    "out_dir": Flag("run directory (checkpoint, trainer state, log)", name="--out"),
-    "data": Flag("'default' (shipped corpus), hf:PATH[:NAME], a .jsonl[.xz] file, or text files/dir (split by "
-                 "document; under 3 documents, e.g. one file: by position, 90/5/5%)", group="data"),
-    "tokenizer": Flag("reuse this tokenizer.json (or a checkpoint directory) instead of training one", group="data"),
+SHARED_TRAIN_FLAGS = {
     "vocab_size": Flag("BPE vocabulary when training a tokenizer", group="data"),
     "cache_dir": Flag("token cache directory (default: $PLSH_CACHE_DIR or ~/.cache/positional_lsh; '' disables)",
                       group="data"),
@@ -49,13 +56,33 @@ TRAIN_FLAGS = {
     "eval_interval": Flag("validate every N steps", group="run"),
     "eval_batches": Flag("validation batches", group="run"),
     "ckpt_interval": Flag("resumable checkpoint every N steps", group="run"),
-    "seed": Flag("seed of init, data order and partitions", group="run"),
     "autocast": Flag("mixed precision (auto: bf16 where native)", choices=AUTOCAST_CHOICES, group="run"),
     "device": Flag("auto, cpu, cuda, cuda:1 ...", group="run"),
     "threads": Flag("torch intra-op threads", group="run"),
-    "save_dtype": Flag("weights storage", choices=("float32", "float16", "bfloat16"), group="run"),
     "stop_after": Flag("stop at this step with a resumable checkpoint", group="run"),
     "progress": Flag("no progress bar", name="--no-progress", group="run"),
+}  # fmt: skip
+"""The flags ``plsh train`` and ``plsh train-hf`` share (the same settings of ``TrainConfig`` and ``HFTrainConfig``);
+pick them in order with :func:`shared_train_flags`."""
+
+
+def shared_train_flags(*names: str) -> dict[str, Flag]:
+    """The :data:`SHARED_TRAIN_FLAGS` named ``names``, in that order (the order of the ``--help`` listing)."""
+    return {name: SHARED_TRAIN_FLAGS[name] for name in names}
+
+
+TRAIN_FLAGS = {
+    "out_dir": Flag("run directory (checkpoint, trainer state, log)", name="--out"),
+    "data": Flag("'default' (shipped corpus), hf:PATH[:NAME], a .jsonl[.xz] file, or text files/dir (split by "
+                 "document; under 3 documents, e.g. one file: by position, 90/5/5%)", group="data"),
+    "tokenizer": Flag("reuse this tokenizer.json (or a checkpoint directory) instead of training one", group="data"),
+    **shared_train_flags("vocab_size", "cache_dir", "batch_size", "grad_accum", "steps", "lr", "min_lr", "warmup",
+                         "weight_decay", "beta1", "beta2", "grad_clip", "eval_interval", "eval_batches",
+                         "ckpt_interval"),
+    "seed": Flag("seed of init, data order and partitions", group="run"),
+    **shared_train_flags("autocast", "device", "threads"),
+    "save_dtype": Flag("weights storage", choices=("float32", "float16", "bfloat16"), group="run"),
+    **shared_train_flags("stop_after", "progress"),
     "context_parallel": Flag("split each sequence over C consecutive ranks (under torchrun; --position plsh; C "
                              "must divide the number of processes = data x C)", group="run"),
 }  # fmt: skip
@@ -136,11 +163,22 @@ def _main(args: argparse.Namespace) -> int:
         check_context_parallel(cfg.context_parallel, model_cfg.position, int(os.environ.get("WORLD_SIZE", "1")))
     changes: dict[str, Any] = {}
     if args.resume:
-        if args.overwrite:
-            raise UserError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+        check_resume_or_overwrite(args)
         changes = resume_changes(args, Path(cfg.out_dir))
     result = train(cfg, model_cfg, resume=bool(args.resume), overwrite=bool(args.overwrite), changes=changes,
                    command=getattr(args, "command_line", None))  # fmt: skip
+    return train_exit_code(result)
+
+
+def check_resume_or_overwrite(args: argparse.Namespace) -> None:
+    """``UserError`` when both ``--resume`` and ``--overwrite`` are given (``args``: a training command's)."""
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+
+
+def train_exit_code(result: TrainResult) -> int:
+    """A training command's exit code: 0 when steps were trained (or the run was already finished), 1 when none
+    were, ``128 + signal`` when stopped by a signal."""
     if result.interrupted is not None:
         return 128 + int(getattr(signal, result.interrupted))
     return 0 if result.step > 0 or result.finished else 1

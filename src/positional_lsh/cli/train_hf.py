@@ -10,7 +10,6 @@ the dataclass's defaults apply, after the preset's, to what is not given. Under 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 
 from positional_lsh.cli import main as plsh_main
 from positional_lsh.cli.parsers import Flag, add_arguments, comma_list, option, values_from_args
+from positional_lsh.cli.train import check_resume_or_overwrite, shared_train_flags, train_exit_code
 from positional_lsh.integrations.hf_train_config import (
     FINETUNE_MODES,
     HF_POSITIONS,
@@ -27,7 +27,6 @@ from positional_lsh.integrations.hf_train_config import (
     HFTrainConfig,
 )
 from positional_lsh.lm.run_dir import RESUME_MAY_CHANGE, TRAIN_CONFIG_FILE, read_train_config
-from positional_lsh.lm.train_config import AUTOCAST_CHOICES
 from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.options import BACKENDS, METHODS
 
@@ -66,29 +65,12 @@ HF_TRAIN_FLAGS = {
                  "save_to_disk folder", group="data"),
     "tokenizer": Flag("a tokenizer.json or a transformers tokenizer folder (default: the checkpoint's, or a BPE "
                       "trained on the data)", group="data"),
-    "vocab_size": Flag("BPE vocabulary when training a tokenizer", group="data"),
-    "cache_dir": Flag("token cache directory (default: $PLSH_CACHE_DIR or ~/.cache/positional_lsh; '' disables)",
-                      group="data"),
+    **shared_train_flags("vocab_size", "cache_dir"),
     "seq_len": Flag("training window in tokens", group="data"),
-    "batch_size": Flag("windows per micro-batch per process", group="optimization"),
-    "grad_accum": Flag("micro-batches per step", group="optimization"),
-    "steps": Flag("optimizer steps", group="optimization"),
-    "lr": Flag("peak learning rate", group="optimization"),
-    "min_lr": Flag("final learning rate", group="optimization"),
-    "warmup": Flag("warm-up steps", group="optimization"),
-    "weight_decay": Flag("AdamW weight decay on matrices", group="optimization"),
-    "beta1": Flag("AdamW beta1", group="optimization"),
-    "beta2": Flag("AdamW beta2", group="optimization"),
-    "grad_clip": Flag("gradient-norm clip, 0 disables", group="optimization"),
-    "eval_interval": Flag("validate every N steps", group="run"),
-    "eval_batches": Flag("validation batches", group="run"),
-    "ckpt_interval": Flag("resumable checkpoint every N steps", group="run"),
+    **shared_train_flags("batch_size", "grad_accum", "steps", "lr", "min_lr", "warmup", "weight_decay", "beta1",
+                         "beta2", "grad_clip", "eval_interval", "eval_batches", "ckpt_interval"),
     "seed": Flag("seed of init, LoRA init, data order and partitions", group="run"),
-    "autocast": Flag("mixed precision (auto: bf16 where native)", choices=AUTOCAST_CHOICES, group="run"),
-    "device": Flag("auto, cpu, cuda, cuda:1 ...", group="run"),
-    "threads": Flag("torch intra-op threads", group="run"),
-    "stop_after": Flag("stop at this step with a resumable checkpoint", group="run"),
-    "progress": Flag("no progress bar", name="--no-progress", group="run"),
+    **shared_train_flags("autocast", "device", "threads", "stop_after", "progress"),
 }  # fmt: skip
 """``plsh train-hf``'s flags for :class:`~positional_lsh.integrations.hf.train.HFTrainConfig`."""
 
@@ -154,8 +136,7 @@ def _main(args: argparse.Namespace) -> int:
     """0 when steps were trained (or the run was finished), 1 when none were, ``128 + signal`` when stopped."""
     from positional_lsh.integrations.hf.train import train_hf
 
-    if args.resume and args.overwrite:
-        raise UserError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+    check_resume_or_overwrite(args)
     if args.resume:
         if args.out_dir is None:
             raise UserError("--resume needs --out, the run directory to continue")
@@ -169,9 +150,7 @@ def _main(args: argparse.Namespace) -> int:
         cfg.validate()
     result = train_hf(cfg, resume=bool(args.resume), overwrite=bool(args.overwrite), changes=changes,
                       command=getattr(args, "command_line", None))  # fmt: skip
-    if result.interrupted is not None:
-        return 128 + int(getattr(signal, result.interrupted))
-    return 0 if result.step > 0 or result.finished else 1
+    return train_exit_code(result)
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:

@@ -8,12 +8,17 @@ without importing transformers (``positional_lsh.integrations.hf`` needs it).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from positional_lsh.lm.data.tokenizer import DEFAULT_VOCAB_SIZE
-from positional_lsh.lm.train_config import AUTOCAST_CHOICES
+from positional_lsh.lm.train_config import (
+    AUTOCAST_CHOICES,
+    check_betas,
+    check_nonnegative_numbers,
+    check_out_dir,
+    check_step_counts,
+)
 from positional_lsh.ops._checks import check_bool, check_choice, check_int, positive_int
 from positional_lsh.ops.options import BACKENDS, METHODS
 from positional_lsh.ops.schemes import get_scheme
@@ -139,8 +144,7 @@ class HFTrainConfig:
 
     def validate(self) -> None:
         """Raise ``TypeError``/``ValueError`` naming the first bad field (nothing is loaded)."""
-        if not isinstance(self.out_dir, str | os.PathLike) or not str(self.out_dir):
-            raise TypeError("out_dir must be a non-empty path")
+        check_out_dir(self)
         if (self.config is None) == (self.checkpoint is None):
             raise ValueError("give exactly one of config (train from scratch) and checkpoint (fine-tune), got "
                              f"config={self.config!r}, checkpoint={self.checkpoint!r}")  # fmt: skip
@@ -153,29 +157,17 @@ class HFTrainConfig:
         check_choice("attn_backend", self.attn_backend, BACKENDS)
         check_choice("plsh_method", self.plsh_method, METHODS)
         get_scheme(self.scheme)
-        names = ("lora_r", "num_samples", "vocab_size", "seq_len", "batch_size", "grad_accum", "steps",
-                 "eval_interval", "eval_batches", "ckpt_interval")  # fmt: skip
-        for name in names:
-            positive_int(name, getattr(self, name))
-        for name in ("warmup", "seed"):
-            check_int(name, getattr(self, name), minimum=0)
-        for name in ("threads", "stop_after"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name))
+        check_step_counts(self, ("lora_r", "num_samples", "vocab_size", "seq_len", "batch_size", "grad_accum",
+                                 "steps", "eval_interval", "eval_batches", "ckpt_interval"))  # fmt: skip
         if self.partition_seed is not None:
             check_int("partition_seed", self.partition_seed, minimum=0)
         positive_int("lora_alpha", self.lora_alpha)
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "lora_dropout"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        check_nonnegative_numbers(self, ("lr", "min_lr", "weight_decay", "grad_clip", "lora_dropout"))
         if self.lr <= 0 or self.min_lr > self.lr:
             raise ValueError(f"lr must be > 0 and min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.lora_dropout >= 1:
             raise ValueError(f"lora_dropout must be < 1, got {self.lora_dropout}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        check_betas(self)
         check_bool("gradient_checkpointing", self.gradient_checkpointing)
         if self.sigma is not None and self.slopes is not None:
             raise ValueError("give sigma (one slope 1/sigma for every head) or slopes (one per head), not both")

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from positional_lsh.ops.errors import UserError
 
 __all__ = [
     "LOG_FILE",
+    "PER_JOB_SETTINGS",
     "RESUME_MAY_CHANGE",
     "STATE_FILE",
     "STEPS_DIR",
@@ -61,7 +62,9 @@ __all__ = [
     "clean_stale",
     "load_run",
     "load_trainer_state",
+    "per_job_settings",
     "prepare_new_run",
+    "read_state_file",
     "read_train_config",
     "restore_trainer_state",
     "run_files",
@@ -298,11 +301,11 @@ def read_train_config(out: Path) -> dict[str, Any]:
     return saved
 
 
-def load_trainer_state(out: Path) -> tuple[dict[str, Any], Path]:
-    """The trainer state of the run's latest checkpoint and that checkpoint's directory, checked for consistency.
+def read_state_file(out: Path, need: Sequence[str], prog: str) -> tuple[dict[str, Any], Path]:
+    """The ``trainer_state.pt`` of the run's latest checkpoint and that checkpoint's directory.
 
-    Raises :class:`UserError` naming the file when it is missing, unreadable, lacks fields, or belongs to another
-    step than the checkpoint's ``config.json``.
+    Raises :class:`UserError` naming the file when it is missing, unreadable, or lacks one of the fields ``need``
+    (``prog``, e.g. ``"plsh train"``, names the command whose state it should be).
     """
     ckpt = checkpoint_dir(out)
     file = ckpt / STATE_FILE
@@ -313,8 +316,19 @@ def load_trainer_state(out: Path) -> tuple[dict[str, Any], Path]:
     except Exception as exc:  # torch raises many kinds for a damaged pickle/zip
         msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{file} is corrupt or truncated ({msg}); the run cannot be resumed") from None
-    if not isinstance(state, Mapping) or any(k not in state for k in _STATE_KEYS):
-        raise UserError(f"{file} is not a trainer state of plsh train (missing fields); the run cannot be resumed")
+    if not isinstance(state, Mapping) or any(k not in state for k in need):
+        raise UserError(f"{file} is not a trainer state of {prog} (missing fields); the run cannot be resumed")
+    return dict(state), ckpt
+
+
+def load_trainer_state(out: Path) -> tuple[dict[str, Any], Path]:
+    """The trainer state of the run's latest checkpoint and that checkpoint's directory, checked for consistency.
+
+    Raises :class:`UserError` naming the file when it is missing, unreadable, lacks fields, or belongs to another
+    step than the checkpoint's ``config.json``.
+    """
+    state, ckpt = read_state_file(out, _STATE_KEYS, "plsh train")
+    file = ckpt / STATE_FILE
     meta_step = read_checkpoint_config(ckpt).get("metadata", {}).get("step")
     if meta_step is not None and meta_step != state["step"]:
         raise UserError(f"{file} is at step {state['step']} but {ckpt / CONFIG_FILE} at step {meta_step}; "
@@ -375,6 +389,18 @@ def load_run(out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         check_tokenizer_fingerprint(tok, expected, where=str(f))
         state.setdefault("tokenizer", tok)
     return saved, state
+
+
+PER_JOB_SETTINGS = ("out_dir", "stop_after", "progress", "device")
+"""Settings of a resumed run taken from the resuming call, not the saved run (and ``threads`` when given)."""
+
+
+def per_job_settings(cfg: Any, saved_train: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a resumed run takes from ``cfg`` (:data:`PER_JOB_SETTINGS`) and its thread count: ``cfg``'s
+    when set, else the saved run's (``saved_train``, the saved ``"train"`` settings)."""
+    keep = {k: getattr(cfg, k) for k in PER_JOB_SETTINGS}
+    keep["threads"] = cfg.threads or saved_train.get("threads")
+    return keep
 
 
 def check_changes(changes: Mapping[str, Any]) -> dict[str, Any]:

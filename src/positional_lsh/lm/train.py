@@ -21,28 +21,21 @@ end-of-document token); validation uses ``eval_batches`` fixed windows of the va
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
-import shlex
-import sys
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from positional_lsh.lm import data as D
 from positional_lsh.lm import run_dir as R
+from positional_lsh.lm import train_loop as L
 from positional_lsh.lm.config import ModelConfig
 from positional_lsh.lm.model import TransformerLM
 from positional_lsh.lm.run_dir import LOG_FILE, STATE_FILE, TRAIN_CONFIG_FILE
-from positional_lsh.lm.signals import StopOnSignal
 from positional_lsh.lm.train_config import (
     AUTOCAST_CHOICES,
     QUICK_PRESET,
@@ -55,6 +48,7 @@ from positional_lsh.lm.train_config import (
 from positional_lsh.lm.train_dist import Dist as _Dist
 from positional_lsh.lm.train_dist import check_device
 from positional_lsh.lm.train_dist import init_distributed as _init_distributed
+from positional_lsh.lm.train_loop import TrainResult
 from positional_lsh.ops.errors import UserError, check_memory
 
 __all__ = [
@@ -71,21 +65,6 @@ __all__ = [
     "resolve_run_configs",
     "train",
 ]
-
-
-@dataclass
-class TrainResult:
-    """What :func:`train` returns."""
-
-    out_dir: Path
-    step: int
-    tokens: int
-    train_loss: float
-    val_loss: float | None
-    seconds: float
-    finished: bool
-    interrupted: str | None = None
-    """The signal (``"SIGINT"``, ``"SIGTERM"``) that stopped the run early, after saving a checkpoint."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,16 +114,6 @@ def _check_stream_lengths(cfg: TrainConfig, streams: dict[str, torch.Tensor], se
             )
 
 
-def _train_batches(
-    tokens: torch.Tensor, seq_len: int, batch_size: int, info: _Dist, generator: torch.Generator
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless micro-batches: every process draws the same global batch and keeps its own rows."""
-    while True:
-        x, y = D.random_batch(tokens, seq_len, batch_size * info.world, generator=generator)
-        rows = slice(info.rank * batch_size, (info.rank + 1) * batch_size)
-        yield x[rows], y[rows]
-
-
 # --------------------------------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------------------------------
@@ -152,44 +121,13 @@ def _train_batches(
 
 def _optimizer(model: TransformerLM, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on the matrices only."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **extra)
+    return L.adamw(model.parameters(), cfg, device)
 
 
-@torch.no_grad()
-def _validate(
-    model: TransformerLM,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    info: _Dist,
-    device: torch.device,
-    amp: torch.dtype | None,
-    cp: Any = None,
-) -> float:
-    """Mean loss over the fixed validation batches (each process takes its rows, ``cp``: its shard; all-reduce)."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for x, y in batches:
-        rows = slice(info.rank * x.shape[0] // info.world, (info.rank + 1) * x.shape[0] // info.world)
-        x, y = (x[rows], y[rows]) if cp is None else (cp.local(x), cp.local(y))
-        with _autocast(device, amp):
-            _, loss = model(x.to(device), y.to(device))
-        total[0] += float(loss) * y.numel()
-        total[1] += y.numel()
-    if info.enabled:
-        dist.all_reduce(total)
-    model.train(was_training)
-    return float(total[0] / total[1])
-
-
-def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
-    """``torch.autocast`` to ``dtype``, or nothing for ``None``."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+def _lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The model's mean next-token loss."""
+    _, loss = model(x, y)
+    return loss
 
 
 def _save_state(run: _Run) -> None:
@@ -208,36 +146,20 @@ def _save_state(run: _Run) -> None:
         "torch": torch.__version__,
     }
     counters = {"step": run.step, "tokens": run.tokens, "elapsed": run.elapsed, "val_loss": run.val_loss}
-    state = R.trainer_state(run.model, run.opt, run.data_gen, counters)
+    model = cast(TransformerLM, run.model)
+    state = R.trainer_state(model, run.opt, run.data_gen, counters)
     state.update(world_size=info.world, tokenizer_fingerprint=run.tok.fingerprint)
-    R.save_run_checkpoint(run.out, run.model, run.tok, dtype=cfg.save_dtype, metadata=meta, state=state)
+    R.save_run_checkpoint(run.out, model, run.tok, dtype=cfg.save_dtype, metadata=meta, state=state)
     run.saved_step = run.step
 
 
-@dataclass
-class _Run:
+@dataclass(kw_only=True)
+class _Run(L.RunState):
     """One training run's state, shared by the steps of :func:`train`."""
 
     cfg: TrainConfig
     model_cfg: ModelConfig
-    out: Path
-    info: _Dist
-    device: torch.device
-    command: str
     tok: D.BPETokenizer
-    model: TransformerLM
-    ddp_model: torch.nn.Module
-    opt: torch.optim.AdamW
-    data_gen: torch.Generator
-    amp: torch.dtype | None
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    tokens_per_step: int
-    step: int = 0
-    tokens: int = 0
-    elapsed: float = 0.0
-    val_loss: float | None = None
-    last_loss: float = float("nan")
     saved_step: int = -1
     cp: Any = None  # positional_lsh.distributed.training.ContextParallel of a context-parallel run
 
@@ -280,15 +202,13 @@ def train(
 
         check_context_parallel(cfg.context_parallel, model_cfg.position, int(os.environ.get("WORLD_SIZE", "1")))
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
-    command = command if command is not None else shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    command = L.default_command(command)
     info, device = _init_distributed(cfg.device)
     try:
         run = _setup(cfg, model_cfg, state, info, device, command)
         return _loop(run)
     finally:
-        if info.owns_group and dist.is_initialized():
-            dist.barrier()  # no rank tears gloo down while another is still talking to it
-            dist.destroy_process_group()
+        L.end_distributed(info)
 
 
 def resolve_run_configs(
@@ -310,8 +230,7 @@ def resolve_run_configs(
     state: dict[str, Any] | None = None
     if resume:
         saved, state = R.load_run(out)
-        keep = {k: getattr(cfg, k) for k in ("out_dir", "stop_after", "progress", "device")}
-        keep["threads"] = cfg.threads or saved["train"].get("threads")
+        keep = R.per_job_settings(cfg, saved["train"])
         try:
             cfg = dataclasses.replace(TrainConfig(**saved["train"]), **keep, **R.check_changes(changes))
             cfg.validate()
@@ -382,10 +301,10 @@ def _setup(
     seq_len = model_cfg.seq_len
     val_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
     run = _Run(
-        cfg, model_cfg, out, info, device, command, tok, model, ddp_model, opt, data_gen,
+        out, info, device, command, model, ddp_model, opt, data_gen, cfg=cfg, model_cfg=model_cfg, tok=tok,
         amp=resolve_autocast_dtype(cfg.autocast, device),
-        batches=_train_batches(streams["train"], seq_len, cfg.batch_size, info, data_gen) if cp is None else
-        cp.shard_batches(_train_batches(streams["train"], seq_len, cfg.batch_size * cp.data_world, _Dist(), data_gen)),
+        batches=L.train_batches(streams["train"], seq_len, cfg.batch_size, info, data_gen) if cp is None else
+        cp.shard_batches(L.train_batches(streams["train"], seq_len, cfg.batch_size * cp.data_world, _Dist(), data_gen)),
         val_batches=[
             D.random_batch(streams["validation"], seq_len, cfg.batch_size * (info.world // cfg.context_parallel),
                            generator=val_gen)
@@ -409,96 +328,14 @@ def _setup(
 def _loop(run: _Run) -> TrainResult:
     """Optimizer steps until ``steps`` (or ``stop_after``, or SIGINT/SIGTERM), with logging, validation and
     checkpoints."""
-    cfg, info = run.cfg, run.info
-    stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
-    bar = tqdm(
-        total=cfg.steps, initial=run.step, desc="train", disable=not (cfg.progress and info.main), dynamic_ncols=True
-    )
-    t_start = time.perf_counter() - run.elapsed
-    window_t, window_tokens = time.perf_counter(), 0
-    with StopOnSignal() as stopper:
-        while run.step < stop:
-            lr = _optimizer_step(run)
-            window_tokens += run.tokens_per_step
-            now = time.perf_counter()
-            tps = window_tokens / max(1e-9, now - window_t)
-            if now - window_t > 30:
-                window_t, window_tokens = now, 0
-            bar.update(1)
-            bar.set_postfix(loss=f"{run.last_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-            if info.main:
-                R.append_log(run.out, {"step": run.step, "loss": run.last_loss, "lr": lr, "tokens": run.tokens,
-                                       "tok_s": round(tps, 1), "elapsed": round(now - t_start, 2)})  # fmt: skip
-            if run.step % cfg.eval_interval == 0 or run.step == cfg.steps:
-                _validate_and_log(run, bar)
-            interrupted = _stop_requested(stopper, info, run.device)
-            if run.step % cfg.ckpt_interval == 0 or run.step == stop or interrupted:
-                run.elapsed = time.perf_counter() - t_start
-                if info.main:
-                    _save_state(run)
-                info.barrier()
-            if interrupted:
-                break
-    bar.close()
-    seconds = time.perf_counter() - t_start
-    if info.main:
-        status = "finished" if run.step >= cfg.steps else f"stopped at step {run.step} (resume with --resume)"
-        if stopper.signal is not None:
-            status = f"interrupted by {stopper.signal} at step {run.step}; checkpoint saved (resume with --resume)"
-        print(f"plsh train: {status}; {run.tokens:,} tokens in {seconds:.0f} s; checkpoint in {run.out}",
-              file=sys.stderr if stopper.signal else sys.stdout, flush=True)  # fmt: skip
-    finished = run.step >= cfg.steps
-    return TrainResult(run.out, run.step, run.tokens, run.last_loss, run.val_loss, seconds, finished, stopper.signal)
-
-
-def _validate_and_log(run: _Run, bar: Any) -> None:
-    """Validate, and on rank 0 log and print the validation loss."""
-    run.val_loss = _validate(run.model, run.val_batches, run.info, run.device, run.amp, run.cp)
-    if run.info.main:
-        R.append_log(run.out, {"step": run.step, "val_loss": run.val_loss, "val_ppl": math.exp(run.val_loss)})
-        bar.write(
-            f"step {run.step}: train loss {run.last_loss:.4f}, val loss {run.val_loss:.4f} "
-            f"(ppl {math.exp(run.val_loss):.2f})"
-        )
-
-
-def _stop_requested(stopper: StopOnSignal, info: _Dist, device: torch.device) -> bool:
-    """Whether a process received SIGINT/SIGTERM (all processes agree, so that they stop at the same step)."""
-    if not info.enabled:
-        return stopper.signal is not None
-    flag = torch.tensor([1.0 if stopper.signal is not None else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
-
-
-def _optimizer_step(run: _Run) -> float:
-    """One optimizer step (``grad_accum`` micro-batches); updates the step, token count and loss; returns the lr."""
-    cfg, info = run.cfg, run.info
-    lr = lr_at(run.step, cfg)
-    for group in run.opt.param_groups:
-        group["lr"] = lr
-    loss_sum = torch.zeros((), device=run.device)
-    for micro in range(cfg.grad_accum):
-        x, y = next(run.batches)
-        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
-        sync = not info.enabled or micro == cfg.grad_accum - 1
-        ctx = contextlib.nullcontext() if sync else run.ddp_model.no_sync()  # type: ignore[operator]
-        with ctx:
-            with _autocast(run.device, run.amp):
-                _, loss = run.ddp_model(x, y)
-            (loss / cfg.grad_accum).backward()
-        loss_sum += loss.detach()
-    if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
-    run.opt.step()
-    run.opt.zero_grad(set_to_none=True)
-    run.step += 1
-    run.tokens += run.tokens_per_step
-    loss_t = loss_sum / cfg.grad_accum
-    if info.enabled:
-        dist.all_reduce(loss_t)
-        loss_t /= info.world
-    run.last_loss = float(loss_t)
-    if not math.isfinite(run.last_loss):
-        raise FloatingPointError(f"training loss is {run.last_loss} at step {run.step}; lower lr or check the data")
-    return lr
+    return L.run_loop(
+        run,
+        run.cfg,
+        prog="plsh train",
+        step=lambda: L.optimizer_step(run, run.cfg, _lm_loss, run.model.parameters(), non_blocking=True, lr_flag="lr"),
+        validate=lambda: L.validation_loss(run.model, run.val_batches, run.info, run.device, run.amp, _lm_loss,
+                                           None if run.cp is None else run.cp.local),
+        save=lambda: _save_state(run),
+        val_ppl=math.exp,
+        show_ppl=True,
+    )  # fmt: skip

@@ -21,6 +21,10 @@ __all__ = [
     "AUTOCAST_CHOICES",
     "QUICK_PRESET",
     "TrainConfig",
+    "check_betas",
+    "check_nonnegative_numbers",
+    "check_out_dir",
+    "check_step_counts",
     "default_cache_dir",
     "estimate_step_bytes",
     "lr_at",
@@ -28,6 +32,40 @@ __all__ = [
 ]
 
 AUTOCAST_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_out_dir(cfg: Any) -> None:
+    """``TypeError`` unless ``cfg.out_dir`` (of a training settings dataclass) is a non-empty path."""
+    if not isinstance(cfg.out_dir, str | os.PathLike) or not str(cfg.out_dir):
+        raise TypeError("out_dir must be a non-empty path")
+
+
+def check_step_counts(cfg: Any, positive: tuple[str, ...]) -> None:
+    """Check the counts of a training settings dataclass ``cfg``, naming the first bad field: the fields
+    ``positive`` are ints > 0, ``warmup`` and ``seed`` ints >= 0, ``threads`` and ``stop_after`` ``None`` or > 0."""
+    for name in positive:
+        positive_int(name, getattr(cfg, name))
+    for name in ("warmup", "seed"):
+        check_int(name, getattr(cfg, name), minimum=0)
+    for name in ("threads", "stop_after"):
+        if getattr(cfg, name) is not None:
+            positive_int(name, getattr(cfg, name))
+
+
+def check_nonnegative_numbers(cfg: Any, names: tuple[str, ...]) -> None:
+    """``ValueError`` naming the first of the fields ``names`` of ``cfg`` that is not a finite number >= 0."""
+    for name in names:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+
+
+def check_betas(cfg: Any) -> None:
+    """``ValueError`` unless AdamW's ``beta1`` and ``beta2`` of ``cfg`` are in [0, 1)."""
+    for name in ("beta1", "beta2"):
+        v = getattr(cfg, name)
+        if not 0 <= v < 1:
+            raise ValueError(f"{name} must be in [0, 1), got {v}")
 
 
 def default_cache_dir() -> Path:
@@ -97,28 +135,15 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ``TypeError``/``ValueError`` naming the first bad field."""
-        if not isinstance(self.out_dir, str | os.PathLike) or not str(self.out_dir):
-            raise TypeError("out_dir must be a non-empty path")
-        names = ("vocab_size", "batch_size", "grad_accum", "steps", "eval_interval", "eval_batches", "ckpt_interval")
-        for name in (*names, "context_parallel"):
-            positive_int(name, getattr(self, name))
-        for name in ("warmup", "seed"):
-            check_int(name, getattr(self, name), minimum=0)
-        for name in ("threads", "stop_after"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name))
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        check_out_dir(self)
+        check_step_counts(self, ("vocab_size", "batch_size", "grad_accum", "steps", "eval_interval", "eval_batches",
+                                 "ckpt_interval", "context_parallel"))  # fmt: skip
+        check_nonnegative_numbers(self, ("lr", "min_lr", "weight_decay", "grad_clip"))
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if not 0 <= v < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {v}")
+        check_betas(self)
         check_choice("autocast", self.autocast, AUTOCAST_CHOICES)
         check_choice("save_dtype", self.save_dtype, ("float32", "float16", "bfloat16"))
 

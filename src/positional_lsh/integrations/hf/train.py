@@ -35,25 +35,18 @@ and the training length) and ``trainer_state.pt``: ``plsh eval RUN_DIR`` and
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
-import shlex
-import sys
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from positional_lsh.integrations.hf.loading import ADAPTER_CONFIG, load_local_model
 from positional_lsh.integrations.hf.saved import write_swap_settings
@@ -61,12 +54,12 @@ from positional_lsh.integrations.hf.swap import current_swap, unwrap_model, use_
 from positional_lsh.integrations.hf_train_config import BUILTIN_CONFIGS, PRESETS, HFTrainConfig
 from positional_lsh.lm import data as D
 from positional_lsh.lm import run_dir as R
+from positional_lsh.lm import train_loop as L
 from positional_lsh.lm.checkpoint import checkpoint_dir
 from positional_lsh.lm.eval_models import encode_with_hf_tokenizer
-from positional_lsh.lm.signals import StopOnSignal
-from positional_lsh.lm.train import TrainResult
-from positional_lsh.lm.train_config import default_cache_dir, lr_at, resolve_autocast_dtype
+from positional_lsh.lm.train_config import default_cache_dir, resolve_autocast_dtype
 from positional_lsh.lm.train_dist import Dist, check_device, init_distributed
+from positional_lsh.lm.train_loop import TrainResult
 from positional_lsh.ops.errors import UserError
 
 __all__ = [
@@ -255,12 +248,7 @@ def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _optimizer(model: nn.Module, cfg: HFTrainConfig, device: torch.device) -> torch.optim.AdamW:
-    params = _trainable(model)
-    decay = [p for p in params.values() if p.dim() >= 2]
-    no_decay = [p for p in params.values() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **extra)
+    return L.adamw(_trainable(model).values(), cfg, device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,27 +256,10 @@ def _optimizer(model: nn.Module, cfg: HFTrainConfig, device: torch.device) -> to
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Run:
+@dataclass(kw_only=True)
+class _Run(L.RunState):
     cfg: HFTrainConfig
-    out: Path
-    info: Dist
-    device: torch.device
-    command: str
     tok: _Tokenizer
-    model: nn.Module
-    ddp_model: nn.Module
-    opt: torch.optim.AdamW
-    data_gen: torch.Generator
-    amp: torch.dtype | None
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    tokens_per_step: int
-    step: int = 0
-    tokens: int = 0
-    elapsed: float = 0.0
-    val_loss: float | None = None
-    last_loss: float = float("nan")
 
 
 def resolve_settings(cfg: HFTrainConfig, resume: bool, overwrite: bool, changes: dict[str, Any]) -> tuple[
@@ -310,8 +281,7 @@ def resolve_settings(cfg: HFTrainConfig, resume: bool, overwrite: bool, changes:
     saved = R.read_train_config(out)
     if saved.get("kind") != "transformers":
         raise UserError(f"--resume: {out} is a plsh train run, not a plsh train-hf run; resume it with plsh train")
-    keep = {k: getattr(cfg, k) for k in ("out_dir", "stop_after", "progress", "device")}
-    keep["threads"] = cfg.threads or saved["train"].get("threads")
+    keep = R.per_job_settings(cfg, saved["train"])
     try:
         train = dict(saved["train"])
         for key in ("lora_targets", "slopes"):
@@ -323,19 +293,9 @@ def resolve_settings(cfg: HFTrainConfig, resume: bool, overwrite: bool, changes:
         if isinstance(exc, UserError):
             raise
         raise UserError(f"{out / R.TRAIN_CONFIG_FILE}: bad settings ({exc}); the run cannot be resumed") from None
-    ckpt = checkpoint_dir(out)
-    file = ckpt / R.STATE_FILE
-    if not file.is_file():
-        raise UserError(f"--resume: {out} holds no checkpoint with a {R.STATE_FILE} to resume from")
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many kinds for a damaged pickle/zip
-        msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{file} is corrupt or truncated ({msg}); the run cannot be resumed") from None
     need = ("step", "tokens", "elapsed", "val_loss", "trainable", "optimizer", "data_generator", "torch_rng",
             "swap_step", "world_size", "tokenizer_fingerprint")  # fmt: skip
-    if not isinstance(state, dict) or any(k not in state for k in need):
-        raise UserError(f"{file} is not a trainer state of plsh train-hf (missing fields); the run cannot be resumed")
+    state, _ = R.read_state_file(out, need, "plsh train-hf")
     if cfg.steps < state["step"]:
         raise UserError(f"--resume: --steps {cfg.steps} is below the checkpoint's step {state['step']}")
     return cfg, state
@@ -367,15 +327,13 @@ def train_hf(
     check_device(cfg.device)
     cfg, state = resolve_settings(cfg, resume, overwrite, changes or {})
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
-    command = command if command is not None else shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    command = L.default_command(command)
     info, device = init_distributed(cfg.device)
     try:
         run = _setup(cfg, state, info, device, command)
         return _loop(run)
     finally:
-        if info.owns_group and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        L.end_distributed(info)
 
 
 def _tokenizer_for(cfg: HFTrainConfig, out: Path, info: Dist, splits: dict[str, list[D.Document]],
@@ -451,9 +409,9 @@ def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device:
         ddp_model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     val_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
     run = _Run(
-        cfg, out, info, device, command, tok, model, ddp_model, opt, data_gen,
+        out, info, device, command, model, ddp_model, opt, data_gen, cfg=cfg, tok=tok,
         amp=resolve_autocast_dtype(cfg.autocast, device),
-        batches=_train_batches(streams["train"], cfg.seq_len, cfg.batch_size, info, data_gen),
+        batches=L.train_batches(streams["train"], cfg.seq_len, cfg.batch_size, info, data_gen),
         val_batches=[D.random_batch(streams["validation"], cfg.seq_len, cfg.batch_size * info.world,
                                     generator=val_gen) for _ in range(cfg.eval_batches)],
         tokens_per_step=cfg.batch_size * cfg.grad_accum * info.world * cfg.seq_len,
@@ -470,15 +428,6 @@ def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device:
               f"{cfg.steps} steps | device {device} x {info.world} | autocast {run.amp or 'off'} | train "
               f"{streams['train'].numel():,} tokens", flush=True)  # fmt: skip
     return run
-
-
-def _train_batches(tokens: torch.Tensor, seq_len: int, batch_size: int, info: Dist,
-                   generator: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """Endless micro-batches: every process draws the same global batch and keeps its own rows."""
-    while True:
-        x, y = D.random_batch(tokens, seq_len, batch_size * info.world, generator=generator)
-        rows = slice(info.rank * batch_size, (info.rank + 1) * batch_size)
-        yield x[rows], y[rows]
 
 
 def _restore_state(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer, data_gen: torch.Generator,
@@ -504,31 +453,9 @@ def _restore_state(state: dict[str, Any], model: nn.Module, opt: torch.optim.Opt
     return {k: state[k] for k in ("step", "tokens", "elapsed", "val_loss")}
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-
-
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=x, use_cache=False).logits
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-
-@torch.no_grad()
-def _validate(run: _Run) -> float:
-    model, info = run.model, run.info
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=run.device)
-    for x, y in run.val_batches:
-        rows = slice(info.rank * x.shape[0] // info.world, (info.rank + 1) * x.shape[0] // info.world)
-        x, y = x[rows].to(run.device), y[rows].to(run.device)
-        with _autocast(run.device, run.amp):
-            loss = _loss(model, x, y)
-        total[0] += float(loss) * y.numel()
-        total[1] += y.numel()
-    if info.enabled:
-        dist.all_reduce(total)
-    model.train()
-    return float(total[0] / total[1])
 
 
 def _save(run: _Run) -> None:
@@ -564,87 +491,15 @@ def _save(run: _Run) -> None:
     R.write_checkpoint_set(run.out, state, write)
 
 
-def _stop_requested(stopper: StopOnSignal, info: Dist, device: torch.device) -> bool:
-    if not info.enabled:
-        return stopper.signal is not None
-    flag = torch.tensor([1.0 if stopper.signal is not None else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
-
-
-def _step(run: _Run) -> float:
-    cfg, info = run.cfg, run.info
-    lr = lr_at(run.step, cfg)  # type: ignore[arg-type]  # the schedule reads steps, warmup, lr, min_lr
-    for group in run.opt.param_groups:
-        group["lr"] = lr
-    loss_sum = torch.zeros((), device=run.device)
-    for micro in range(cfg.grad_accum):
-        x, y = next(run.batches)
-        x, y = x.to(run.device), y.to(run.device)
-        sync = not info.enabled or micro == cfg.grad_accum - 1
-        ctx = contextlib.nullcontext() if sync else run.ddp_model.no_sync()  # type: ignore[operator]
-        with ctx:
-            with _autocast(run.device, run.amp):
-                loss = _loss(run.ddp_model, x, y)
-            (loss / cfg.grad_accum).backward()
-        loss_sum += loss.detach()
-    if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(list(_trainable(run.model).values()), cfg.grad_clip)
-    run.opt.step()
-    run.opt.zero_grad(set_to_none=True)
-    run.step += 1
-    run.tokens += run.tokens_per_step
-    loss_t = loss_sum / cfg.grad_accum
-    if info.enabled:
-        dist.all_reduce(loss_t)
-        loss_t /= info.world
-    run.last_loss = float(loss_t)
-    if not math.isfinite(run.last_loss):
-        raise FloatingPointError(f"training loss is {run.last_loss} at step {run.step}; lower --lr or check the data")
-    return lr
-
-
 def _loop(run: _Run) -> TrainResult:
-    cfg, info = run.cfg, run.info
-    stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
-    bar = tqdm(total=cfg.steps, initial=run.step, desc="train-hf", disable=not (cfg.progress and info.main),
-               dynamic_ncols=True)  # fmt: skip
-    t_start = time.perf_counter() - run.elapsed
-    window_t, window_tokens = time.perf_counter(), 0
-    with StopOnSignal("plsh train-hf") as stopper:
-        while run.step < stop:
-            lr = _step(run)
-            window_tokens += run.tokens_per_step
-            now = time.perf_counter()
-            tps = window_tokens / max(1e-9, now - window_t)
-            if now - window_t > 30:
-                window_t, window_tokens = now, 0
-            bar.update(1)
-            bar.set_postfix(loss=f"{run.last_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-            if info.main:
-                R.append_log(run.out, {"step": run.step, "loss": run.last_loss, "lr": lr, "tokens": run.tokens,
-                                       "tok_s": round(tps, 1), "elapsed": round(now - t_start, 2)})  # fmt: skip
-            if run.step % cfg.eval_interval == 0 or run.step == cfg.steps:
-                run.val_loss = _validate(run)
-                if info.main:
-                    R.append_log(run.out, {"step": run.step, "val_loss": run.val_loss,
-                                           "val_ppl": math.exp(min(run.val_loss, 700))})  # fmt: skip
-                    bar.write(f"step {run.step}: train loss {run.last_loss:.4f}, val loss {run.val_loss:.4f}")
-            interrupted = _stop_requested(stopper, info, run.device)
-            if run.step % cfg.ckpt_interval == 0 or run.step == stop or interrupted:
-                run.elapsed = time.perf_counter() - t_start
-                if info.main:
-                    _save(run)
-                info.barrier()
-            if interrupted:
-                break
-    bar.close()
-    seconds = time.perf_counter() - t_start
-    if info.main:
-        status = "finished" if run.step >= cfg.steps else f"stopped at step {run.step} (resume with --resume)"
-        if stopper.signal is not None:
-            status = f"interrupted by {stopper.signal} at step {run.step}; checkpoint saved (resume with --resume)"
-        print(f"plsh train-hf: {status}; {run.tokens:,} tokens in {seconds:.0f} s; checkpoint in {run.out}",
-              file=sys.stderr if stopper.signal else sys.stdout, flush=True)  # fmt: skip
-    return TrainResult(run.out, run.step, run.tokens, run.last_loss, run.val_loss, seconds, run.step >= cfg.steps,
-                       stopper.signal)  # fmt: skip
+    return L.run_loop(
+        run,
+        run.cfg,
+        prog="plsh train-hf",
+        step=lambda: L.optimizer_step(run, run.cfg, _loss, list(_trainable(run.model).values()), non_blocking=False,
+                                      lr_flag="--lr"),
+        validate=lambda: L.validation_loss(run.model, run.val_batches, run.info, run.device, run.amp, _loss),
+        save=lambda: _save(run),
+        val_ppl=lambda v: math.exp(min(v, 700)),
+        show_ppl=False,
+    )  # fmt: skip
