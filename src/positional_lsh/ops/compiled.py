@@ -57,20 +57,8 @@ def plsh_forward(
 
 
 @plsh_forward.register_fake
-def _(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pitch: torch.Tensor,
-    shift: torch.Tensor,
-    slopes: torch.Tensor,
-    scheme: str,
-    max_block: int | None,
-    causal: bool,
-    scale: float,
-    kernel: str,
-    method: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return out, torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
 
@@ -101,22 +89,9 @@ def plsh_backward(
 
 @plsh_backward.register_fake
 def _(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    pitch: torch.Tensor,
-    shift: torch.Tensor,
-    slopes: torch.Tensor,
-    scheme: str,
-    max_block: int | None,
-    causal: bool,
-    scale: float,
-    kernel: str,
-    method: str,
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     return dq, dk, dv
 

@@ -420,16 +420,8 @@ def swap_alibi_forward(
 
 
 @swap_alibi_forward.register_fake
-def _(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_valid: torch.Tensor | None,
-    slopes: torch.Tensor,
-    window: torch.Tensor | None,
-    scale: float,
-    backend: str,
-) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object) -> torch.Tensor:
+    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -472,9 +464,7 @@ def swap_alibi_backward(
     return result["grads"]
 
 
-def _empty_grads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` left empty, shaped like ``q, k, v``: what a backward op's fake returns."""
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     return dq, dk, dv
@@ -482,16 +472,9 @@ def _empty_grads(
 
 @swap_alibi_backward.register_fake
 def _(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_valid: torch.Tensor | None,
-    slopes: torch.Tensor,
-    window: torch.Tensor | None,
-    scale: float,
-    backend: str,
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
     return _empty_grads(q, k, v)
 
 
@@ -582,20 +565,8 @@ def swap_padded_forward(
 
 
 @swap_padded_forward.register_fake
-def _(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_valid: torch.Tensor,
-    pitch: torch.Tensor,
-    shift: torch.Tensor,
-    slopes: torch.Tensor,
-    scheme: str,
-    max_block: int | None,
-    scale: float,
-    kernel: str,
-    method: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return out, torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
 
@@ -638,22 +609,9 @@ def swap_padded_backward(
 
 @swap_padded_backward.register_fake
 def _(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_valid: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    pitch: torch.Tensor,
-    shift: torch.Tensor,
-    slopes: torch.Tensor,
-    scheme: str,
-    max_block: int | None,
-    scale: float,
-    kernel: str,
-    method: str,
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
     return _empty_grads(q, k, v)
 
 
