@@ -5,8 +5,9 @@
     python scripts/triton_resources.py --search --dims 64,128,256   # choose the configurations (BLOCK_TABLE rows)
 
 For every (architecture, dtype, head dim, causal) it compiles the three kernels at the configuration of
-``positional_lsh.ops.triton_plan.BLOCK_TABLE`` (``positional_lsh.ops.triton_compile.compile_report``) and prints
-one row per kernel: registers, stack bytes, spill instructions (STL/LDL), dynamic shared memory, and the static
+``positional_lsh.ops.triton_plan.BLOCK_TABLE`` (``positional_lsh.ops.triton_compile.compile_report``), and the
+``dq`` kernel again with its slope-gradient switch on (``DIST_GRAD``; column "slope grad"), and prints one row per
+kernel: registers, stack bytes, spill instructions (STL/LDL), dynamic shared memory, and the static
 instruction mix of the kernel's main loop (the innermost loop with matrix instructions): ``mma`` (HMMA/HGMMA)
 against ``int`` (integer, compare, select), ``float``, ``mufu`` (exp2/log2/rcp), ``conv``, ``mem``, ``uniform``
 (per-warp scalar) and ``other``. Run it with TRITON_INTERPRET unset (the script sets it to 0 for itself).
@@ -38,7 +39,8 @@ def _one(job: tuple[int, str, int, bool, bool]) -> list[dict[str, object]]:
     from positional_lsh.ops.triton_compile import compile_report
 
     arch, dtype, dim, causal, _ = job
-    return [r.as_dict() | {"spills": r.spills} for r in compile_report(arch, _DTYPES[dtype], dim, causal)]
+    reports = compile_report(arch, _DTYPES[dtype], dim, causal, dist_grad=True)
+    return [r.as_dict() | {"spills": r.spills} for r in reports]
 
 
 def _search(job: tuple[int, str, int]) -> tuple[tuple[int, str, int], dict[str, int], bool, list[str]]:
@@ -53,8 +55,8 @@ def _search(job: tuple[int, str, int]) -> tuple[tuple[int, str, int], dict[str, 
 
 def table(rows: list[dict[str, object]], sass: bool = True) -> str:
     """The markdown table of the compile reports ``rows``."""
-    head = ["kernel", "arch", "dtype", "d", "causal", "tile (m x n, near, warps, stages)", "registers", "stack B",
-            "spill st/ld", "shared KiB"] + ([f"loop {m}" for m in _MIX] if sass else [])  # fmt: skip
+    head = ["kernel", "slope grad", "arch", "dtype", "d", "causal", "tile (m x n, near, warps, stages)", "registers",
+            "stack B", "spill st/ld", "shared KiB"] + ([f"loop {m}" for m in _MIX] if sass else [])  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         c = r["config"]
@@ -63,8 +65,9 @@ def table(rows: list[dict[str, object]], sass: bool = True) -> str:
                     f"{c['dkdv_warps'] or c['num_warps']}, {c['dkdv_stages'] or c['num_stages']}")  # fmt: skip
         else:
             tile = f"{c['block_m']} x {c['block_n']}, {c['near']}, {c['num_warps']}, {c['num_stages']}"
-        cells = [r["kernel"], f"sm_{r['arch']}", r["dtype"], r["head_dim"], "yes" if r["causal"] else "no", tile,
-                 r["registers"], r["stack"], f"{r['spill_stores']}/{r['spill_loads']}", f"{r['shared'] / 1024:.0f}"]
+        cells = [r["kernel"], "yes" if r.get("dist_grad") else "no", f"sm_{r['arch']}", r["dtype"], r["head_dim"],
+                 "yes" if r["causal"] else "no", tile, r["registers"], r["stack"],
+                 f"{r['spill_stores']}/{r['spill_loads']}", f"{r['shared'] / 1024:.0f}"]  # fmt: skip
         if sass:
             cells += [r["loop_mix"].get(m, 0) for m in _MIX]  # type: ignore[union-attr]
         out.append("| " + " | ".join(str(x) for x in cells) + " |")

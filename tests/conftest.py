@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import csv
 import math
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from positional_lsh.lm import TransformerLM
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when positional_lsh.ops.triton_multiplicity is
 # first imported (tests/test_architecture.py imports every documented module, before tests/test_triton.py runs).
@@ -77,3 +84,60 @@ def naive_alibi(q, k, v, slopes, *, causal: bool, window=None, scale: float | No
 @pytest.fixture
 def rng() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module's tests, the previous count restored after it (many small float64 ops: one
+    thread is much faster, above all on a shared machine). Use: ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def read_csv(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a CSV file with a header, as dicts."""
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
+
+
+TINY_LM = {"vocab_size": 97, "seq_len": 16, "n_layer": 2, "n_head": 4, "d_model": 32}
+"""A tiny language model's settings (``ModelConfig`` fields; the position mode comes with :func:`tiny_lm`)."""
+
+
+def tiny_lm(position: str = "alibi", **kw: object) -> TransformerLM:
+    """A :data:`TINY_LM` ``TransformerLM`` in ``position`` mode (other ``ModelConfig`` fields from ``kw``), its
+    weights from ``torch.manual_seed(0)``."""
+    from positional_lsh.lm import ModelConfig, TransformerLM
+
+    torch.manual_seed(0)
+    return TransformerLM(ModelConfig(**{**TINY_LM, "position": position, **kw}))  # type: ignore[arg-type]
+
+
+def lm_ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
+    """``(batch, length)`` random token ids below :data:`TINY_LM`'s vocabulary, seeded with ``seed``."""
+    return torch.randint(0, TINY_LM["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Ten small documents cut from the shipped corpus (enough for train/validation/test splits), once per module.
+    A module that needs another corpus defines its own ``text_dir``."""
+    from positional_lsh.lm import data as D
+
+    root = tmp_path_factory.mktemp("texts")
+    docs = D.load_corpus()
+    for i, d in enumerate(docs[:4] + docs[20:26]):
+        (root / f"doc{i:02d}.txt").write_text(d.text[:6000], encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(text_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 300-token BPE tokenizer trained on ``text_dir``'s training split, saved as ``tokenizer.json``."""
+    from positional_lsh.lm import data as D
+
+    splits = D.load_splits(str(text_dir))
+    return D.train_tokenizer(splits["train"], 300).save(tmp_path_factory.mktemp("tok") / "tokenizer.json")

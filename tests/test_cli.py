@@ -240,11 +240,12 @@ def test_every_command_keeps_its_flags(capsys):
     }
     # Flags added on purpose since then (an old flag must never disappear; a new one is listed here).
     added = {
-        "train": "--overwrite --context-parallel --plsh-method",
+        "train": "--overwrite --context-parallel --plsh-method --learn-slopes",
         "eval": "--position --num-samples --scheme --sigma --slopes --window",  # transformers checkpoints (issue 18)
         "validate": "--block-delta --adversarial --adversarial-lengths --adversarial-samples --adversarial-rows "
         "--adversarial-head-dim --adversarial-sigma --adversarial-score-bound --adversarial-pgd-max-len "
-        "--report-adversarial-lengths --report-adversarial-samples",
+        "--report-adversarial-lengths --report-adversarial-samples --slope-grad-samples --slope-grad-len "
+        "--slope-grad-replicates --slope-grad-scheme --slope-grad-fd-step --slope-grad-only",
         "": "--debug",
     }
     for command, flags in expected.items():

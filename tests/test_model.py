@@ -14,18 +14,10 @@ from positional_lsh.lm.checkpoint import is_checkpoint, load_checkpoint, save_ch
 from positional_lsh.lm.config import POSITIONS, ModelConfig
 from positional_lsh.lm.model import TransformerLM, apply_rope, rope_cos_sin
 
+from conftest import TINY_LM as TINY
+from conftest import lm_ids as ids
 from conftest import naive_alibi
-
-TINY = {"vocab_size": 97, "seq_len": 16, "n_layer": 2, "n_head": 4, "d_model": 32}
-
-
-def tiny(position: str = "alibi", **kw: object) -> TransformerLM:
-    torch.manual_seed(0)
-    return TransformerLM(ModelConfig(**{**TINY, "position": position, **kw}))
-
-
-def ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+from conftest import tiny_lm as tiny
 
 
 def dense_reference_logits(model: TransformerLM, x: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:

@@ -32,14 +32,7 @@ from positional_lsh.theory import (
     tail_bound_epsilon,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Many small float64 ops: one thread is much faster, above all on a shared machine.
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------ bounds

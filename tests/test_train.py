@@ -16,24 +16,9 @@ import torch
 
 from positional_lsh.cli import train as cli_train
 from positional_lsh.lm import ModelConfig, load_checkpoint
-from positional_lsh.lm import data as D
 from positional_lsh.lm import train as T
 
-
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Ten small documents cut from the shipped corpus (enough for train/validation/test splits)."""
-    root = tmp_path_factory.mktemp("texts")
-    docs = D.load_corpus()
-    for i, d in enumerate(docs[:4] + docs[20:26]):
-        (root / f"doc{i:02d}.txt").write_text(d.text[:6000], encoding="utf-8")
-    return root
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(text_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    splits = D.load_splits(str(text_dir))
-    return D.train_tokenizer(splits["train"], 300).save(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+# text_dir, tokenizer_file: tests/conftest.py
 
 
 def tiny_configs(out: Path, data: Path, tok: Path, **train_kw: object) -> tuple[T.TrainConfig, ModelConfig]:

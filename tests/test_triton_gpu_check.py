@@ -43,11 +43,18 @@ def test_runs_tiny_on_cpu(gpu_check, tmp_path):
     assert all(r.status.startswith("ok") for r in checks), [r.status for r in checks if not r.status.startswith("ok")]
     assert {r.route for r in checks if r.backend == "triton"} == {"multiplicity/triton"}
     assert {r.case.split()[0] for r in checks} == {"prefill", "chunk", "decode"}
+    slopes = [r for r in rows if r.section == "slope-grad"]  # the surrogate slope gradient, every route
+    assert len(slopes) == 4 * 2 * len(gpu_check.COMBOS)
+    assert all(r.status.startswith("ok") for r in slopes), [r.status for r in slopes if not r.status.startswith("ok")]
+    assert {r.route for r in slopes if r.backend == "triton"} == {"multiplicity/triton"}
     speed = {(r.case, r.mode) for r in rows if r.section == "speed" and r.status == "ok"}
     assert {("plsh", "fwd+bwd"), ("plsh-triton", "fwd+bwd"), ("sdpa-flash", "fwd+bwd"), ("flex-exact", "fwd")} <= speed
+    assert ("plsh-triton-slopes", "fwd+bwd") in speed and ("plsh-triton-slopes", "fwd") not in speed
     assert ("flex-exact", "fwd+bwd") not in speed  # torch has no CPU backward for FlexAttention
     md, table = tmp_path / "gpu_check.md", tmp_path / "gpu_check.csv"
-    assert "## Correctness" in md.read_text() and "## Speed" in md.read_text()
+    text = md.read_text()
+    assert "## Correctness" in text and "## Slope gradient" in text and "## Speed" in text
+    assert "- n=48 T=2: " in text  # the slope gradient's cost: with / without
     with table.open() as fh:
         assert len(list(csv.DictReader(fh))) == len(rows)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shlex
 
@@ -29,15 +28,11 @@ from positional_lsh.theory.capture import (
     tokenize_contexts,
 )
 
+from conftest import read_csv
+
 transformers = pytest.importorskip("transformers")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny(model_type: str, **kw) -> nn.Module:
@@ -276,15 +271,11 @@ def _small(out, **kw) -> ValidateConfig:
         unbiasedness_replicates=400,
         report_adversarial_lengths=(64,),
         report_adversarial_samples=(4,),
+        slope_grad_samples=(),  # the slope-gradient section: tests/test_validate_slope_grad.py
         progress=False,
     )
     base.update(kw)
     return ValidateConfig(**base)
-
-
-def _read(path):
-    with open(path) as fh:
-        return list(csv.DictReader(fh))
 
 
 def test_validate_synthetic_run_and_findings(tmp_path):
@@ -293,7 +284,7 @@ def test_validate_synthetic_run_and_findings(tmp_path):
         assert res.files[name].is_file()
     for png in ("error_vs_samples", "error_vs_length", "schemes"):
         assert res.files[png].stat().st_size > 5000
-    rows = _read(res.files["measurements"])
+    rows = read_csv(res.files["measurements"])
     assert list(rows[0]) == list(MEASUREMENT_FIELDS)
     assert len(rows) == 1 * 2 * 4 * 2 * 4  # layers x schemes x samples x repeats x heads
     assert all(int(r["seed"]) > 0 for r in rows)
@@ -323,7 +314,7 @@ def test_validate_synthetic_run_and_findings(tmp_path):
         assert text in report, text
     meta = json.loads(res.files["config"].read_text())
     assert meta["config"]["seed"] == 0 and meta["command"].startswith("plsh validate --out")
-    lengths = _read(res.files["lengths"])
+    lengths = read_csv(res.files["lengths"])
     assert {int(r["seq_len"]) for r in lengths} == {128, 4096}
 
 
@@ -344,7 +335,7 @@ def test_validate_block_and_adversarial_sections(tmp_path):
     report = res.files["report"].read_text()
     assert "## Block sizes" in report and "## Adversarial inputs vs the uniform bound" in report
     blocks = res.blocks
-    assert len(blocks) == 2 * 3 * 2 * heads and _read(res.files["blocks"])[0]["largest"] == str(blocks[0]["largest"])
+    assert len(blocks) == 2 * 3 * 2 * heads and read_csv(res.files["blocks"])[0]["largest"] == str(blocks[0]["largest"])
     for r in blocks:
         parts = sample_partitions(n, slopes, r["samples"], scheme=r["scheme"], generator=r["seed"])
         lab = parts.labels()[:, r["head"]]  # (s, n)
@@ -384,12 +375,12 @@ def test_validate_is_reproducible(tmp_path):
     cfg = dict(samples=(1, 10), compare_samples=0, lengths=(), unbiasedness_replicates=0, plots=False, repeats=1)
     a = run_validation(_small(tmp_path / "a", **cfg))
     b = run_validation(_small(tmp_path / "b", **cfg))
-    ra, rb = _read(a.files["measurements"]), _read(b.files["measurements"])
+    ra, rb = read_csv(a.files["measurements"]), read_csv(b.files["measurements"])
     assert [{k: v for k, v in r.items() if k != "seconds"} for r in ra] == [
         {k: v for k, v in r.items() if k != "seconds"} for r in rb
     ]
     c = run_validation(_small(tmp_path / "c", seed=1, **cfg))
-    assert _read(c.files["measurements"])[0]["spectral"] != ra[0]["spectral"]
+    assert read_csv(c.files["measurements"])[0]["spectral"] != ra[0]["spectral"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -414,7 +405,7 @@ def test_cli_roundtrip_and_run(tmp_path, capsys):
     assert config_from_args(args) == cfg
     assert args.func(args) == 0
     assert "report:" in capsys.readouterr().out
-    rows = _read(tmp_path / "cli" / "measurements.csv")
+    rows = read_csv(tmp_path / "cli" / "measurements.csv")
     assert {r["slope_set"] for r in rows} == {"standard", "sigma=32"}
     assert {float(r["slope"]) for r in rows if r["slope_set"] == "sigma=32"} == {1 / 32}
     from positional_lsh.cli import main  # every command's errors go through positional_lsh.cli.guarded

@@ -24,12 +24,7 @@ from positional_lsh.theory import (
 VR = ("discrete-strat", "gamma-strat", "discrete-antithetic")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_schemes_are_registered():

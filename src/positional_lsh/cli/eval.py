@@ -4,7 +4,9 @@ The command line of :mod:`positional_lsh.lm.evaluate`: :class:`EvalConfig` holds
 generated from it), :func:`run_eval` loads every checkpoint named, evaluates it (loss, perplexity, bits per token,
 top-1/top-10 accuracy, mean reciprocal rank, mean predictive entropy, loss by position within the window), prints
 the rows as they come and writes ``results.csv``, ``loss_by_position.csv``, ``results.md`` and the plots
-(``extrapolation.png``, ``sweep.png``, ``loss_by_position.png``) into ``--out``.
+(``extrapolation.png``, ``sweep.png``, ``loss_by_position.png``) into ``--out``. A checkpoint trained with
+``--learn-slopes`` also has its learned slopes printed (a table per layer and head) and written to ``slopes.csv``
+(and ``results.md``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from positional_lsh.cli.parsers import (
     run_command,
 )
 from positional_lsh.lm.eval_models import HF_POSITION_CHOICES, HFAttention, load_for_eval
-from positional_lsh.lm.eval_results import EvalRow, format_table, write_results
+from positional_lsh.lm.eval_results import EvalRow, LearnedSlopes, format_slopes, format_table, write_results
 from positional_lsh.lm.evaluate import (
     DEFAULT_FACTORS,
     DEFAULT_SAMPLES,
@@ -149,6 +151,7 @@ def run_eval(cfg: EvalConfig) -> list[EvalRow]:
     paths: list[str | None] = list(cfg.checkpoints) or [None]
     labels: Sequence[str | None] = cfg.labels if cfg.labels is not None else [None] * len(paths)
     rows: list[EvalRow] = []
+    slopes: list[LearnedSlopes] = []
 
     def on_row(r: EvalRow) -> None:
         rows.append(r)
@@ -158,13 +161,17 @@ def run_eval(cfg: EvalConfig) -> list[EvalRow]:
             flush=True,
         )
         if out is not None:  # keep partial results of long evaluations
-            write_results(rows, out, plots=False)
+            write_results(rows, out, plots=False, slopes=slopes)
 
     for path, label in zip(paths, labels, strict=True):
         adapter, stream = load_for_eval(
             path, label=label, data=cfg.data, split=cfg.split, train_len=cfg.train_len, tokenizer=cfg.tokenizer,
             cache_dir=cache, seed=cfg.eval_seed, device=device, attention=cfg.attention(),
         )  # fmt: skip
+        learned = getattr(adapter, "learned", None)
+        if learned is not None:  # a model trained with learned slopes: show them (slopes.csv with --out)
+            slopes.append(learned)
+            print(format_slopes(learned), flush=True)
         check_something_to_score(adapter.train_len, cfg.factors, stream.numel(), cfg.max_tokens,
                                  what=f"{cfg.split} split")  # fmt: skip
         _check_sweep_size(cfg, adapter)
@@ -176,7 +183,7 @@ def run_eval(cfg: EvalConfig) -> list[EvalRow]:
     print()
     print(format_table(rows))
     if out is not None:
-        for p in write_results(rows, out):
+        for p in write_results(rows, out, slopes=slopes):
             print(f"wrote {p}")
     return rows
 
@@ -186,7 +193,7 @@ def _check_sweep_size(cfg: EvalConfig, adapter: Any) -> None:
     ``plsh_attention`` checks one call (memory and time, with the estimate), before any scoring."""
     if not getattr(adapter, "sweepable", True):
         return
-    heads = 1 if adapter.slopes is None else int(adapter.slopes.numel())
+    heads = getattr(adapter, "num_heads", None) or (1 if adapter.slopes is None else int(adapter.slopes.numel()))
     for f in cfg.sweep_factors or cfg.factors:
         n = max(1, round(f * adapter.train_len))
         for t in cfg.samples:

@@ -23,6 +23,7 @@ from positional_lsh.cli.parsers import Flag, add_arguments, option, values_from_
 from positional_lsh.lm.config import ALIBI_IMPLS, POSITIONS, ModelConfig
 from positional_lsh.lm.run_dir import RESUME_MAY_CHANGE, read_train_config
 from positional_lsh.lm.train import AUTOCAST_CHOICES, QUICK_PRESET, TrainConfig, TrainResult, train
+from positional_lsh.lm.train_config import check_learn_slopes_run
 from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.options import BACKENDS, METHODS
 
@@ -110,6 +111,8 @@ MODEL_FLAGS = {
                  dest="partition_seed", group="model", show_default=False),
     "attn_fp32": Flag("run attention in the autocast dtype too (default: float32 attention; see "
                       "ModelConfig.attn_fp32)", name="--attn-low-precision", group="model"),
+    "learn_slopes": Flag("learn the ALiBi slopes (log-slopes per layer and head, from the --sigma or standard "
+                         "ones; --position alibi, window-alibi, plsh; not with --context-parallel)", group="model"),
 }  # fmt: skip
 """``plsh train``'s flags for :class:`~positional_lsh.lm.config.ModelConfig` fields (defaults: the dataclass's)."""
 
@@ -157,6 +160,8 @@ def _main(args: argparse.Namespace) -> int:
     ``128 + signal`` when stopped by a signal. Refused settings raise (``positional_lsh.cli.guarded``: exit 2)."""
     cfg, model_cfg = configs_from_args(args)
     cfg.validate()
+    if not args.resume:
+        check_learn_slopes_run(cfg, model_cfg)
     if cfg.context_parallel > 1 and not args.resume:
         from positional_lsh.distributed.training import check_context_parallel
 

@@ -196,6 +196,11 @@ def _check_call(
     ``num_samples``, ``scheme`` and the int seed). What needs the whole group (equal options and partitions, the
     total length) is compared after the gather."""
     chunk = _check_options(causal, partitions, head_chunk)
+    if isinstance(slopes, torch.Tensor) and slopes.requires_grad:  # never a silent missing slope gradient
+        raise ValueError(
+            "slopes requires grad, but context-parallel attention over more than one rank computes no slope "
+            "gradient (slope_grad); pass slopes.detach(), or learn the slopes without context parallelism"
+        )
     local = LocalOptions(causal, scale, check_backend(backend), check_method(method))
     err = _local_error(q, k, v)
     if err is not None:

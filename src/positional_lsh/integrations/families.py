@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from positional_lsh.ops.errors import UserError
 from positional_lsh.theory.qkv import (
     CapturePoint,
     split_falcon_grouped,
@@ -205,12 +206,24 @@ def _falcon_slopes(model: nn.Module) -> torch.Tensor | None:
 
 
 def _transformer_lm_slopes(model: nn.Module) -> torch.Tensor | None:
-    """The project's ``TransformerLM``: ``cfg.slopes()`` in its ALiBi modes (``alibi``, ``plsh``, ``window-alibi``)."""
+    """The project's ``TransformerLM``: ``cfg.slopes()`` in its ALiBi modes (``alibi``, ``plsh``, ``window-alibi``).
+
+    With learned slopes (``cfg.learn_slopes``) the slopes every layer uses now (``model.slopes()``), when all layers
+    share them; learned slopes that differ between layers have no one ``(H,)`` answer: ``UserError``.
+    """
     cfg = getattr(model, "cfg", None)
     slopes = getattr(cfg, "slopes", None)
-    if getattr(cfg, "position", None) in ("alibi", "plsh", "window-alibi") and callable(slopes):
-        return slopes().detach().to("cpu", torch.float64).reshape(-1)
-    return None
+    if getattr(cfg, "position", None) not in ("alibi", "plsh", "window-alibi") or not callable(slopes):
+        return None
+    if getattr(cfg, "learn_slopes", False):
+        per_layer = model.slopes()  # type: ignore[operator]  # TransformerLM.slopes(): (n_layer, n_head)
+        if not bool((per_layer == per_layer[:1]).all()):
+            raise UserError(
+                "this TransformerLM learned different slopes in each layer, so it has no one set of ALiBi slopes; "
+                "read them per layer with model.slopes(), or pass the slopes explicitly"
+            )
+        return per_layer[0].to(torch.float64)
+    return slopes().detach().to("cpu", torch.float64).reshape(-1)
 
 
 # --------------------------------------------------------------------------------------------------

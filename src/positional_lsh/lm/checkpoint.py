@@ -82,8 +82,9 @@ def save_checkpoint(
     """Write ``config.json``, ``model.safetensors`` and (if given) ``tokenizer.json`` into directory ``path``.
 
     ``dtype``: storage dtype of the weights, ``"float32"``, ``"float16"`` or ``"bfloat16"`` (loading always
-    restores float32). ``metadata`` (JSON-serializable) is stored in ``config.json`` under ``"metadata"``.
-    Files are written to temporary names and renamed, so an interrupted save never leaves a torn checkpoint.
+    restores float32; learned log-slopes are always stored in float32). ``metadata`` (JSON-serializable) is stored
+    in ``config.json`` under ``"metadata"``. Files are written to temporary names and renamed, so an interrupted
+    save never leaves a torn checkpoint.
     """
     from safetensors.torch import save_file
 
@@ -97,7 +98,8 @@ def save_checkpoint(
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.cfg.vocab_size}")
     p.mkdir(parents=True, exist_ok=True)
     state = {
-        k: v.detach().to("cpu", _SAVE_DTYPES[dtype]).contiguous()
+        # learned log-slopes stay float32: a rounded log-slope moves its slope by up to |log m| / 256 in bfloat16
+        k: v.detach().to("cpu", torch.float32 if k.endswith("log_slopes") else _SAVE_DTYPES[dtype]).contiguous()
         for k, v in model.state_dict().items()
         if k != "head.weight"  # tied to embed.weight
     }
@@ -242,7 +244,8 @@ def load_checkpoint(
 
     ``path``: a checkpoint directory or a ``plsh train`` run directory (its latest complete checkpoint).
     ``overrides`` replace :class:`ModelConfig` fields (e.g. ``position="plsh", num_samples=16`` to evaluate
-    an ALiBi-trained model with positional LSH; only settings without weights can change). A corrupt, truncated
+    an ALiBi-trained model with positional LSH; only settings without weights can change: not ``learn_slopes``, nor
+    the ``sigma`` of a model that learned its slopes, whose learned slopes are kept). A corrupt, truncated
     or mismatched file, and a tokenizer whose fingerprint differs from the recorded one, raise
     :class:`~positional_lsh.ops.errors.UserError` naming the file.
     """
@@ -253,6 +256,7 @@ def load_checkpoint(
     except (TypeError, ValueError) as exc:
         raise UserError(f"{p / CONFIG_FILE}: bad 'model' settings ({exc}); restore it from a copy or retrain") from None
     if overrides:
+        _check_slope_overrides(cfg, overrides, p / CONFIG_FILE)
         cfg = ModelConfig.from_dict({**config["model"], **overrides})
     model = TransformerLM(cfg)
     state = _read_weights(p / WEIGHTS_FILE)
@@ -271,6 +275,21 @@ def load_checkpoint(
     meta = dict(config.get("metadata") or {})
     meta.update({"weights_dtype": config.get("weights_dtype"), "num_params": config.get("num_params")})
     return Checkpoint(model, tokenizer, meta)
+
+
+def _check_slope_overrides(cfg: ModelConfig, overrides: dict[str, Any], where: Path) -> None:
+    """Refuse overrides that would silently drop or ignore learned slopes: ``learn_slopes`` is part of the weights
+    (the ``log_slopes`` parameters), and the ``sigma`` of a learned-slopes model only set their starting value."""
+    if "learn_slopes" in overrides and overrides["learn_slopes"] != cfg.learn_slopes:
+        raise UserError(
+            f"{where}: learn_slopes={cfg.learn_slopes} is part of the weights (the log_slopes parameters) and cannot "
+            f"be overridden to {overrides['learn_slopes']!r}"
+        )
+    if cfg.learn_slopes and "sigma" in overrides and overrides["sigma"] != cfg.sigma:
+        raise UserError(
+            f"{where}: the model learned its slopes; sigma={cfg.sigma} only set their starting value and cannot be "
+            f"overridden to {overrides['sigma']!r}"
+        )
 
 
 def shipped_checkpoint_path() -> Path:

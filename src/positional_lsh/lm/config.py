@@ -20,10 +20,13 @@ from positional_lsh.ops.options import ALIBI_BACKENDS, BACKENDS, DEFAULT_BACKEND
 from positional_lsh.ops.schemes import scheme_names
 from positional_lsh.ops.slopes import alibi_slopes
 
-__all__ = ["ALIBI_IMPLS", "POSITIONS", "ModelConfig"]
+__all__ = ["ALIBI_IMPLS", "LEARNABLE_POSITIONS", "POSITIONS", "ModelConfig"]
 
 POSITIONS = ("alibi", "plsh", "window-alibi", "rope", "nope")
 """The attention position modes."""
+
+LEARNABLE_POSITIONS = ("alibi", "window-alibi", "plsh")
+"""The position modes whose ALiBi slopes ``learn_slopes`` can learn."""
 
 ALIBI_IMPLS = ("auto", "sdpa", "chunked")
 """How exact ALiBi is computed: chosen by length, torch SDPA with a prebuilt bias, or the chunked kernel."""
@@ -76,6 +79,15 @@ class ModelConfig:
             :data:`~positional_lsh.ops.options.METHODS`: ``"auto"`` (decided once per call by the cost model),
             ``"samples"`` or ``"multiplicity"``. Same partitions, same result up to float rounding; only the
             speed differs (docs/implementation.md).
+        learn_slopes: learn the ALiBi slopes: each layer gets a parameter ``log_slopes (n_head,)`` (float32,
+            initialised to ``log`` of :meth:`slopes`; the slopes used are its ``exp``, so they stay positive).
+            For ``alibi`` (exact gradient through both ``alibi_impl``), ``window-alibi`` (the window
+            ``window_factor / m_h`` follows the current slopes, detached; a fixed ``window`` stays fixed) and
+            ``plsh`` (partitions drawn from the current detached slopes, surrogate gradient). Refused for ``rope``
+            and ``nope`` (no slopes) and for ``sigma=inf`` (slope 0 has no logarithm). ``False``: no parameter.
+            Under ``torch.compile(fullgraph=True)``: ``alibi`` and ``window-alibi`` compile; ``plsh`` is refused
+            (``plsh_attention`` refuses ``slopes=`` with ``partitions=`` there). ``plsh train --context-parallel``
+            refuses it (the sharded attention carries no slope gradient).
     """
 
     vocab_size: int = 8192
@@ -98,6 +110,7 @@ class ModelConfig:
     attn_backend: str = DEFAULT_BACKEND
     attn_fp32: bool = True
     plsh_method: str = DEFAULT_METHOD
+    learn_slopes: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -131,6 +144,23 @@ class ModelConfig:
         check_bool("attn_fp32", self.attn_fp32)
         self._check_backend()
         check_choice("plsh_method", self.plsh_method, METHODS)
+        self._check_learn_slopes()
+
+    def _check_learn_slopes(self) -> None:
+        """``learn_slopes`` is a bool, and ``True`` only where there are positive slopes to learn."""
+        check_bool("learn_slopes", self.learn_slopes)
+        if not self.learn_slopes:
+            return
+        if self.position not in LEARNABLE_POSITIONS:
+            raise ValueError(
+                f"learn_slopes=True needs position in {LEARNABLE_POSITIONS} (the modes with ALiBi slopes), "
+                f"got position={self.position!r}"
+            )
+        if self.sigma is not None and float(self.sigma) == math.inf:
+            raise ValueError(
+                "learn_slopes=True cannot start from sigma=inf: slope 0 has no logarithm to learn (log-slopes keep "
+                "the slopes positive); give a finite sigma"
+            )
 
     def _check_backend(self) -> None:
         """``attn_backend`` is one of ``BACKENDS``, and one that the position mode's attention op accepts."""
@@ -176,7 +206,10 @@ class ModelConfig:
         return cls(**d)
 
     def describe(self) -> str:
-        """A short label such as ``plsh T=4 discrete`` or ``alibi``."""
+        """A short label such as ``plsh T=4 discrete``, ``alibi`` or ``alibi, learned slopes``."""
+        return self._describe_position() + (", learned slopes" if self.learn_slopes else "")
+
+    def _describe_position(self) -> str:
         sig = "" if self.sigma is None else f" sigma={self.sigma:g}"
         if self.position == "plsh":
             return f"plsh T={self.num_samples} {self.scheme}{sig}"

@@ -31,6 +31,7 @@ from positional_lsh.lm.checkpoint import (
     read_checkpoint_config,
     shipped_checkpoint_path,
 )
+from positional_lsh.lm.eval_results import LearnedSlopes
 from positional_lsh.lm.model import TransformerLM
 from positional_lsh.ops.errors import UserError
 
@@ -88,14 +89,26 @@ class ModelAdapter:
 
 
 class LMAdapter(ModelAdapter):
-    """A :class:`~positional_lsh.lm.model.TransformerLM`: attention swaps through ``set_position``."""
+    """A :class:`~positional_lsh.lm.model.TransformerLM`: attention swaps through ``set_position``.
+
+    With learned slopes (``cfg.learn_slopes``) every swap keeps each layer's learned slopes; ``slopes`` is then
+    the ``(n_layer * n_head,)`` learned slopes of all layers (so that the cost accounting averages over every
+    layer's heads) and ``learned`` the :class:`~positional_lsh.lm.eval_results.LearnedSlopes` that ``plsh eval``
+    shows; without, ``slopes`` is ``cfg.slopes()`` as always and ``learned`` is ``None``.
+    """
 
     def __init__(self, model: TransformerLM, label: str) -> None:
         cfg = model.cfg
         alibi_family = cfg.position in ("alibi", "plsh", "window-alibi")
-        super().__init__(model, label, cfg.seq_len, cfg.slopes() if alibi_family else None, cfg.describe())
+        slopes = cfg.slopes() if alibi_family else None
+        learned = model.learned_slopes()
+        if learned is not None:
+            slopes = learned.reshape(-1)
+        super().__init__(model, label, cfg.seq_len, slopes, cfg.describe())
         self._own_cfg = cfg
         self.sweepable = cfg.position in ("alibi", "plsh")
+        self.num_heads = cfg.n_head
+        self.learned = None if learned is None else LearnedSlopes(label, learned.tolist(), cfg.slopes().tolist())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -107,7 +120,11 @@ class LMAdapter(ModelAdapter):
         elif kind == "plsh":
             self.model.set_position("plsh", num_samples=kw["samples"], scheme=kw["scheme"], **keep)
         elif kind == "window":
-            self.model.set_position("window-alibi", window=[float(w) for w in kw["window"]], **keep)
+            window = torch.as_tensor(kw["window"], dtype=torch.float64).reshape(-1, self.num_heads)
+            self.model.set_position("window-alibi", window=[float(w) for w in window[0]], **keep)
+            if window.shape[0] > 1:  # learned slopes: one window per layer and head (reset() undoes it)
+                for block, w in zip(self.model.blocks, window, strict=True):
+                    block.attn.window = w.clone()
         else:
             raise ValueError(f"unknown attention kind {kind!r}")
 

@@ -1,5 +1,6 @@
 """Results of ``plsh eval``: :class:`EvalRow`, the Markdown table, ``results.csv`` / ``results.md``,
-``loss_by_position.csv`` and plots."""
+``loss_by_position.csv``, the learned slopes of models trained with them (:class:`LearnedSlopes`, ``slopes.csv``)
+and plots."""
 
 from __future__ import annotations
 
@@ -13,13 +14,18 @@ from typing import Any
 
 __all__ = [
     "POSITION_COLUMNS",
+    "SLOPE_COLUMNS",
     "EvalRow",
+    "LearnedSlopes",
     "PositionBucket",
+    "format_slopes",
     "format_table",
     "plot_results",
     "read_loss_by_position",
     "read_results",
+    "read_slopes",
     "write_results",
+    "write_slopes",
 ]
 
 
@@ -69,6 +75,68 @@ _COLUMNS = [f.name for f in dataclasses.fields(EvalRow) if f.name != "loss_by_po
 POSITION_COLUMNS = ["model", "attention", "kind", "factor", "eval_len", "pos_start", "pos_end", "mean_loss", "count"]
 
 
+@dataclass
+class LearnedSlopes:
+    """The learned ALiBi slopes of one evaluated model (``ModelConfig.learn_slopes``).
+
+    Attributes:
+        model: the model's label in the tables.
+        slopes: ``slopes[layer][head]``, the learned slope ``m = exp(log_slopes)`` of each layer and head.
+        initial: ``initial[head]``, the slopes they started from (``ModelConfig.slopes()``).
+    """
+
+    model: str
+    slopes: list[list[float]]
+    initial: list[float]
+
+
+SLOPE_COLUMNS = ["model", "layer", "head", "slope", "initial_slope"]
+"""``slopes.csv``, long format: one line per (model, layer, head)."""
+
+
+def format_slopes(learned: LearnedSlopes) -> str:
+    """A Markdown table of one model's learned slopes: a row per layer, a column per head, after a row of the
+    slopes they started from."""
+    heads = len(learned.initial)
+    lines = [f"learned slopes of {learned.model} (m_h, bias -m_h |i - j|):",
+             "| layer | " + " | ".join(f"h{h}" for h in range(heads)) + " |",
+             "|---|" + "---:|" * heads,
+             "| start | " + " | ".join(f"{m:.4g}" for m in learned.initial) + " |"]  # fmt: skip
+    lines += [f"| {layer} | " + " | ".join(f"{m:.4g}" for m in row) + " |" for layer, row in enumerate(learned.slopes)]
+    return "\n".join(lines)
+
+
+def write_slopes(slopes: Sequence[LearnedSlopes], path: str | os.PathLike[str]) -> Path:
+    """Write ``slopes.csv`` (:data:`SLOPE_COLUMNS`) at ``path``; returns it."""
+    path = Path(path)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=SLOPE_COLUMNS)
+        w.writeheader()
+        for ls in slopes:
+            for layer, row in enumerate(ls.slopes):
+                for head, m in enumerate(row):
+                    w.writerow({"model": ls.model, "layer": layer, "head": head, "slope": m,
+                                "initial_slope": ls.initial[head]})  # fmt: skip
+    return path
+
+
+def read_slopes(path: str | os.PathLike[str]) -> list[LearnedSlopes]:
+    """Read a ``slopes.csv`` written by :func:`write_results` back, one :class:`LearnedSlopes` per model."""
+    table: dict[str, dict[tuple[int, int], float]] = {}
+    initial: dict[str, dict[int, float]] = {}
+    with open(path, newline="", encoding="utf-8") as f:
+        for rec in csv.DictReader(f):
+            layer, head = int(rec["layer"]), int(rec["head"])
+            table.setdefault(rec["model"], {})[(layer, head)] = float(rec["slope"])
+            initial.setdefault(rec["model"], {})[head] = float(rec["initial_slope"])
+    out = []
+    for model, cells in table.items():
+        layers, heads = max(k[0] for k in cells) + 1, max(k[1] for k in cells) + 1
+        out.append(LearnedSlopes(model, [[cells[(layer, h)] for h in range(heads)] for layer in range(layers)],
+                                 [initial[model][h] for h in range(heads)]))  # fmt: skip
+    return out
+
+
 def format_table(rows: Sequence[EvalRow]) -> str:
     """A Markdown table of the rows."""
     head = ["model", "attention", "L", "L/train", "loss", "ppl", "MRR", "entropy", "bits/tok", "top-1", "top-10",
@@ -85,9 +153,17 @@ def format_table(rows: Sequence[EvalRow]) -> str:
     return "\n".join(lines)
 
 
-def write_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str], *, plots: bool = True) -> list[Path]:
+def write_results(
+    rows: Sequence[EvalRow],
+    out_dir: str | os.PathLike[str],
+    *,
+    plots: bool = True,
+    slopes: Sequence[LearnedSlopes] = (),
+) -> list[Path]:
     """Write ``results.csv`` (one line per row), ``loss_by_position.csv`` (long format, :data:`POSITION_COLUMNS`:
-    one line per row and position bucket), ``results.md`` and (``plots``) the PNG plots of :func:`plot_results`."""
+    one line per row and position bucket), ``results.md`` and (``plots``) the PNG plots of :func:`plot_results`.
+    With ``slopes`` (the models trained with learned slopes): also ``slopes.csv`` (:func:`write_slopes`), and their
+    tables (:func:`format_slopes`) at the end of ``results.md``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -106,7 +182,11 @@ def write_results(rows: Sequence[EvalRow], out_dir: str | os.PathLike[str], *, p
                             "eval_len": r.eval_len, "pos_start": b.start, "pos_end": b.end,
                             "mean_loss": b.mean_loss, "count": b.count})  # fmt: skip
     written.append(out / "loss_by_position.csv")
-    (out / "results.md").write_text(format_table(rows) + "\n", encoding="utf-8")
+    md = format_table(rows) + "\n"
+    if slopes:
+        md += "".join("\n" + format_slopes(ls) + "\n" for ls in slopes)
+        written.append(write_slopes(slopes, out / "slopes.csv"))
+    (out / "results.md").write_text(md, encoding="utf-8")
     written.append(out / "results.md")
     if plots:
         written += plot_results(rows, out)

@@ -29,6 +29,10 @@ the rows (:class:`~positional_lsh.lm.eval_results.EvalRow`) are written by
 :func:`positional_lsh.lm.eval_results.write_results` (``results.csv``, ``loss_by_position.csv``, ``results.md``
 and PNG plots: perplexity vs evaluation length, perplexity vs ``T``, loss vs position within the window). The
 command line is :mod:`positional_lsh.cli.eval`.
+
+A model trained with learned slopes (``ModelConfig.learn_slopes``) keeps them in every variant: exact ALiBi, the
+sweep's positional LSH (partitions drawn from each layer's learned slopes) and its windowed ALiBi at equal cost
+(one window per layer and head, from that layer's slopes); the cost columns average over every layer's heads.
 """
 
 from __future__ import annotations
@@ -371,7 +375,10 @@ def evaluate_model(
         if own_cfg is not None and own_cfg.position == "plsh":
             cost = ev.plsh_cost(length, own_cfg.num_samples, own_cfg.scheme)
         elif own_cfg is not None and own_cfg.position == "window-alibi":
-            cost = ev.windowed_cost(own_cfg.windows().clamp(max=length), length)
+            windows = own_cfg.windows()
+            if getattr(own_cfg, "learn_slopes", False):  # every layer's window follows its learned slopes
+                windows = adapter.model.windows().reshape(-1)
+            cost = ev.windowed_cost(windows.clamp(max=length), length)
         ev.run("own", f"own: {adapter.own}", factor, length, cost=cost)
     if adapter.slopes is None or not adapter.sweepable:
         return ev.rows

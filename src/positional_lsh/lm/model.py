@@ -23,6 +23,14 @@ or torch's own attention, never a second implementation:
 * ``"rope"`` — rotary position embedding (GPT-NeoX half-split layout) and causal attention.
 * ``"nope"`` — no position information: causal attention only.
 
+Learned slopes (``ModelConfig.learn_slopes``): each layer's slopes are ``exp`` of a parameter ``log_slopes``
+``(n_head,)``. ``alibi`` gets their exact gradient (SDPA with a bias built from them every call by
+:func:`learned_alibi_bias`, or ``alibi_attention``'s slope gradient), ``window-alibi`` too (inside a window
+``window_factor / m_h`` that follows the current slopes, detached), and ``plsh`` draws its partitions from the
+current slopes (detached) and gets the surrogate gradient of ``plsh_attention`` (eager only: a compiled ``plsh``
+layer with learned slopes raises, because ``plsh_attention`` refuses ``slopes=`` with ``partitions=`` under
+``torch.compile``). Without ``learn_slopes`` there is no such parameter and nothing changes.
+
 The mode can be changed after training without touching the weights (:meth:`TransformerLM.set_position`),
 e.g. to evaluate an ALiBi-trained model with positional-LSH attention at several ``T``.
 
@@ -50,7 +58,15 @@ from positional_lsh.ops.partitions import Partitions
 from positional_lsh.ops.reference import alibi_bias
 from positional_lsh.ops.sampling import PartitionSampler, layer_seed
 
-__all__ = ["MLP", "Block", "CausalSelfAttention", "TransformerLM", "apply_rope", "rope_cos_sin"]
+__all__ = [
+    "MLP",
+    "Block",
+    "CausalSelfAttention",
+    "TransformerLM",
+    "apply_rope",
+    "learned_alibi_bias",
+    "rope_cos_sin",
+]
 
 # alibi_impl="auto" uses SDPA with a prebuilt (H, Lq, Lk) bias up to this many bias entries.
 _SDPA_MAX_BIAS_ENTRIES = 2**22
@@ -76,10 +92,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 KVCache = Sequence["tuple[torch.Tensor, torch.Tensor] | None"]
 
 
+def learned_alibi_bias(
+    q_len: int, k_len: int, slopes: torch.Tensor, window: torch.Tensor | None, *, dtype: torch.dtype
+) -> torch.Tensor:
+    """The causal ALiBi bias ``-m_h |i - j|`` ``(H, q_len, k_len)`` built differentiably from ``slopes (H,)`` (a
+    tensor that may require grad, e.g. learned slopes), ``-inf`` where ``j > i`` or ``|i - j| > window[h]``.
+
+    Queries are the last ``q_len`` of ``k_len`` positions. Made on ``slopes``' device in ``dtype`` (the distances
+    are exact integers; the product is taken in ``dtype``). The same values as ``ops.reference.alibi_bias`` up to
+    the rounding of ``m_h`` to ``dtype``; ``slopes.grad`` then gets ``-sum dS |i - j|``.
+    """
+    device = slopes.device
+    qi = torch.arange(q_len, device=device) + (k_len - q_len)
+    dist = qi[:, None] - torch.arange(k_len, device=device)[None, :]  # (q_len, k_len) int64, i - j
+    drop = (dist < 0)[None]
+    dist = dist.abs()
+    if window is not None:
+        drop = drop | (dist[None] > window.to(device=device, dtype=torch.float64)[:, None, None])
+    bias = -slopes.to(dtype)[:, None, None] * dist.to(dtype)[None]
+    return bias.masked_fill(drop, float("-inf"))
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention; the position mode is set by :meth:`configure` (no parameters)."""
+    """Multi-head causal self-attention; the position mode is set by :meth:`configure`.
+
+    Its parameters are the projections ``qkv`` and ``proj``, and with ``cfg.learn_slopes`` the log-slopes
+    ``log_slopes (n_head,)`` float32 (initialised to ``log cfg.slopes()``; the slopes used are their ``exp``).
+    """
 
     calls: torch.Tensor  # the int64 buffer registered in __init__ (typed here for the checker)
+    log_slopes: nn.Parameter | None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -92,13 +134,24 @@ class CausalSelfAttention(nn.Module):
         # Training calls of this layer so far: the step key of its partition draws (an int64 buffer, so that a
         # compiled model advances it in place; not in the state dict: rng_state() carries it for resume).
         self.register_buffer("calls", torch.zeros((), dtype=torch.long), persistent=False)
+        # Learned slopes: a parameter only when asked for (without it the state dict is what it always was).
+        if cfg.learn_slopes:
+            self.log_slopes = nn.Parameter(cfg.slopes().log().float())
+        else:
+            self.log_slopes = None
         self.configure(cfg)
 
     def configure(self, cfg: ModelConfig) -> None:
-        """Set the position mode and its settings from ``cfg`` (weights untouched)."""
+        """Set the position mode and its settings from ``cfg`` (weights, learned slopes included, untouched)."""
+        if cfg.learn_slopes != (self.log_slopes is not None):
+            raise ValueError(
+                f"learn_slopes={cfg.learn_slopes} cannot change on a built model (the log_slopes parameter is "
+                f"{'there' if self.log_slopes is not None else 'absent'}); build a new TransformerLM"
+            )
         self.cfg = cfg
         self.position = cfg.position
         self.slopes = cfg.slopes()
+        # A fixed window stays fixed; window-alibi's window_factor / m_h follows learned slopes (see _window).
         self.window = cfg.windows() if cfg.position == "window-alibi" else None
         self.sampler = (
             PartitionSampler(
@@ -117,16 +170,45 @@ class CausalSelfAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"position={self.cfg.describe()!r}"
 
+    def reset_slopes(self) -> None:
+        """Set learned log-slopes back to ``log cfg.slopes()`` (nothing without ``learn_slopes``)."""
+        if self.log_slopes is not None:
+            with torch.no_grad():
+                self.log_slopes.copy_(self.cfg.slopes().log())
+
+    def current_slopes(self) -> torch.Tensor:
+        """The ``(n_head,)`` slopes this layer uses now: ``log_slopes.exp()`` (float32, on the parameter's device,
+        differentiable) when learned, else the configured ``cfg.slopes()`` (float64 CPU)."""
+        if self.log_slopes is not None:
+            return self.log_slopes.exp()
+        return self.slopes
+
+    def current_window(self) -> torch.Tensor | None:
+        """``window-alibi``'s ``(n_head,)`` float64 window now (``None`` in other modes): the fixed ``cfg.window``, or
+        ``window_factor / m_h`` of the current (learned, detached) slopes."""
+        if self.window is None or self.log_slopes is None or self.cfg.window is not None:
+            return self.window
+        m = self.log_slopes.detach().double().exp()
+        return (self.cfg.window_factor / m).clamp(max=2.0**40)
+
     def partitions(self, seq_len: int) -> Partitions:
-        """The positional-LSH partitions of this call (in training, advances the layer's call counter)."""
+        """The positional-LSH partitions of this call (in training, advances the layer's call counter); with
+        learned slopes, drawn from the current slopes (detached)."""
         if self.sampler is None:
             raise ValueError(f"partitions exist only in position mode 'plsh', this layer is {self.position!r}")
-        parts = self.sampler.draw(seq_len, training=self.training, step=self.calls)
+        if self.log_slopes is not None:
+            parts = self.sampler.draw(
+                seq_len, training=self.training, step=self.calls, slopes=self.log_slopes.detach().exp()
+            )
+        else:
+            parts = self.sampler.draw(seq_len, training=self.training, step=self.calls)
         if self.training:
             self.calls.add_(1)
         return parts
 
     def _sdpa_bias(self, lq: int, lk: int, window: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+        if self.log_slopes is not None:  # a bias that depends on a parameter: built every call, never cached
+            return learned_alibi_bias(lq, lk, self.current_slopes(), window, dtype=q.dtype)
         key = (lq, lk, q.dtype, q.device, None if window is None else tuple(window.tolist()))
         if self._bias_cache is None or self._bias_cache[0] != key:
             bias = alibi_bias(
@@ -142,7 +224,8 @@ class CausalSelfAttention(nn.Module):
             impl = "sdpa" if self.n_head * lq * lk <= _SDPA_MAX_BIAS_ENTRIES else "chunked"
         if impl == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self._sdpa_bias(lq, lk, window, q))
-        return alibi_attention(q, k, v, self.slopes, causal=True, window=window, backend=self.cfg.attn_backend)
+        slopes = self.current_slopes()  # learned: a tensor requiring grad, alibi_attention returns its gradient
+        return alibi_attention(q, k, v, slopes, causal=True, window=window, backend=self.cfg.attn_backend)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of ``q (B, H, Lq, d)`` to ``k, v (B, H, Lk, d)``; queries are the last ``Lq`` positions."""
@@ -150,13 +233,28 @@ class CausalSelfAttention(nn.Module):
         if self.position == "alibi":
             return self._alibi(q, k, v, None)
         if self.position == "window-alibi":
-            return self._alibi(q, k, v, self.window)
+            return self._alibi(q, k, v, self.current_window())
         if self.position == "plsh":
             if getattr(self, "context_group", None) is not None:  # set by positional_lsh.distributed.set_context_group
+                if self.log_slopes is not None:
+                    raise ValueError(
+                        "learn_slopes=True with context parallelism: the sharded attention carries no gradient for "
+                        "the slopes; train learned slopes without --context-parallel"
+                    )
                 from positional_lsh.distributed.context import context_parallel_attend
 
                 return context_parallel_attend(self, q, k, v)
+            if self.log_slopes is not None and torch.compiler.is_compiling():
+                raise ValueError(
+                    "learn_slopes=True with position='plsh' cannot be compiled: plsh_attention refuses slopes= "
+                    "with partitions= under torch.compile; run it eagerly (alibi and window-alibi compile)"
+                )
             parts = self.partitions(lk)
+            if self.log_slopes is not None:  # the slopes tensor carries the surrogate gradient (ops.attention)
+                return plsh_attention(
+                    q, k, v, self.current_slopes(), partitions=parts, causal=True, backend=self.cfg.attn_backend,
+                    method=self.cfg.plsh_method,
+                )  # fmt: skip
             return plsh_attention(
                 q, k, v, partitions=parts, causal=True, backend=self.cfg.attn_backend, method=self.cfg.plsh_method
             )
@@ -247,11 +345,15 @@ class TransformerLM(nn.Module):
     def reset_parameters(self) -> None:
         """nanoGPT initialization: N(0, 0.02), residual projections scaled by ``1/sqrt(2 n_layer)``."""
         for name, p in self.named_parameters():
+            if name.endswith("log_slopes"):
+                continue  # learned slopes start at log cfg.slopes() (below); they draw no random numbers
             if p.dim() == 2:
                 std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
             else:
                 nn.init.ones_(p)
+        for block in self._layers():
+            block.attn.reset_slopes()
 
     def num_params(self) -> int:
         """Number of parameters (the tied embedding counted once)."""
@@ -267,12 +369,21 @@ class TransformerLM(nn.Module):
         ``settings`` are :class:`ModelConfig` fields (``num_samples``, ``scheme``, ``sigma``, ``window``,
         ``window_factor``, ``eval_seed``, ``seed``, ``alibi_impl``, ``attn_backend``). Returns the new config.
         Example: ``model.set_position("plsh", num_samples=16, scheme="gamma")``.
+
+        A model with learned slopes (``cfg.learn_slopes``) keeps them in every mode it can switch to (``alibi``,
+        ``window-alibi``, ``plsh``: e.g. an ALiBi-trained model evaluated with positional LSH draws its partitions
+        from its learned slopes); its ``sigma`` (which only set their starting value) cannot change.
         """
         allowed = {"num_samples", "scheme", "sigma", "window", "window_factor", "eval_seed", "seed", "alibi_impl"}
         allowed |= {"attn_backend", "attn_fp32", "rope_base"}
         bad = sorted(set(settings) - allowed)
         if bad:
             raise ValueError(f"set_position got settings that are not position settings: {bad}")
+        if self.cfg.learn_slopes and "sigma" in settings and settings["sigma"] != self.cfg.sigma:
+            raise ValueError(
+                f"sigma cannot change on a model with learned slopes (sigma={self.cfg.sigma} only set their starting "
+                "value; the slopes are the layers' log_slopes parameters)"
+            )
         changes = dict(settings)
         if position is not None:
             changes["position"] = position
@@ -281,6 +392,27 @@ class TransformerLM(nn.Module):
         for block in self._layers():
             block.attn.configure(cfg)
         return cfg
+
+    def slopes(self) -> torch.Tensor | None:
+        """``(n_layer, n_head)`` float64 CPU: the slopes every layer uses now (learned ones with
+        ``cfg.learn_slopes``, else ``cfg.slopes()`` in every layer); ``None`` for ``rope``/``nope``."""
+        if self.cfg.position not in ("alibi", "window-alibi", "plsh"):
+            return None
+        return torch.stack([b.attn.current_slopes().detach().to("cpu", torch.float64) for b in self._layers()])
+
+    def windows(self) -> torch.Tensor | None:
+        """``(n_layer, n_head)`` float64 CPU: ``window-alibi``'s window in every layer now (with learned slopes and no
+        fixed ``window``, ``window_factor / m_h`` of each layer's slopes); ``None`` in other modes."""
+        if self.cfg.position != "window-alibi":
+            return None
+        return torch.stack(
+            [cast(torch.Tensor, b.attn.current_window()).to("cpu", torch.float64) for b in self._layers()]
+        )
+
+    def learned_slopes(self) -> torch.Tensor | None:
+        """``(n_layer, n_head)`` float64 CPU learned slopes (``exp`` of the layers' ``log_slopes``), or ``None``
+        when the model does not learn its slopes."""
+        return self.slopes() if self.cfg.learn_slopes else None
 
     def _layers(self) -> list[Block]:
         """The blocks, typed (iterating an ``nn.ModuleList`` gives ``nn.Module``)."""

@@ -40,6 +40,7 @@ from positional_lsh.lm.train_config import (
     AUTOCAST_CHOICES,
     QUICK_PRESET,
     TrainConfig,
+    check_learn_slopes_run,
     default_cache_dir,
     estimate_step_bytes,
     lr_at,
@@ -63,6 +64,7 @@ __all__ = [
     "lr_at",
     "resolve_autocast_dtype",
     "resolve_run_configs",
+    "slopes_record",
     "train",
 ]
 
@@ -196,7 +198,10 @@ def train(
     if model_cfg is not None and not isinstance(model_cfg, ModelConfig):
         raise TypeError(f"model_cfg must be a ModelConfig or None, got {type(model_cfg).__name__}")
     check_device(cfg.device)  # before anything on disk changes
+    if model_cfg is not None and not resume:
+        check_learn_slopes_run(cfg, model_cfg)
     cfg, model_cfg, state = resolve_run_configs(cfg, model_cfg, resume, overwrite, changes or {})
+    check_learn_slopes_run(cfg, model_cfg)  # a resumed run's saved settings too
     if cfg.context_parallel > 1:
         from positional_lsh.distributed.training import check_context_parallel  # lazily: lm never needs it
 
@@ -338,4 +343,15 @@ def _loop(run: _Run) -> TrainResult:
         save=lambda: _save_state(run),
         val_ppl=math.exp,
         show_ppl=True,
+        val_extra=(lambda: {"slopes": slopes_record(cast(TransformerLM, run.model))}) if run.model_cfg.learn_slopes
+        else None,
     )  # fmt: skip
+
+
+def slopes_record(model: TransformerLM) -> list[list[float]] | None:
+    """The learned slopes of ``model`` for ``log.jsonl``: one list per layer, one value per head (6 significant
+    digits); ``None`` when it does not learn its slopes."""
+    slopes = model.learned_slopes()
+    if slopes is None:
+        return None
+    return [[float(f"{v:.6g}") for v in row] for row in slopes.tolist()]

@@ -22,6 +22,7 @@ __all__ = [
     "QUICK_PRESET",
     "TrainConfig",
     "check_betas",
+    "check_learn_slopes_run",
     "check_nonnegative_numbers",
     "check_out_dir",
     "check_step_counts",
@@ -66,6 +67,17 @@ def check_betas(cfg: Any) -> None:
         v = getattr(cfg, name)
         if not 0 <= v < 1:
             raise ValueError(f"{name} must be in [0, 1), got {v}")
+
+
+def check_learn_slopes_run(cfg: TrainConfig, model_cfg: Any) -> None:
+    """``ValueError`` naming ``learn_slopes`` when a run cannot learn the slopes: with ``context_parallel > 1`` the
+    sharded attention (``positional_lsh.distributed``) carries no gradient for them, so it is refused rather than
+    training them with none. ``model_cfg``: the run's :class:`~positional_lsh.lm.config.ModelConfig`."""
+    if getattr(model_cfg, "learn_slopes", False) and cfg.context_parallel > 1:
+        raise ValueError(
+            f"--learn-slopes (learn_slopes=True) cannot run with --context-parallel {cfg.context_parallel}: the "
+            "sharded attention carries no gradient for the slopes; drop one of them"
+        )
 
 
 def default_cache_dir() -> Path:

@@ -249,6 +249,7 @@ def run_loop(
     save: Callable[[], None],
     val_ppl: Callable[[float], float],
     show_ppl: bool,
+    val_extra: Callable[[], dict[str, Any]] | None = None,
 ) -> TrainResult:
     """Optimizer steps until ``steps`` (or ``stop_after``, or SIGINT/SIGTERM), with logging, validation and
     checkpoints; returns the :class:`TrainResult`.
@@ -262,6 +263,8 @@ def run_loop(
         save: write a checkpoint (called on rank 0, with ``run.elapsed`` up to date).
         val_ppl: the ``val_ppl`` log field of a validation loss.
         show_ppl: the validation line shows the perplexity.
+        val_extra: more fields of each validation's ``log.jsonl`` record (e.g. ``plsh train --learn-slopes``'s
+            ``"slopes"``), computed on rank 0 after the validation.
     """
     info = run.info
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
@@ -285,7 +288,8 @@ def run_loop(
             if run.step % cfg.eval_interval == 0 or run.step == cfg.steps:
                 run.val_loss = val = validate()
                 if info.main:
-                    R.append_log(run.out, {"step": run.step, "val_loss": val, "val_ppl": val_ppl(val)})
+                    record = {"step": run.step, "val_loss": val, "val_ppl": val_ppl(val)}
+                    R.append_log(run.out, record if val_extra is None else {**record, **val_extra()})
                     bar.write(f"step {run.step}: train loss {run.last_loss:.4f}, val loss {val:.4f}"
                               + (f" (ppl {math.exp(val):.2f})" if show_ppl else ""))  # fmt: skip
             interrupted = stop_requested(stopper, info, run.device)

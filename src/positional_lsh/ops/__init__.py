@@ -5,7 +5,7 @@ integrations, cli). Tensors are ``(batch, heads, length, head_dim)``; the ALiBi 
 ``-slopes[h] * |i - j|``, added to the scaled score.
 """
 
-from positional_lsh.ops.alibi import alibi_attention
+from positional_lsh.ops.alibi import alibi_attention, decay_attention
 from positional_lsh.ops.attention import PositionalLSHAttention, plsh_attention
 from positional_lsh.ops.partitions import Partitions, sample_partitions
 from positional_lsh.ops.reference import alibi_bias, alibi_matrix, dense_plsh_attention
@@ -22,6 +22,7 @@ __all__ = [
     "alibi_bias",
     "alibi_matrix",
     "alibi_slopes",
+    "decay_attention",
     "dense_plsh_attention",
     "get_scheme",
     "plsh_attention",

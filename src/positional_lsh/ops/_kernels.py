@@ -206,6 +206,33 @@ def _add_mask(s: torch.Tensor, mask: torch.Tensor | None, sl: slice) -> torch.Te
     return s + (mask[:, sl] if per_m else mask)
 
 
+def _math_chunk_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    acc: torch.dtype,
+    mask: torch.Tensor | None,
+    sl: slice,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The math backward's recomputation for the chunk ``sl`` of ``M``, in ``acc``: ``(qa, ka, doa, p, dP - D)``.
+
+    ``p = exp(scale q k^T + mask - lse)``, ``dP = dout v^T``, ``D_i = dout_i . out_i``; ``dS = p * (dP - D)`` is
+    the gradient with respect to the additive scores (shared by :func:`attend_backward` and
+    :func:`attend_bias_grad`, so the two see the same ``p`` and ``dS`` to the bit).
+    """
+    qa, ka, va = q[:, sl].to(acc), k[:, sl].to(acc), v[:, sl].to(acc)
+    doa = dout[:, sl].to(acc)
+    s = _add_mask(torch.matmul(qa, ka.transpose(-1, -2)) * scale, mask, sl)
+    p = torch.exp(s - lse[:, sl].to(acc)[..., None])
+    dp = torch.matmul(doa, va.transpose(-1, -2))
+    delta = (doa * out[:, sl].to(acc)).sum(-1, keepdim=True)
+    return qa, ka, doa, p, dp - delta
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -268,14 +295,44 @@ def attend_backward(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for sl in chunks:
-        qa, ka, va = q[:, sl].to(acc), k[:, sl].to(acc), v[:, sl].to(acc)
-        doa = dout[:, sl].to(acc)
-        s = _add_mask(torch.matmul(qa, ka.transpose(-1, -2)) * scale, mask, sl)
-        p = torch.exp(s - lse[:, sl].to(acc)[..., None])
+        qa, ka, doa, p, dpd = _math_chunk_backward(dout, q, k, v, out, lse, acc, mask, sl, scale)
         dv[:, sl] = torch.matmul(p.transpose(-1, -2), doa).to(v.dtype)
-        dp = torch.matmul(doa, va.transpose(-1, -2))
-        delta = (doa * out[:, sl].to(acc)).sum(-1, keepdim=True)
-        ds = p * (dp - delta) * scale
+        ds = p * dpd * scale
         dq[:, sl] = torch.matmul(ds, ka).to(q.dtype)
         dk[:, sl] = torch.matmul(ds.transpose(-1, -2), qa).to(k.dtype)
     return dq, dk, dv
+
+
+def attend_bias_grad(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(N, M)`` in the accumulation dtype: ``sum_{i,j} dS[n, m, i, j] * weight[n, m, i, j]`` for one call.
+
+    ``dS = p * (dP - D)`` is the gradient of the loss with respect to the call's additive scores (after the scale,
+    bias included), with ``p = exp(scale q k^T + bias - lse)``, ``dP = dout v^T`` and ``D_i = dout_i . out_i``; as
+    in :func:`attend_backward`, ``out``/``lse`` may be the *merged* ones, and then this is the call's share.
+    ``weight`` is broadcastable to ``(N, M, Lq, Lk)`` and finite (masked pairs have ``p = 0``). With ``weight =
+    d bias / d theta`` this is the call's share of ``dL/d theta`` for a parameter ``theta`` of the bias (for ALiBi's
+    ``bias = -m |i - j|``: ``dL/dm = -sum dS |i - j|``). Math only (one more pass over the scores, chunked over
+    ``M``), for any backend's call; no ``(Lq, Lk)`` tensor outlives a chunk.
+    """
+    lk = k.shape[-2]
+    acc, mask, chunks = _math_setup(q, lk, causal, bias)
+    total = torch.zeros(q.shape[:2], dtype=acc, device=q.device)
+    w = weight.to(acc)
+    per_m = w.dim() == 4 and w.shape[1] > 1
+    for sl in chunks:
+        p, dpd = _math_chunk_backward(dout, q, k, v, out, lse, acc, mask, sl, scale)[3:]
+        ws = w[:, sl] if per_m else w
+        total[:, sl] = (p * dpd * ws).sum((-1, -2))
+    return total

@@ -18,10 +18,25 @@ import torch
 from torch import nn
 
 from positional_lsh.ops import compiled, engine
-from positional_lsh.ops._checks import GeneratorLike, QKVShape, SlopesLike, as_slopes, check_qkv, positive_int
+from positional_lsh.ops._checks import (
+    GeneratorLike,
+    QKVShape,
+    SlopesLike,
+    as_slopes,
+    check_bool,
+    check_qkv,
+    positive_int,
+)
 from positional_lsh.ops.errors import check_memory, check_seconds, format_seconds
 from positional_lsh.ops.multiplicity import call_estimate, exact_seconds
-from positional_lsh.ops.options import DEFAULT_BACKEND, DEFAULT_METHOD, check_backend, check_method
+from positional_lsh.ops.options import (
+    DEFAULT_BACKEND,
+    DEFAULT_METHOD,
+    DEFAULT_SLOPE_GRAD,
+    check_backend,
+    check_method,
+    check_slope_grad,
+)
 from positional_lsh.ops.partitions import Partitions, check_partitions, check_slopes_match, sample_partitions
 from positional_lsh.ops.sampling import PartitionSampler, sample_op, slopes_tensor
 
@@ -73,10 +88,25 @@ def _shape_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 
 def _execute(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Partitions, route: engine.Route
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    partitions: Partitions,
+    route: engine.Route,
+    slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eager or compiled execution of a routed call (``route.compiled`` is decided by ``engine.dispatch``)."""
-    return (compiled.run if route.compiled else engine.run)(q, k, v, partitions, route)
+    """Eager or compiled execution of a routed call (``route.compiled`` is decided by ``engine.dispatch``); ``slopes``
+    (``(Hq,)``, from :func:`_grad_slopes`) gets the surrogate gradient."""
+    return (compiled.run if route.compiled else engine.run)(q, k, v, partitions, route, slopes)
+
+
+def _grad_slopes(slopes: object, slope_grad: str, num_heads: int) -> torch.Tensor | None:
+    """The slopes tensor that gets the surrogate gradient, as ``(Hq,)`` (a 0-dim one expanded: its gradient is the
+    sum over heads), or ``None``: when ``slope_grad="none"``, or ``slopes`` is not a tensor requiring grad (a float,
+    a sequence, ``None``, a tensor without ``requires_grad``: nothing changes, no extra work)."""
+    if slope_grad != "surrogate" or not isinstance(slopes, torch.Tensor) or not slopes.requires_grad:
+        return None
+    return slopes.expand(num_heads) if slopes.dim() == 0 else slopes
 
 
 def _compiled_draw(
@@ -110,6 +140,7 @@ def plsh_attention(
     scale: float | None = None,
     backend: str = DEFAULT_BACKEND,
     method: str = DEFAULT_METHOD,
+    slope_grad: str = DEFAULT_SLOPE_GRAD,
 ) -> torch.Tensor:
     """Positional-LSH attention: the ALiBi estimator ``softmax(s + log Mbar) v`` in near-linear time.
 
@@ -119,7 +150,9 @@ def plsh_attention(
             queries are aligned to the last ``Lq`` keys (``Lq < Lk`` for decoding with a KV cache).
         v: ``(B, Hkv, Lk, d)`` values.
         slopes: ALiBi slopes, ``(Hq,)`` or one float for every head; default ``alibi_slopes(Hq)``.
-            The bias being approximated is ``-slopes[h] * |i - j|`` added after scaling.
+            The bias being approximated is ``-slopes[h] * |i - j|`` added after scaling. A tensor requiring grad
+            (``(Hq,)`` or 0-dim, any float dtype and device) is learnable: the partitions are drawn from its
+            detached values and, with ``slope_grad="surrogate"``, the backward gives it the surrogate gradient.
         num_samples: number ``T`` of sampled partitions per head (ignored when ``partitions`` is given).
         causal: restrict query ``i`` to keys ``j <= i``.
         partitions: pre-sampled :class:`~positional_lsh.Partitions` (``seq_len == Lk``, ``num_heads == Hq``);
@@ -143,11 +176,21 @@ def plsh_attention(
             same partitions (docs/implementation.md). Default ``"auto"``: one sample never takes the multiplicity
             form; at large ``T`` the call does. The choice changes the speed, not the result (beyond float rounding).
             How a call is routed: :func:`positional_lsh.ops.engine.dispatch`.
+        slope_grad: the gradient of a ``slopes`` tensor requiring grad (``ops.options.SLOPE_GRADS``):
+            ``"surrogate"`` (default): ``slopes.grad[h] = -sum over batch, i, j of dS[b, h, i, j] |i - j|`` with the
+            estimator's own ``dS = dL/d(score incl. log Mbar)`` — the exact ALiBi slope gradient's formula on the
+            estimator, i.e. the gradient of ``softmax(s + log Mbar - (m - m.detach()) |i - j|) v`` for the same
+            partitions: biased at finite ``T``, consistent as ``T -> inf`` (docs/implementation.md, "Learning the
+            slopes"); accumulated in float32 (float64 for float64 inputs), returned in the slopes' dtype. Costs one
+            more math pass over every kernel call's scores in the backward, only when the slopes require grad.
+            ``"none"``: the slopes get no gradient from this call. Checked on every call; without a slopes tensor
+            requiring grad it changes nothing (same outputs, same ``q, k, v`` gradients, no extra work).
 
     Returns:
         ``(B, Hq, Lq, d)`` tensor in ``q``'s dtype. Differentiable w.r.t. ``q``, ``k``, ``v`` (exact gradients
-        of the estimator for the sampled partitions). NaN in the inputs propagates to NaN in the rows it
-        reaches; it never raises. On ``meta`` tensors: a ``meta`` tensor of that shape (shape propagation).
+        of the estimator for the sampled partitions), and w.r.t. ``slopes`` by the surrogate (see ``slope_grad``).
+        NaN in the inputs propagates to NaN in the rows it reaches (and to the slope gradient); it never raises.
+        On ``meta`` tensors: a ``meta`` tensor of that shape (shape propagation).
 
     Raises:
         TypeError, ValueError: naming the bad argument; :class:`~positional_lsh.ops.errors.UserError` (a
@@ -177,6 +220,7 @@ def plsh_attention(
     """
     shape = check_qkv(q, k, v)
     route = engine.dispatch(q, causal=causal, scale=scale, backend=backend, method=method)
+    grad_slopes = _grad_slopes(slopes, check_slope_grad(slope_grad), shape.q_heads)
     if partitions is None:
         _check_size(shape, positive_int("num_samples", num_samples), route)
     elif isinstance(partitions, Partitions):
@@ -192,7 +236,7 @@ def plsh_attention(
     check_partitions(partitions, shape.q_heads, shape.k_len)
     if q.device.type == "meta" and not route.compiled:
         return _shape_only(q, k, v)
-    return _execute(q, k, v, partitions, route)
+    return _execute(q, k, v, partitions, route, grad_slopes)
 
 
 class PositionalLSHAttention(nn.Module):
@@ -216,6 +260,14 @@ class PositionalLSHAttention(nn.Module):
       fresh partitions and a new module with the same ``seed`` repeats the sequence, but it is not the sequence
       of eager training calls (which draw from one generator stream);
     * training mode with ``seed=None`` draws from torch's global RNG inside the op, as eager training does.
+
+    Learned slopes (``learn_slopes=True``): the module holds the float32 parameter ``log_slopes (H,)``, initialised to
+    the log of ``slopes`` (every slope must be ``> 0``: a slope of 0 has no log and cannot be learned), and uses
+    ``slopes = log_slopes.exp()`` (positive by construction): every call draws its partitions from the current
+    detached slopes (same seeds as above) and passes the slopes tensor to :func:`plsh_attention`, whose backward
+    gives it the surrogate gradient (``slope_grad="surrogate"``; ``"none"``: no gradient, the slopes only drive the
+    draws). ``log_slopes`` is in the state dict (and follows the module's casts, like any parameter). Without
+    ``learn_slopes`` (the default) there is no parameter: state dict and outputs are those of a fixed-slope module.
 
     Example:
         >>> import torch
@@ -247,6 +299,8 @@ class PositionalLSHAttention(nn.Module):
         scale: float | None = None,
         backend: str = DEFAULT_BACKEND,
         method: str = DEFAULT_METHOD,
+        learn_slopes: bool = False,
+        slope_grad: str = DEFAULT_SLOPE_GRAD,
     ) -> None:
         super().__init__()
         self.sampler = PartitionSampler(
@@ -256,6 +310,16 @@ class PositionalLSHAttention(nn.Module):
         self.scale = scale
         self.backend = check_backend(backend)
         self.method = check_method(method)
+        self.learn_slopes = check_bool("learn_slopes", learn_slopes)
+        self.slope_grad = check_slope_grad(slope_grad)
+        if self.learn_slopes:
+            init = self.sampler.slopes
+            if not bool((init > 0).all()):
+                raise ValueError(
+                    "learn_slopes=True learns log-slopes, so every slope must be > 0 (a slope of 0 cannot be "
+                    f"learned); got slopes={init.tolist()}"
+                )
+            self.log_slopes = nn.Parameter(init.log().to(torch.float32))
         # Training calls so far: the key of their draws (see the class docstring).
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
@@ -274,11 +338,19 @@ class PositionalLSHAttention(nn.Module):
     @property
     def slopes(self) -> torch.Tensor:
         """``(H,)`` float64 CPU slopes: they drive the sampler only, and are kept in the state dict as extra state
-        so that casting the model (``.half()``, ``.to(bfloat16)``) never rounds them."""
+        so that casting the model (``.half()``, ``.to(bfloat16)``) never rounds them. With ``learn_slopes``: the
+        current learned slopes ``log_slopes.exp()``, detached (the extra state keeps the initial ones)."""
+        if self.learn_slopes:
+            return self.log_slopes.detach().exp().to("cpu", torch.float64)
         return self.sampler.slopes
 
+    def learned_slopes(self) -> torch.Tensor | None:
+        """``log_slopes.exp()`` (``(H,)``, differentiable, on the parameter's device and dtype) with
+        ``learn_slopes``, else ``None``."""
+        return self.log_slopes.exp() if self.learn_slopes else None
+
     def get_extra_state(self) -> dict[str, list[float]]:
-        return {"slopes": self.slopes.tolist()}
+        return {"slopes": self.sampler.slopes.tolist()}
 
     def set_extra_state(self, state: dict[str, list[float]]) -> None:
         s = self.sampler
@@ -287,20 +359,28 @@ class PositionalLSHAttention(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, num_samples={self.num_samples}, scheme={self.scheme!r}"
+        learn = f", learn_slopes=True, slope_grad={self.slope_grad!r}" if self.learn_slopes else ""
+        return f"num_heads={self.num_heads}, num_samples={self.num_samples}, scheme={self.scheme!r}{learn}"
 
     def sample(self, seq_len: int) -> Partitions:
-        """The partitions the next call at ``seq_len`` keys will use (does not advance the step)."""
-        return self.sampler.draw(seq_len, training=self.training, step=self.calls)
+        """The partitions the next call at ``seq_len`` keys will use (does not advance the step); with
+        ``learn_slopes``, drawn from the current slopes."""
+        return self._draw(seq_len, self.learned_slopes())
+
+    def _draw(self, seq_len: int, slopes: torch.Tensor | None) -> Partitions:
+        values = None if slopes is None else slopes.detach()
+        return self.sampler.draw(seq_len, training=self.training, step=self.calls, slopes=values)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shape = check_qkv(q, k, v)
         route = engine.dispatch(q, causal=self.causal, scale=self.scale, backend=self.backend, method=self.method)
         _check_size(shape, self.num_samples, route)
-        partitions = self.sample(shape.k_len)
+        slopes = self.learned_slopes()
+        partitions = self._draw(shape.k_len, slopes)
         if self.training:
             self.calls.add_(1)
         check_partitions(partitions, shape.q_heads, shape.k_len)
         if q.device.type == "meta" and not route.compiled:
             return _shape_only(q, k, v)
-        return _execute(q, k, v, partitions, route)
+        grad_slopes = None if slopes is None else _grad_slopes(slopes, self.slope_grad, shape.q_heads)
+        return _execute(q, k, v, partitions, route, grad_slopes)

@@ -8,9 +8,13 @@ that the compiler treats as a black box, running the same :func:`~positional_lsh
 
 * ``positional_lsh::plsh_forward(q, k, v, pitch, shift, slopes, scheme, max_block, causal, scale, kernel, method)
   -> (out, lse)``: rebuilds the :class:`~positional_lsh.Partitions` from its tensors, plans and runs the forward;
-* ``positional_lsh::plsh_backward(dout, q, k, v, out, lse, pitch, shift, slopes, ...) -> (dq, dk, dv)``: the same
-  backward as eager mode; connected to the forward by ``torch.library.register_autograd``. It plans again: nothing
-  host-side survives between the two ops.
+* ``positional_lsh::plsh_backward(dout, q, k, v, out, lse, pitch, shift, slopes, ..., slope_grad) -> (dq, dk, dv,
+  dslopes)``: the same backward as eager mode; ``dslopes`` (shaped like ``slopes``, in its dtype) is the surrogate
+  slope gradient ``-dist`` when ``slope_grad`` is true, else zeros (and no extra work). Connected to the forward by
+  ``torch.library.register_autograd``, which gives ``dslopes`` to the ``slopes`` input when autograd needs it
+  (``ctx.needs_input_grad``): a call that wants the slope gradient passes the slopes tensor requiring grad as
+  ``slopes`` (its values are those the partitions were drawn from), any other call ``partitions.slopes``. It plans
+  again: nothing host-side survives between the two ops.
 
 The partition draw under ``torch.compile`` is the custom op ``positional_lsh::sample_partitions``
 (:func:`positional_lsh.ops.sampling.sample_op`).
@@ -23,7 +27,7 @@ from typing import Any
 import torch
 
 from positional_lsh.ops._kernels import acc_dtype
-from positional_lsh.ops.engine import Plan, Route, backward, forward, kernel_inputs, plan
+from positional_lsh.ops.engine import Plan, Route, backward, forward, kernel_inputs, plan, slope_gradient
 from positional_lsh.ops.partitions import Partitions
 
 __all__ = ["plsh_backward", "plsh_forward", "run"]
@@ -80,20 +84,40 @@ def plsh_backward(
     scale: float,
     kernel: str,
     method: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of the estimator (see :func:`positional_lsh.ops.engine.backward`)."""
+    slope_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dslopes)`` of the estimator (see :func:`positional_lsh.ops.engine.backward`): ``dslopes`` is
+    the surrogate slope gradient ``-dist`` when ``slope_grad``, else zeros; shaped like ``slopes``, in its dtype."""
     parts = Partitions(k.shape[2], slopes, pitch, shift, scheme, max_block=max_block)
     qp, kp, vp, _ = kernel_inputs(q, k, v, kernel)
-    return backward(_plan_of(q, k, parts, Route(method, kernel, False, causal, scale)), (qp, kp, vp, out, lse), dout)
+    p = _plan_of(q, k, parts, Route(method, kernel, False, causal, scale))
+    dq, dk, dv, dist = backward(p, (qp, kp, vp, out, lse), dout, dist_grad=slope_grad)
+    if not slope_grad:
+        return dq, dk, dv, torch.zeros(slopes.shape, dtype=slopes.dtype, device=slopes.device)
+    return dq, dk, dv, slope_gradient(dist, slopes, kernel)
 
 
 @plsh_backward.register_fake
 def _(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pitch: torch.Tensor,
+    shift: torch.Tensor,
+    slopes: torch.Tensor,
+    *_: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    return dq, dk, dv
+    dq, dk, dv, ds = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, slopes))
+    return dq, dk, dv, ds
+
+
+# plsh_forward's inputs: q, k, v, pitch, shift, slopes, then six non-tensor arguments.
+_SLOPES_INPUT = 5
+_NON_TENSOR_INPUTS = 6
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -108,15 +132,26 @@ def _backward_fn(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None)
     q, k, v, out, lse, pitch, shift, slopes = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = plsh_backward(dout, q, k, v, out, lse, pitch, shift, slopes, *ctx.args)
-    return (dq, dk, dv) + (None,) * 9
+    want = bool(ctx.needs_input_grad[_SLOPES_INPUT])
+    dq, dk, dv, dslopes = plsh_backward(dout, q, k, v, out, lse, pitch, shift, slopes, *ctx.args, want)
+    return (dq, dk, dv, None, None, dslopes if want else None) + (None,) * _NON_TENSOR_INPUTS
 
 
 plsh_forward.register_autograd(_backward_fn, setup_context=_setup_context)
 
 
-def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Partitions, route: Route) -> torch.Tensor:
-    """Compiled execution of a checked call (the counterpart of :func:`positional_lsh.ops.engine.run`)."""
-    parts = (partitions.pitch, partitions.shift, partitions.slopes, partitions.scheme, partitions.max_block)
+def run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    partitions: Partitions,
+    route: Route,
+    slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Compiled execution of a checked call (the counterpart of :func:`positional_lsh.ops.engine.run`): ``slopes``
+    ``(Hq,)``, the values ``partitions`` were drawn from, gets the surrogate gradient when given (it is passed as the
+    op's ``slopes`` input in place of ``partitions.slopes``)."""
+    slopes_in = partitions.slopes if slopes is None else slopes
+    parts = (partitions.pitch, partitions.shift, slopes_in, partitions.scheme, partitions.max_block)
     out, _ = plsh_forward(q, k, v, *parts, route.causal, route.scale, route.kernel, route.method)
     return out

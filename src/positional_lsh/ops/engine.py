@@ -9,7 +9,9 @@ language model, the transformers swap, context parallelism) goes through here:
    whether the call goes through the ``torch.compile`` custom ops (:mod:`positional_lsh.ops.compiled`).
 2. :func:`plan` — host-side, from the partition values: the backend's plan (``method="auto"`` resolved here).
 3. :func:`forward` — the estimator's ``(out, lse)``; :func:`backward` — ``(dq, dk, dv)`` from the merged
-   ``out``/``lse``. Both apply the non-finite-key rule (``ops._kernels.nonfinite_keys``) for every backend.
+   ``out``/``lse``, and with ``dist_grad=True`` the surrogate slope gradient's ``dist (Hq,)``
+   (``sum dS |i - j|``; ``slopes.grad = -dist``). Both apply the non-finite-key rule
+   (``ops._kernels.nonfinite_keys``) for every backend.
 
 The backends share one small interface — ``*_plan`` → ``*_forward`` → ``*_backward`` — and live in their own
 modules: :mod:`~positional_lsh.ops.per_sample` (one kernel call per group of equal blocks, merged by
@@ -42,7 +44,7 @@ from positional_lsh.ops.per_sample import samples_backward, samples_cost, sample
 
 __all__ = [
     "Plan", "Route", "backward", "dispatch", "forward", "kernel_inputs", "plan", "rows_reaching", "run",
-    "triton_device", "triton_installed",
+    "slope_gradient", "triton_device", "triton_installed",
 ]  # fmt: skip
 
 
@@ -255,16 +257,21 @@ def forward(
 
 
 def backward(
-    p: Plan, saved: tuple[torch.Tensor, ...], dout: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` in the inputs' dtypes from ``saved = (q, k, v, out, lse)`` (as :func:`forward` returned
-    them) and the upstream gradient ``dout``."""
+    p: Plan, saved: tuple[torch.Tensor, ...], dout: torch.Tensor, dist_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(dq, dk, dv, dist)`` from ``saved = (q, k, v, out, lse)`` (as :func:`forward` returned them) and the upstream
+    gradient ``dout``: ``dq, dk, dv`` in the inputs' dtypes; with ``dist_grad``, ``dist (Hq,)`` ``= sum over batch,
+    i, j of dS[b, h, i, j] * |i - j|`` with the estimator's own ``dS`` (query row ``r`` at position ``Lk - Lq + r``),
+    in the accumulation dtype (float32; float64 for float64 inputs): the surrogate gradient of the slopes of the
+    bias ``-m_h |i - j|`` is ``-dist``. Without ``dist_grad``: ``None``, and the same work and numbers as before
+    (each backend adds one extra math pass per kernel call only when asked)."""
     route = p.route
     dout = dout.contiguous()
     if p.kernel == "triton":
-        from positional_lsh.ops.triton_multiplicity import triton_backward
+        from positional_lsh.ops import triton_multiplicity  # lazy: triton is optional
 
-        return triton_backward(p.work, saved, dout, route.causal, route.scale)  # type: ignore[arg-type]
+        work: Any = p.work  # the TritonWork of triton_plan
+        return triton_multiplicity.triton_backward(work, saved, dout, route.causal, route.scale, dist_grad=dist_grad)
     q, k, v = saved[:3]
     acc = acc_dtype(q.dtype)
     grads = (
@@ -272,31 +279,63 @@ def backward(
         torch.zeros(k.shape, dtype=acc, device=q.device),
         torch.zeros(v.shape, dtype=acc, device=q.device),
     )
+    dist = torch.zeros(q.shape[1], dtype=acc, device=q.device) if dist_grad else None
     if p.method == "samples":
-        samples_backward(p.work, saved, dout, grads, route.causal, route.scale, p.kernel)  # type: ignore[arg-type]
+        samples_backward(p.work, saved, dout, grads, route.causal, route.scale, p.kernel, dist)  # type: ignore[arg-type]
     else:
-        multiplicity_backward(p.work, saved, dout, grads, route.scale, p.kernel)  # type: ignore[arg-type]
+        multiplicity_backward(p.work, saved, dout, grads, route.scale, p.kernel, dist)  # type: ignore[arg-type]
     dq, dk, dv = grads
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dist
+
+
+def slope_gradient(dist: torch.Tensor | None, like: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The surrogate gradient of slopes ``like`` (a ``(Hq,)`` tensor, or one shaped like it) from :func:`backward`'s
+    ``dist`` (asked for with ``dist_grad=True``): ``-dist`` in ``like``'s dtype and device.
+
+    Never silently: a ``dist`` of ``None`` (the ``kernel``'s backward returned no slope gradient although asked)
+    raises ``RuntimeError``."""
+    if dist is None:
+        raise RuntimeError(f"the {kernel!r} backward returned no slope gradient (dist_grad=True)")
+    return (-dist).to(dtype=like.dtype, device=like.device).reshape(like.shape)
 
 
 class _EngineFunction(torch.autograd.Function):
-    """The eager autograd Function of every backend: :func:`forward` and :func:`backward` for one :class:`Plan`."""
+    """The eager autograd Function of every backend: :func:`forward` and :func:`backward` for one :class:`Plan`.
+
+    ``slopes`` is ``None`` or the ``(Hq,)`` slopes tensor whose surrogate gradient is wanted: it takes no part in the
+    forward (the plan's partitions were drawn from its detached values); the backward computes ``-dist`` only when
+    autograd asks for its gradient (``ctx.needs_input_grad``)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Plan) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None, p: Plan
+    ) -> torch.Tensor:
         out, lse, inputs = forward(p, q, k, v)
         ctx.save_for_backward(*inputs, out, lse)
         ctx.plan = p
+        # A detached stand-in of the slopes (dtype, device, shape): nothing of the graph is kept.
+        ctx.slopes_like = None if slopes is None else slopes.detach()
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return *backward(ctx.plan, ctx.saved_tensors, dout), None
+        want = ctx.slopes_like is not None and bool(ctx.needs_input_grad[3])
+        dq, dk, dv, dist = backward(ctx.plan, ctx.saved_tensors, dout, dist_grad=want)
+        if not want:
+            return dq, dk, dv, None, None
+        return dq, dk, dv, slope_gradient(dist, ctx.slopes_like, ctx.plan.kernel), None
 
 
-def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partitions: Partitions, route: Route) -> torch.Tensor:
-    """Eager execution of a checked call: plan, then the autograd Function (differentiable in ``q, k, v``)."""
+def run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    partitions: Partitions,
+    route: Route,
+    slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eager execution of a checked call: plan, then the autograd Function (differentiable in ``q, k, v``, and in
+    ``slopes`` (``(Hq,)``, the values ``partitions`` were drawn from) by the surrogate gradient when given)."""
     p = plan(route, partitions, k.shape[1], q.shape[2], q.device)
-    return _EngineFunction.apply(q, k, v, p)
+    return _EngineFunction.apply(q, k, v, slopes, p)

@@ -24,7 +24,9 @@ with the additive float mask ``log c`` (``-inf`` outside), built on the device b
 block starts (and ends) of every row followed by a cumulative sum over keys — ``O(T + k_len)`` per row.
 Each query row lives in exactly one tile, so the call's ``(out, lse)`` are final: no merge. The backward
 is the same attention's backward with the saved ``out``/``lse`` and the mask rebuilt, its key gradients
-scatter-added back (tiles share keys).
+scatter-added back (tiles share keys). The surrogate slope gradient (``dist`` given to
+``multiplicity_backward``) adds each masked call's ``sum_ij dS_ij |i - j|`` over its rows and union keys
+(``ops._kernels.attend_bias_grad``, one more math pass over the call's scores) into its tiles' query heads.
 
 All of it is device-agnostic torch: gathers, ``scatter_add_``, ``cumsum``, ``log`` and the attention kernels
 of :mod:`positional_lsh.ops._kernels` (CPU: torch's fused flash op with ``attn_mask``; elsewhere: chunked
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from positional_lsh.ops._kernels import attend, attend_backward
+from positional_lsh.ops._kernels import attend, attend_backward, attend_bias_grad
 from positional_lsh.ops.partitions import Partitions
 
 __all__ = [
@@ -440,8 +442,11 @@ def multiplicity_backward(
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
     backend: str,
+    dist: torch.Tensor | None = None,
 ) -> None:
-    """Accumulate the gradients of the rows of ``plan.heads`` into ``grads = (dq, dk, dv)`` (accumulation dtype)."""
+    """Accumulate the gradients of the rows of ``plan.heads`` into ``grads = (dq, dk, dv)`` (accumulation dtype);
+    with ``dist (Hq,)`` (accumulation dtype) also ``dist[h] += sum over batch, i, j of dS[b, h, i, j] |i - j|`` with
+    the estimator's own ``dS`` (the surrogate slope gradient is ``-dist``). Without ``dist`` no extra work is done."""
     q, k, v, out, lse = saved
     dq, dk, dv = grads
     cd = _compute_dtype(q.dtype)
@@ -467,6 +472,11 @@ def multiplicity_backward(
             dq_f.index_add_(1, qi, gq.flatten(1, 2).to(dq.dtype))
             dk_f.index_add_(1, ki, gk.flatten(1, 2).to(dk.dtype))
             dv_f.index_add_(1, ki, gv.flatten(1, 2).to(dv.dtype))
+            if dist is not None:  # the surrogate slope gradient: |i - j| of the tiles' rows and union keys
+                pos = rows + (n - lq)
+                w = (pos[:, :, None] - keys[:, None, :]).abs().to(cd).unsqueeze(0)
+                total = attend_bias_grad(dg, qg, kg, vg, og, lg, w, causal=False, scale=scale, bias=mask.unsqueeze(0))
+                dist.index_add_(0, g.head, total.sum(0).to(dist.dtype))
 
 
 def call_estimate(num_samples: int, num_heads: int, q_len: int, method: str) -> tuple[float, float]:

@@ -11,7 +11,8 @@ from positional_lsh.ops._checks import check_choice
 
 __all__ = [
     "ALIBI_BACKENDS",
-    "BACKENDS", "DEFAULT_BACKEND", "DEFAULT_METHOD", "KERNELS", "METHODS", "check_backend", "check_method"]
+    "BACKENDS", "DEFAULT_BACKEND", "DEFAULT_METHOD", "DEFAULT_SLOPE_GRAD", "KERNELS", "METHODS", "SLOPE_GRADS",
+    "check_backend", "check_method", "check_slope_grad"]
 
 KERNELS = ("flash", "math")
 """The torch attention kernels (``ops._kernels``): torch's fused flash op of the CPU or CUDA, and batched matmuls (any
@@ -29,8 +30,14 @@ METHODS = ("auto", "samples", "multiplicity")
 """``method=`` of the estimator: per sampled block (``"samples"``), each (query, key) pair once with its multiplicity
 (``"multiplicity"``), or decided once per call by the cost model (``"auto"``)."""
 
+SLOPE_GRADS = ("surrogate", "none")
+"""``slope_grad=`` of the estimator when ``slopes`` requires grad: ``"surrogate"`` (the exact slope-gradient formula
+``dL/dm_h = -sum_ij dS_ij |i - j|`` evaluated with the estimator's own ``dS``; biased at finite ``T``, consistent as
+``T -> inf``) or ``"none"`` (the slopes get no gradient from the call)."""
+
 DEFAULT_BACKEND = "auto"
 DEFAULT_METHOD = "auto"
+DEFAULT_SLOPE_GRAD = "surrogate"
 
 
 def check_backend(backend: object, choices: tuple[str, ...] = BACKENDS) -> str:
@@ -47,3 +54,11 @@ def check_method(method: object) -> str:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_choice("method", method, METHODS)
     return method
+
+
+def check_slope_grad(slope_grad: object) -> str:
+    """``slope_grad`` if it is one of :data:`SLOPE_GRADS`, else ``ValueError`` naming it."""
+    if not isinstance(slope_grad, str):
+        raise ValueError(f"slope_grad must be one of {SLOPE_GRADS}, got {slope_grad!r}")
+    check_choice("slope_grad", slope_grad, SLOPE_GRADS)
+    return slope_grad

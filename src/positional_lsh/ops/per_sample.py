@@ -9,7 +9,9 @@ multiplicity.
 Backward: the merged output is one softmax over the union of the (sample, block) key sets, so each block's
 gradient is the standard flash-attention backward run with the *merged* ``out`` and ``lse``. (Autograd through the
 merge would silently drop the gradient through the fused kernels' non-differentiable ``lse``; this module never
-relies on it.)
+relies on it.) The surrogate slope gradient (``dist`` given to :func:`samples_backward`) adds, for every kernel
+call, ``sum_ij dS_ij |i - j|`` over the call's (query, key) positions (``ops._kernels.attend_bias_grad``, one more
+math pass over the call's scores) into its query head's entry.
 
 Interface (shared with :mod:`positional_lsh.ops.multiplicity`, dispatched by :mod:`positional_lsh.ops.engine`):
 :func:`samples_plan` → :func:`samples_forward` (accumulates into ``out, lse``) → :func:`samples_backward`
@@ -24,7 +26,7 @@ from functools import partial
 
 import torch
 
-from positional_lsh.ops._kernels import attend, attend_backward
+from positional_lsh.ops._kernels import attend, attend_backward, attend_bias_grad
 from positional_lsh.ops._parallel import pool_size, run_all, work_items, workers_for
 from positional_lsh.ops.multiplicity import BLOCK_COST, CALL_ROW_COST, ENTRY_COST
 from positional_lsh.ops.partitions import Partitions, Segment
@@ -37,6 +39,7 @@ __all__ = [
     "samples_cost",
     "samples_forward",
     "samples_plan",
+    "segment_distance",
     "split_causal",
     "work_items_of",
 ]  # fmt: skip
@@ -170,6 +173,20 @@ def _segment_inputs(
     )
 
 
+def segment_distance(seg: Segment, q_offset: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``|i - j|`` of the (query, key) positions of a segment's blocks, in ``dtype`` on ``device``: ``(q_len, k_len)``
+    (the same for every block of an adjacent or strided segment: queries and keys move together), or ``(1, count,
+    q_len, k_len)`` for a segment with an ``index``. Query row ``r`` sits at position ``r + q_offset``
+    (``q_offset = Lk - Lq``); broadcastable against the segment's ``(B, count, q_len, k_len)`` scores."""
+    if seg.index is not None:
+        idx = seg.index.to(device)
+        qpos, kpos = idx + (seg.q_start + q_offset), idx + seg.k_start
+        return (qpos[:, :, None] - kpos[:, None, :]).abs().to(dtype).unsqueeze(0)
+    qpos = torch.arange(seg.q_len, device=device) + (seg.q_start + q_offset)
+    kpos = torch.arange(seg.k_len, device=device) + seg.k_start
+    return (qpos[:, None] - kpos[None, :]).abs().to(dtype)
+
+
 WorkItem = tuple[list[HeadWork], slice]
 """Heads and batch rows one thread computes: disjoint output rows per item."""
 
@@ -211,11 +228,14 @@ def _backward_item(
     causal: bool,
     scale: float,
     kernel: str,
+    dist: torch.Tensor | None = None,
 ) -> None:
-    """Accumulate one work item's share of ``(dq, dk, dv)``, each block run against the merged out/lse."""
+    """Accumulate one work item's share of ``(dq, dk, dv)``, each block run against the merged out/lse, and with
+    ``dist (B, Hq)`` its share of ``sum dS |i - j|`` (disjoint entries per item)."""
     q, k, v, out, lse = saved
     dq, dk, dv = grads
     works, b = item
+    q_offset = k.shape[2] - q.shape[2]
     for work in works:
         h, hk = work.head, work.kv_head
         q_h, k_h, v_h = q[b, h], k[b, hk], v[b, hk]
@@ -232,6 +252,10 @@ def _backward_item(
                 _add_rows(dq[b, h], seg, seg.q_start, seg.q_len, gq)
                 _add_rows(dk[b, hk], seg, seg.k_start, seg.k_len, gk)
                 _add_rows(dv[b, hk], seg, seg.k_start, seg.k_len, gv)
+                if dist is not None:  # the surrogate slope gradient: sum dS |i - j| of this call (count included)
+                    w = segment_distance(seg, q_offset, dist.dtype, dist.device)
+                    total = attend_bias_grad(ds, qs, ks, vs, os_, ls, w, causal=causal and seg.masked, scale=scale)
+                    dist[b, h] += total.sum(1).to(dist.dtype)
 
 
 def samples_forward(
@@ -260,9 +284,17 @@ def samples_backward(
     causal: bool,
     scale: float,
     kernel: str,
+    dist: torch.Tensor | None = None,
 ) -> None:
     """Accumulate ``plan``'s gradients into ``grads = (dq, dk, dv)`` (accumulation dtype), ``saved = (q, k, v,
-    out, lse)`` with the merged ``out``/``lse``."""
-    items = work_items_of(plan, saved[0].shape[0], workers_for(saved[0].device))
-    run = partial(_backward_item, saved=saved, dout=dout, grads=grads, causal=causal, scale=scale, kernel=kernel)
-    run_all(run, items, pool_size(len(items), saved[0].device))
+    out, lse)`` with the merged ``out``/``lse``; with ``dist (Hq,)`` (accumulation dtype) also add into it
+    ``dist[h] += sum over batch, i, j of dS[b, h, i, j] |i - j|``, the estimator's own ``dS`` (the surrogate slope
+    gradient is ``-dist``). Without ``dist`` no extra work is done."""
+    q = saved[0]
+    items = work_items_of(plan, q.shape[0], workers_for(q.device))
+    per_row = None if dist is None else torch.zeros((q.shape[0], q.shape[1]), dtype=dist.dtype, device=dist.device)
+    run = partial(_backward_item, saved=saved, dout=dout, grads=grads, causal=causal, scale=scale, kernel=kernel,
+                  dist=per_row)  # fmt: skip
+    run_all(run, items, pool_size(len(items), q.device))
+    if dist is not None and per_row is not None:
+        dist += per_row.sum(0)

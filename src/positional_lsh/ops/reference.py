@@ -4,6 +4,9 @@
 * :func:`alibi_bias` — the additive bias ``-m_h |i - j|`` with ``-inf`` outside the causal/window mask; the
   convention that :func:`~positional_lsh.ops.alibi.alibi_attention` (the ``O(n)`` exact/windowed op, in
   :mod:`positional_lsh.ops.alibi`) and the language model's SDPA path apply.
+* :func:`alibi_attention_reference` — exact (windowed) ALiBi attention through the explicit ``n x n`` bias,
+  differentiable in ``q, k, v`` and a ``slopes`` tensor: the dense autograd reference of the ``O(n)`` op's gradients
+  (slopes included).
 * :func:`dense_plsh_attention` — the positional-LSH oracle ``softmax(s + log Mbar) v``, materialized;
   for tests and small-``n`` validation.
 
@@ -14,11 +17,19 @@ from __future__ import annotations
 
 import torch
 
-from positional_lsh.ops._checks import SlopesLike, as_scale, as_slopes, check_bool, check_qkv, positive_int
+from positional_lsh.ops._checks import (
+    SlopesLike,
+    as_scale,
+    as_slopes,
+    as_window,
+    check_bool,
+    check_qkv,
+    positive_int,
+)
 from positional_lsh.ops._kernels import acc_dtype
 from positional_lsh.ops.partitions import MAX_DENSE_ELEMENTS, Partitions
 
-__all__ = ["alibi_bias", "alibi_matrix", "dense_plsh_attention"]
+__all__ = ["alibi_attention_reference", "alibi_bias", "alibi_matrix", "dense_plsh_attention"]
 
 
 def _check_dense_size(what: str, elements: int) -> None:
@@ -89,6 +100,51 @@ def alibi_bias(
             bias.masked_fill_(drop, float("-inf"))
         out[h] = bias
     return out
+
+
+def alibi_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: SlopesLike = None,
+    *,
+    causal: bool = True,
+    window: torch.Tensor | float | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact (optionally windowed) ALiBi, dense: ``softmax(scale q k^T - m_h |i - j|) v`` with ``-inf`` masks.
+
+    Shapes and arguments as :func:`~positional_lsh.ops.alibi.alibi_attention` (``q (B, Hq, Lq, d)``, ``k, v (B, Hkv,
+    Lk, d)``, queries aligned to the last keys; ``slopes`` ``(Hq,)``, 0-d or a float; ``window`` the largest kept
+    distance). The bias ``-m_h |i - j|`` is built as an explicit ``(Hq, Lq, Lk)`` float64 tensor from the ``slopes``
+    tensor itself, and the masked scores (``j > i`` if causal, ``|i - j| > window[h]``) are set to ``-inf`` with
+    ``masked_fill`` (a non-finite key in ``k`` reaches no row that masks it). Plain autograd gives the gradients of
+    ``q``, ``k``, ``v`` and the slopes (no gradient through the window). Computed in float64, returned in ``q``'s
+    dtype; small sizes only.
+    """
+    b, hq, hkv, lq, lk, d = check_qkv(q, k, v)
+    check_bool("causal", causal)
+    sc = as_scale(scale, d)
+    as_slopes(slopes, hq)  # the checks; the tensor itself carries the gradient
+    win = as_window(window, hq)
+    _check_dense_size("alibi_attention_reference", b * hq * lq * lk)
+    if isinstance(slopes, torch.Tensor):
+        m = slopes.to(device=q.device, dtype=torch.float64).reshape(-1).expand(hq)
+    else:
+        m = as_slopes(slopes, hq).to(q.device)
+    rel = (torch.arange(lq, device=q.device)[:, None] + (lk - lq)) - torch.arange(lk, device=q.device)[None, :]
+    dist = rel.abs().to(torch.float64)
+    bias = -m[:, None, None] * dist
+    drop = torch.zeros(hq, lq, lk, dtype=torch.bool, device=q.device)
+    if causal:
+        drop |= rel < 0
+    if win is not None:
+        drop |= dist > win.to(q.device)[:, None, None]
+    group = hq // hkv
+    kk = k.double().repeat_interleave(group, dim=1)
+    vv = v.double().repeat_interleave(group, dim=1)
+    s = (torch.matmul(q.double(), kk.transpose(-1, -2)) * sc + bias).masked_fill(drop, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), vv).to(q.dtype)
 
 
 def dense_plsh_attention(

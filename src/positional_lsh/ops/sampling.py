@@ -14,6 +14,8 @@ each layer of the language model (:class:`~positional_lsh.lm.TransformerLM`) and
 
 The owners differ only in the seeds they pass (a layer uses ``layer_seed(base, layer)``) and in who counts the
 steps (a module per call, the transformers swap per model call).
+Learned slopes change every step: :meth:`PartitionSampler.draw` takes ``slopes=`` values that replace the sampler's
+for that draw (the same seeds; eager and compiled).
 """
 
 from __future__ import annotations
@@ -138,32 +140,46 @@ class PartitionSampler:
             f"seed={self.seed}, eval_seed={self.eval_seed})"
         )
 
-    def draw(self, seq_len: int, *, training: bool = False, step: int | torch.Tensor = 0) -> Partitions:
+    def draw(
+        self,
+        seq_len: int,
+        *,
+        training: bool = False,
+        step: int | torch.Tensor = 0,
+        slopes: SlopesLike = None,
+    ) -> Partitions:
         """The partitions for ``seq_len`` keys: eval mode's, or training step ``step``'s (an int or an int64
-        tensor; read inside the draw op under ``torch.compile``)."""
+        tensor; read inside the draw op under ``torch.compile``).
+
+        ``slopes``: ``None`` (the sampler's slopes), or ``(H,)`` values that replace them for this draw — learned
+        slopes, which change every step (read detached; the same seeds, so the same uniforms, as with the sampler's
+        slopes). Eager draws are cached per seed *and* slope values; compiled draws pass them to the draw op.
+        """
         if torch.compiler.is_compiling():
-            return self._compiled_draw(seq_len, training, step)
+            return self._compiled_draw(seq_len, training, step, slopes)
         seq_len = positive_int("seq_len", seq_len)
+        values = self.slopes if slopes is None else as_slopes(slopes, self.num_heads)
         if not training:
-            if self._eval is None:
-                self._eval = self._sample(self.eval_seed)
+            if self._eval is None or not torch.equal(self._eval.slopes, values):
+                self._eval = self._sample(self.eval_seed, values)
             return self._eval.with_seq_len(seq_len)
         if self.seed is None:
-            return self._sample(None).with_seq_len(seq_len)  # torch's global RNG: never cached
+            return self._sample(None, values).with_seq_len(seq_len)  # torch's global RNG: never cached
         c = check_int("step", int(step) if isinstance(step, torch.Tensor) else step, minimum=0)
-        if self._train is None or self._train[0] != c:
-            self._train = (c, self._sample(layer_seed(self.seed, c)))
+        if self._train is None or self._train[0] != c or not torch.equal(self._train[1].slopes, values):
+            self._train = (c, self._sample(layer_seed(self.seed, c), values))
         return self._train[1].with_seq_len(seq_len)
 
-    def _sample(self, seed: int | None) -> Partitions:
-        return sample_partitions(1, self.slopes, self.num_samples, scheme=self.scheme, generator=seed)
+    def _sample(self, seed: int | None, slopes: torch.Tensor) -> Partitions:
+        return sample_partitions(1, slopes, self.num_samples, scheme=self.scheme, generator=seed)
 
-    def _compiled_draw(self, seq_len: int, training: bool, step: int | torch.Tensor) -> Partitions:
+    def _compiled_draw(self, seq_len: int, training: bool, step: int | torch.Tensor, slopes: SlopesLike) -> Partitions:
+        values = self.slopes if slopes is None else slopes_tensor(slopes, self.num_heads)
         if not training:
-            pitch, shift = sample_op(None, self.eval_seed, self.slopes, self.num_samples, self.scheme)
+            pitch, shift = sample_op(None, self.eval_seed, values, self.num_samples, self.scheme)
         elif self.seed is None:
-            pitch, shift = sample_op(None, None, self.slopes, self.num_samples, self.scheme)
+            pitch, shift = sample_op(None, None, values, self.num_samples, self.scheme)
         else:
             step_t = step if isinstance(step, torch.Tensor) else torch.tensor(step, dtype=torch.long)
-            pitch, shift = sample_op(step_t, self.seed, self.slopes, self.num_samples, self.scheme)
-        return Partitions(seq_len, self.slopes, pitch, shift, self.scheme)
+            pitch, shift = sample_op(step_t, self.seed, values, self.num_samples, self.scheme)
+        return Partitions(seq_len, values, pitch, shift, self.scheme)

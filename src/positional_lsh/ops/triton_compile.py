@@ -85,6 +85,8 @@ class KernelReport:
     shared: int
     narrow_offsets: int = 0
     loop_mix: dict[str, int] = field(default_factory=dict)
+    dist_grad: bool = False
+    """The ``dq`` kernel with its ``DIST_GRAD`` switch on (the slope gradient's ``sum dS |i - j|``)."""
 
     @property
     def spills(self) -> bool:
@@ -112,8 +114,9 @@ def _plan(causal: bool, config: BlockConfig) -> TritonPlan:
     return build_triton_plan(parts, _N, causal, config, torch.device("cpu"))
 
 
-def _launches(dtype: torch.dtype, head_dim: int, causal: bool, config: BlockConfig) -> list[tuple[str, Launch]]:
-    """The three launches of a representative call (CPU tensors: only their dtypes, shapes and alignment count)."""
+def _launches(dtype: torch.dtype, head_dim: int, causal: bool, config: BlockConfig) -> list[tuple[str, bool, Launch]]:
+    """``(kernel, dist_grad, launch)`` of a representative call: the three launches, and the ``dq`` launch with the
+    slope gradient's switch on (CPU tensors: only their dtypes, shapes and alignment count)."""
     n, hq, hkv = _N, _HQ, _HKV
     plan = _plan(causal, config)
     q = torch.empty((1, hq, n, head_dim), dtype=dtype)
@@ -122,8 +125,11 @@ def _launches(dtype: torch.dtype, head_dim: int, causal: bool, config: BlockConf
     delta = torch.empty_like(lse)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     dq_launch, dkdv_launch = backward_launches(plan, (q, k, v, out, lse), out, delta, grads, 0.1)
+    dist = torch.empty((1, hq, plan.num_tiles), dtype=torch.float32)
+    dq_dist, _ = backward_launches(plan, (q, k, v, out, lse), out, delta, grads, 0.1, dist)
     fwd = forward_launch(plan, q, k, v, out, lse, 0.1)
-    return [("fwd_kernel", fwd), ("bwd_dq_kernel", dq_launch), ("bwd_dkdv_kernel", dkdv_launch)]
+    return [("fwd_kernel", False, fwd), ("bwd_dq_kernel", False, dq_launch), ("bwd_dq_kernel", True, dq_dist),
+            ("bwd_dkdv_kernel", False, dkdv_launch)]  # fmt: skip
 
 
 def _compile(launch: Launch, arch: int) -> Any:
@@ -248,13 +254,15 @@ def compile_report(
     causal: bool,
     config: BlockConfig | None = None,
     kernels: tuple[str, ...] = ("fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"),
+    dist_grad: bool = False,
 ) -> list[KernelReport]:
     """Compile ``kernels`` for ``sm_<arch>`` at ``config`` (default: the block table's for this arch, dtype and head
-    dim) and read their resources and main-loop instruction mix."""
+    dim) and read their resources and main-loop instruction mix; with ``dist_grad`` also the ``dq`` kernel with
+    the slope gradient's switch on (a report with ``dist_grad=True``, after the plain one)."""
     config = config or block_config(dtype, head_dim, arch)
     reports = []
-    for name, launch in _launches(dtype, head_dim, causal, config):
-        if name not in kernels:
+    for name, dist, launch in _launches(dtype, head_dim, causal, config):
+        if name not in kernels or (dist and not dist_grad):
             continue
         compiled = _compile(launch, arch)
         res = _resources(compiled.asm["cubin"])
@@ -275,10 +283,10 @@ def compile_report(
                 shared=int(compiled.metadata.shared),
                 narrow_offsets=len(narrow_offsets(compiled.asm["ttir"])),
                 loop_mix=sass_classes(_main_loop(instrs)),
+                dist_grad=dist,
             )
         )
     return reports
-
 
 
 def _near_for(block_n: int) -> int:

@@ -8,7 +8,9 @@ integer operations per score entry are those of :mod:`positional_lsh.ops.triton_
 returned in natural log). Offsets into ``q, k, v``, the outputs, ``lse``/``delta`` and the plan are 64-bit.
 
 * ``fwd_kernel``: grid ``(query tiles, B * Hq)``; online softmax over the key blocks ``[tile_first, tile_last)``.
-* ``bwd_dq_kernel``: the same grid and loop, accumulating ``dq``.
+* ``bwd_dq_kernel``: the same grid and loop, accumulating ``dq``. With the constexpr ``DIST_GRAD`` (the slope
+  gradient; off: the plain kernel, ``Dist`` a constexpr ``None``) it also sums ``dS_ij |i - j|`` over its tile's
+  rows and keys and writes that partial to ``Dist[b * Hq + h, tile]`` (no atomics: the host sums the partials).
 * ``bwd_dkdv_kernel``: grid ``(key blocks, B * Hkv)``; loops over the ``Hq / Hkv`` query heads of the group and the
   query tiles ``[kb_first, kb_last)`` that visit the block. Each output block has one owner: no atomics.
 
@@ -230,6 +232,7 @@ if triton is not None:
         Lse,
         Delta,
         DQ,
+        Dist,
         Near,
         LU,
         LV,
@@ -272,6 +275,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         NEAR: tl.constexpr,
+        DIST_GRAD: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -303,6 +307,8 @@ if triton is not None:
         k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if DIST_GRAD:  # sum_j dS_ij |i - j| per row, in tile-relative float coordinates (exact below 2^24)
+            dist = tl.zeros([BLOCK_M], dtype=tl.float32)
         for kb in range(tl.load(TileFirst + tile), tl.load(TileLast + tile)):
             k0 = grid0 + kb * BLOCK_N
             offs_n = k0 + tl.arange(0, BLOCK_N)
@@ -319,11 +325,16 @@ if triton is not None:
             dp = _dot(do, tl.trans(v), IEEE, UPCAST)
             ds = p * (dp - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, IEEE, UPCAST)
+            if DIST_GRAD:  # ds is 0 where p is (c = 0, keys outside [0, Lk)) and on padding rows (do = delta = 0)
+                col = (k0 - i0 + tl.arange(0, BLOCK_N)).to(tl.float32)  # key minus the tile's first row
+                dist += tl.sum(ds * tl.abs(tl.arange(0, BLOCK_M).to(tl.float32)[:, None] - col[None, :]), 1)
         tl.store(
             DQ + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows_m * sqm + offs_d[None, :],
             (dq * scale).to(DQ.dtype.element_ty),
             mask=mask_q,
         )
+        if DIST_GRAD:  # one partial per program, summed on the host: deterministic, no atomics
+            tl.store(Dist + pid_bh.to(tl.int64) * num_tiles + pid_m, tl.sum(tl.where(mask_m, dist, 0.0), 0))
 
     @triton.jit
     def bwd_dkdv_kernel(

@@ -8,7 +8,8 @@ with ``c[i,j] = #{t : start_t(i) <= j}`` for ``j <= i`` when causal (0 above the
 ``c[i,j] = #{t : start_t(i) <= j < end_t(i)}`` when bidirectional; ``log 0 = -inf``.
 
 This module is a backend of :mod:`positional_lsh.ops.engine` — :func:`triton_plan` → :func:`triton_forward` →
-:func:`triton_backward`, and :func:`check_triton_call` — over three pieces:
+:func:`triton_backward` (which, asked, also returns the slopes' surrogate gradient term ``sum dS |i - j|``, computed
+inside the ``dq`` kernel), and :func:`check_triton_call` — over three pieces:
 
 * :mod:`~positional_lsh.ops.triton_plan` (torch only): the block configurations (:data:`BLOCK_TABLE
   <positional_lsh.ops.triton_plan.BLOCK_TABLE>`, per architecture, dtype and head dim) and the per-call plan —
@@ -193,10 +194,15 @@ def forward_launch(
 
 def backward_launches(
     plan: TritonPlan, saved: tuple[torch.Tensor, ...], dout: torch.Tensor, delta: torch.Tensor,
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float, dist: torch.Tensor | None = None,
 ) -> tuple[Launch, Launch]:  # fmt: skip
     """The ``dq`` and ``dk, dv`` launches for ``saved = (q, k, v, out, lse)`` (contiguous), ``dout`` (contiguous),
-    ``delta = rowsum(dout * out)`` and the outputs ``grads = (dq, dk, dv)`` (allocated like ``q, k, v``)."""
+    ``delta = rowsum(dout * out)`` and the outputs ``grads = (dq, dk, dv)`` (allocated like ``q, k, v``).
+
+    ``dist`` (float32, ``(B * Hq, num_tiles)`` elements, contiguous), when given, switches the ``dq`` kernel's
+    ``DIST_GRAD`` on: its program ``(tile, b * Hq + h)`` writes ``sum over the tile's rows i and all keys j of
+    dS_ij |i - j|`` to ``dist[b * Hq + h, tile]``. Without it the kernel is the plain one (``Dist`` is ``None``,
+    a constexpr)."""
     q, k, v, _, lse = saved
     dq, dk, dv = grads
     b, hq, lq, _ = q.shape
@@ -205,7 +211,7 @@ def backward_launches(
     const = _constexprs(plan, q)
     common = (*_plan_args(plan),)
     dq_args = (
-        q, k, v, dout, lse, delta, dq, *common, plan.tile_first, plan.tile_last, *_strides(q, k, v, dout),
+        q, k, v, dout, lse, delta, dq, dist, *common, plan.tile_first, plan.tile_last, *_strides(q, k, v, dout),
         hq, hq // hkv, lq, lk, t, plan.num_tiles, plan.grid0, plan.width, scale, scale * LOG2E,
     )  # fmt: skip
     dkdv_args = (
@@ -214,8 +220,9 @@ def backward_launches(
     )  # fmt: skip
     dkdv_const = {**const, "SUB_M": cfg.sub_m, "SUB_N": cfg.sub_n}
     dkdv_grid = (plan.num_kb * (cfg.block_n // cfg.sub_n), b * hkv)
+    dq_const = {**const, "DIST_GRAD": dist is not None}
     return (
-        Launch(bwd_dq_kernel, (plan.num_tiles, b * hq), dq_args, const, *cfg.launch("dq")),
+        Launch(bwd_dq_kernel, (plan.num_tiles, b * hq), dq_args, dq_const, *cfg.launch("dq")),
         Launch(bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_const, *cfg.launch("dkdv")),
     )
 
@@ -244,9 +251,13 @@ def triton_backward(
     dout: torch.Tensor,
     causal: bool,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` (the inputs' dtypes) from ``saved = (q, k, v, out, lse)`` (contiguous, as
-    :func:`triton_forward` took and returned them) and the upstream gradient ``dout``."""
+    dist_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(dq, dk, dv, dist)`` from ``saved = (q, k, v, out, lse)`` (contiguous, as :func:`triton_forward` took and
+    returned them) and the upstream gradient ``dout``: ``dq, dk, dv`` in the inputs' dtypes; ``dist (Hq,)`` float32
+    ``= sum over batch, i, j of dS[b, h, i, j] * |i - j|`` (``dS`` the estimator's own score gradient, query row ``r``
+    at position ``Lk - Lq + r``; the slope gradient of the bias ``-m_h |i - j|`` is ``-dist``) when ``dist_grad``,
+    else ``None`` (and no extra work)."""
     assert causal == work.causal
     q, k, v, out, _ = saved
     plan = work.plan_for(config_for(q))
@@ -254,6 +265,9 @@ def triton_backward(
     delta = (dout.float() * out.float()).sum(-1).contiguous()  # (B, Hq, Lq)
     # All contiguous: the kernels index dq with q's strides, dk with k's and dv with v's.
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    for launch in backward_launches(plan, saved, dout, delta, grads, scale):
+    b, hq = q.shape[:2]
+    # One float32 partial per (batch, head, query tile), each written once by its dq program; summed here.
+    parts = torch.empty((b, hq, plan.num_tiles), dtype=torch.float32, device=q.device) if dist_grad else None
+    for launch in backward_launches(plan, saved, dout, delta, grads, scale, parts):
         launch.run()
-    return grads
+    return (*grads, None if parts is None else parts.sum(dim=(0, 2)))

@@ -13,7 +13,9 @@ and their mean ``Mbar``. One idea per module:
 * :mod:`positional_lsh.theory.unbiased` — a statistical test that each mask is an exact sample;
 * :mod:`positional_lsh.theory.blocks` — block sizes, their work and high-probability bound, pitch caps;
 * :mod:`positional_lsh.theory.adversarial` — the uniform theorem's bound for all inputs, and adversaries;
-* :mod:`positional_lsh.theory.capture` (with :mod:`positional_lsh.theory.qkv`) — Q/K/V of real models.
+* :mod:`positional_lsh.theory.capture` (with :mod:`positional_lsh.theory.qkv`) — Q/K/V of real models;
+* :mod:`positional_lsh.theory.slope_grad` — learning the slopes: the bias and variance of positional LSH's
+  surrogate and score-function slope gradients against the exact gradient.
 
 Everything listed in ``__all__`` is importable from here.
 """
@@ -46,13 +48,34 @@ from positional_lsh.theory.metrics import (
     spectral_error,
 )
 from positional_lsh.theory.operators import MeanMaskOperator, alibi_matvec, block_starts
+from positional_lsh.theory.slope_grad import (
+    DEFAULT_SLOPE_GRAD_SAMPLES,
+    ESTIMATORS,
+    SCORE_SCHEMES,
+    SlopeGradRow,
+    SlopeGradStudy,
+    estimator_rows,
+    exact_slope_gradient,
+    log_prob,
+    loss_weight,
+    plsh_slope_gradients,
+    score,
+    shipped_qkv,
+    slope_gradient_study,
+    subseed,
+)
 from positional_lsh.theory.unbiased import UnbiasednessResult, unbiasedness_test
 
 __all__ = [
+    "DEFAULT_SLOPE_GRAD_SAMPLES",
+    "ESTIMATORS",
+    "SCORE_SCHEMES",
     "BlockStats",
     "MaskErrors",
     "MeanMaskOperator",
     "OutputErrors",
+    "SlopeGradRow",
+    "SlopeGradStudy",
     "SpectralEstimate",
     "UnbiasednessResult",
     "UniformBound",
@@ -66,15 +89,24 @@ __all__ = [
     "capped_bias",
     "dense_mask_errors",
     "dense_max_error",
+    "estimator_rows",
+    "exact_slope_gradient",
     "expected_error_bound",
     "fit_power_law",
+    "log_prob",
+    "loss_weight",
     "mask_errors",
     "max_error",
     "output_errors",
+    "plsh_slope_gradients",
     "psi",
     "psi_without_one",
     "samples_for_error",
+    "score",
+    "shipped_qkv",
+    "slope_gradient_study",
     "spectral_error",
+    "subseed",
     "suggested_samples",
     "tail_bound",
     "tail_bound_epsilon",

@@ -12,9 +12,11 @@ every selected head are drawn once (seeded, see :func:`derive_seed`) and measure
 The same masks serve every input and layer of one (n, slopes, scheme, s, repeat): mask errors do not
 depend on the activations. Three further experiments: variance-reduced vs independent schemes at equal
 ``T`` (default 64, several seeds), the spectral/max error vs ``n`` at fixed ``s`` (matrix-free, up to
-long lengths), and a statistical unbiasedness test of every scheme. The output directory receives
-``measurements.csv``, ``schemes.csv``, ``lengths.csv``, ``unbiasedness.csv``, ``config.json`` (every
-setting and seed), ``report.md`` (findings and the paper-shaped tables) and PNG plots.
+long lengths), and a statistical unbiasedness test of every scheme; and the slope-gradient section
+(:mod:`positional_lsh.cli.validate.slope_grad`: the surrogate and score-function slope gradients against the
+exact one, ``--slope-grad-only`` runs it alone). The output directory receives
+``measurements.csv``, ``schemes.csv``, ``lengths.csv``, ``unbiasedness.csv``, ``slope_grad.csv``, ``config.json``
+(every setting and seed), ``report.md`` (findings and the paper-shaped tables) and PNG plots.
 
 Inputs: the project's shipped model and corpus (:func:`load_shipped`, the default), synthetic Gaussian Q/K/V,
 or a local transformers checkpoint with a text file.
@@ -28,7 +30,7 @@ import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,15 @@ from positional_lsh.cli.validate.settings import (
     command_line,
     config_from_args,
     derive_seed,
+)
+from positional_lsh.cli.validate.slope_grad import (
+    SLOPE_GRAD_FIELDS,
+    slope_grad_finding_lines,
+    slope_grad_findings,
+    slope_grad_inputs,
+    slope_grad_plot,
+    slope_grad_section,
+    slope_grad_sweep,
 )
 from positional_lsh.cli.validate.sweeps import (
     BLOCK_FIELDS,
@@ -86,6 +97,7 @@ class ValidationResult:
     unbiasedness: list[dict[str, Any]] = field(repr=False)
     blocks: list[dict[str, Any]] = field(default_factory=list, repr=False)
     adversarial: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    slope_grad: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
 def run_validation(cfg: ValidateConfig) -> ValidationResult:
@@ -114,6 +126,8 @@ def _run(cfg: ValidateConfig) -> ValidationResult:
         files["config"] = out / "config.json"
         files["config"].write_text(json.dumps(meta, indent=2, default=_json_default))
         return ValidationResult(out, files, found, [], [], [], [])
+    if cfg.slope_grad_only:
+        return _run_slope_grad_only(cfg, out, t_start)
     contexts, model_slopes, scale, desc = load_contexts(cfg)
     num_heads = contexts[0].layers[0].num_heads
     heads = list(range(num_heads)) if cfg.heads is None else list(cfg.heads)
@@ -130,9 +144,12 @@ def _run(cfg: ValidateConfig) -> ValidationResult:
         unb_rows = unbiasedness(cfg, bar)
         block_rows = block_sweep(cfg, sets, heads)
         adv_rows, adv_files = quick_adversarial(cfg, sets, heads, out, bar)
+        sg_inputs = slope_grad_inputs(cfg, contexts, model_slopes, scale) if cfg.slope_grad_samples else []
+        sg_rows = slope_grad_sweep(cfg, sg_inputs, bar)
     found = compute_findings(cfg, rows, cmp_rows, unb_rows)
     found.update(_block_and_adversarial_findings(cfg, block_rows, adv_rows))
-    names = ("measurements", "schemes", "lengths", "unbiasedness", "blocks", "adversarial")
+    found.update(slope_grad_findings(sg_rows))
+    names = ("measurements", "schemes", "lengths", "unbiasedness", "blocks", "adversarial", "slope_grad")
     files = {name: out / f"{name}.csv" for name in names}
     files.update(adv_files)
     files.update(config=out / "config.json", report=out / "report.md")
@@ -142,14 +159,44 @@ def _run(cfg: ValidateConfig) -> ValidationResult:
     write_csv(files["unbiasedness"], unb_rows)
     write_csv(files["blocks"], block_rows, BLOCK_FIELDS)
     write_csv(files["adversarial"], adv_rows, ["slope_set", "heads", "slope", *ADVERSARIAL_FIELDS])
+    write_csv(files["slope_grad"], sg_rows, SLOPE_GRAD_FIELDS)
     plots = write_plots(out, rows, len_rows, cmp_rows, cfg) if cfg.plots else {}
+    if cfg.plots and sg_rows:
+        plots["slope_grad_png"] = slope_grad_plot(sg_rows, out / "slope_grad.png")
     files.update(plots)
     elapsed = time.perf_counter() - t_start
     files["config"].write_text(json.dumps(_meta(cfg, desc, found, elapsed), indent=2, default=_json_default))
     data = ReportData(cfg, desc, rows, cmp_rows, len_rows, unb_rows, found, skipped, plots, elapsed, block_rows,
-                      adv_rows)  # fmt: skip
+                      adv_rows, sg_rows)  # fmt: skip
     files["report"].write_text(report(data))
-    return ValidationResult(out, files, found, rows, cmp_rows, len_rows, unb_rows, block_rows, adv_rows)
+    return ValidationResult(out, files, found, rows, cmp_rows, len_rows, unb_rows, block_rows, adv_rows, sg_rows)
+
+
+def _run_slope_grad_only(cfg: ValidateConfig, out: Path, t_start: float) -> ValidationResult:
+    """``--slope-grad-only``: the inputs at ``slope_grad_len`` (one context), the slope-gradient section, and its
+    files: ``slope_grad.csv``, ``slope_grad.md``, ``slope_grad.png``, ``config.json``."""
+    contexts: list[Any] = []
+    model_slopes, scale = None, None
+    desc: dict[str, Any] = {"source": "synthetic Gaussian Q/K/V"}
+    if cfg.source != "synthetic":
+        contexts, model_slopes, scale, desc = load_contexts(replace(cfg, seq_lens=(cfg.slope_grad_len,), num_inputs=1))
+    out.mkdir(parents=True, exist_ok=True)
+    inputs = slope_grad_inputs(cfg, contexts, model_slopes, scale)
+    total = len(cfg.slope_grad_samples) * sum(x.q.shape[1] for x in inputs)
+    with tqdm(total=total, desc="plsh validate (slope gradient)", unit="head", disable=not cfg.progress,
+              file=sys.stderr) as bar:  # fmt: skip
+        rows = slope_grad_sweep(cfg, inputs, bar)
+    found = slope_grad_findings(rows)
+    files = {"slope_grad": out / "slope_grad.csv", "slope_grad_md": out / "slope_grad.md",
+             "config": out / "config.json"}  # fmt: skip
+    write_csv(files["slope_grad"], rows, SLOPE_GRAD_FIELDS)
+    lines = [f"Command: `{command_line(cfg)}`  ", f"Inputs: {', '.join(f'{k}={v}' for k, v in desc.items())}.", ""]
+    files["slope_grad_md"].write_text("\n".join([*slope_grad_section(rows, cfg), *lines]) + "\n")
+    if cfg.plots:
+        files["slope_grad_png"] = slope_grad_plot(rows, out / "slope_grad.png")
+    meta = _meta(cfg, desc, found, time.perf_counter() - t_start)
+    files["config"].write_text(json.dumps(meta, indent=2, default=_json_default))
+    return ValidationResult(out, files, found, [], [], [], [], slope_grad=rows)
 
 
 def _block_and_adversarial_findings(
@@ -178,6 +225,7 @@ def _total(cfg: ValidateConfig, n_sets: int, n_heads: int) -> int:
         + len(cfg.lengths) * n_sets * len(cfg.schemes) * cfg.repeats * n_heads
         + (unb_schemes * len(UNBIASED_TEST_SLOPES) if cfg.unbiasedness_replicates > 0 else 0)
         + n_heads * len(cfg.report_adversarial_lengths) * len(cfg.report_adversarial_samples)
+        + len(cfg.slope_grad_samples) * (cfg.synthetic_heads + (n_heads if cfg.source != "synthetic" else 0))
     )
 
 
@@ -226,13 +274,16 @@ def _run_cli(args: argparse.Namespace) -> int:
 def _validate_and_summarize(cfg: ValidateConfig) -> None:
     """``plsh validate``: :func:`run_validation`, then the report's path and the main findings on stdout."""
     result = run_validation(cfg)
-    print(f"report: {result.files.get('report', result.files.get('adversarial_md'))}")
+    files = result.files
+    print(f"report: {files.get('report', files.get('adversarial_md', files.get('slope_grad_md')))}")
     f = result.findings
     if "adversarial_violations" in f:
         print(f"adversarial: {f['adversarial_violations']} input(s) above the uniform bound")
     for x in f.get("fits", []):
         if x["independent"]:
             print(f"fitted slope ({x['scheme']}, n={x['seq_len']}, {x['slope_set']}): {x['slope']:.3f}")
+    for line in slope_grad_finding_lines(f, cfg):
+        print(line.removeprefix("- "))
     if "under_expected_bound" in f:
         print(
             f"under the expectation bound: {100 * f['under_expected_bound']:.1f}% "

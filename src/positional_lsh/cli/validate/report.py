@@ -13,6 +13,7 @@ import numpy as np
 
 from positional_lsh.cli.validate.findings import base_scheme, mean, unique_mask_rows
 from positional_lsh.cli.validate.settings import SLOPE_RANGE, ValidateConfig, command_line
+from positional_lsh.cli.validate.slope_grad import slope_grad_finding_lines, slope_grad_section
 from positional_lsh.ops.schemes import get_scheme
 
 __all__ = ["ReportData", "report", "write_csv"]
@@ -78,13 +79,15 @@ class ReportData:
     elapsed: float
     block_rows: list[dict[str, Any]] = field(default_factory=list)
     adv_rows: list[dict[str, Any]] = field(default_factory=list)
+    slope_grad_rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 def report(d: ReportData) -> str:
     """``report.md``: one section after another."""
     out: list[str] = []
     for section in (_header_section, _findings_section, _samples_section, _lengths_section, _variance_section,
-                    _unbiasedness_section, _blocks_section, _adversarial_section, _plots_section):  # fmt: skip
+                    _unbiasedness_section, _blocks_section, _adversarial_section, _slope_grad_section,
+                    _plots_section):  # fmt: skip
         out += section(d)
     return "\n".join(out) + "\n"
 
@@ -122,6 +125,7 @@ def _findings_section(d: ReportData) -> list[str]:
     out += _samples_needed_findings(fits, cfg)
     out += _block_findings(findings, cfg)
     out += _adversarial_findings(findings)
+    out += slope_grad_finding_lines(findings, cfg)
     if d.skipped:
         out.append(f"- Skipped as too expensive: {', '.join(d.skipped)}.")
     return out
@@ -457,6 +461,11 @@ def _adversarial_section(d: ReportData) -> list[str]:
     out += ["", f"Inputs above the bound: {len(bad)} (saved as adversarial_violation_*.pt)." if bad
             else "No input above the bound.", ""]  # fmt: skip
     return out
+
+
+def _slope_grad_section(d: ReportData) -> list[str]:
+    """The slope-gradient section (``cli/validate/slope_grad.py``), if it ran."""
+    return slope_grad_section(d.slope_grad_rows, d.cfg)
 
 
 def _plots_section(d: ReportData) -> list[str]:

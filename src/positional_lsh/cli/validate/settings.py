@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import shlex
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from positional_lsh.cli.parsers import option, to_argv
 from positional_lsh.ops._checks import nonnegative_int, positive_int
 from positional_lsh.ops.errors import check_memory
 from positional_lsh.ops.schemes import get_scheme
+from positional_lsh.theory.slope_grad import subseed
 
 __all__ = [
     "COMPARE_SCHEMES",
@@ -79,6 +79,13 @@ class ValidateConfig:
             (``theory.blocks.block_size_bound``), compared with the largest block of every measured draw.
         report_adversarial_lengths, report_adversarial_samples: the report's small adversarial study (every
             distinct slope of the measured heads, the other ``adversarial_*`` settings); an empty list skips it.
+        slope_grad_samples: the sample counts ``T`` of the slope-gradient section (``cli/validate/slope_grad.py``;
+            empty: skip it): the surrogate and score-function slope gradients against the exact one.
+        slope_grad_len: its sequence length ``n`` (the first ``n`` positions of the model's captured inputs).
+        slope_grad_replicates: its independent partition draws per ``T`` (``>= 2``).
+        slope_grad_scheme: its partition scheme (the score function needs ``"discrete"`` or ``"gamma"``).
+        slope_grad_fd_step: the relative step of its finite differences of ``E[L_plsh]`` (0: none).
+        slope_grad_only: run only the slope-gradient section (``slope_grad.*``, ``config.json``).
         plots: write PNG plots.
         progress: show progress bars.
         threads: torch intra-op threads during the run (restored afterwards). 1 is fastest for the many
@@ -136,6 +143,14 @@ class ValidateConfig:
         (256,), "lengths n of the report's small adversarial study ('none': skip)"
     )
     report_adversarial_samples: tuple[int, ...] = option((4, 16), "sample counts T of the report's adversarial study")
+    slope_grad_samples: tuple[int, ...] = option(
+        (1, 4, 16, 64, 256), "sample counts T of the slope-gradient study ('none': skip)"
+    )
+    slope_grad_len: int = option(64, "sequence length n of the slope-gradient study")
+    slope_grad_replicates: int = option(32, "independent partition draws per T in the slope-gradient study (>= 2)")
+    slope_grad_scheme: str = option("discrete", "scheme of the slope-gradient study (score function: discrete, gamma)")
+    slope_grad_fd_step: float = option(0.25, "relative step of the slope-gradient study's finite differences (0: none)")
+    slope_grad_only: bool = option(False, "run only the slope-gradient study (slope_grad.*)")
 
     def __post_init__(self) -> None:
         if self.source not in ("synthetic", "checkpoint", "shipped"):
@@ -192,16 +207,37 @@ class ValidateConfig:
             positive_int(name, getattr(self, name))
         for name in ("seed", "compare_samples", "unbiasedness_replicates", "adversarial_pgd_max_len"):
             nonnegative_int(name, getattr(self, name))
+        self._check_slope_grad()
         if not isinstance(self.out_dir, str) or not self.out_dir.strip():
             raise ValueError(f"out_dir (--out) must be a directory path, got {self.out_dir!r}")
         check_memory(*self.memory_estimate())
+
+    def _check_slope_grad(self) -> None:
+        """The slope-gradient section's settings (``ValueError`` naming the setting)."""
+        for v in self.slope_grad_samples:
+            positive_int("slope_grad_samples", v)
+        if len(set(self.slope_grad_samples)) != len(self.slope_grad_samples):
+            raise ValueError(f"slope_grad_samples must be distinct T values, got {list(self.slope_grad_samples)}")
+        if self.slope_grad_only and not self.slope_grad_samples:
+            raise ValueError("slope_grad_only needs slope_grad_samples (at least one T)")
+        if positive_int("slope_grad_len", self.slope_grad_len) < 2:
+            raise ValueError(f"slope_grad_len must be >= 2 (a query and a key to compare), got {self.slope_grad_len}")
+        if positive_int("slope_grad_replicates", self.slope_grad_replicates) < 2:
+            raise ValueError(f"slope_grad_replicates must be >= 2 (the score function's leave-one-out baseline and "
+                             f"the variance need two), got {self.slope_grad_replicates}")  # fmt: skip
+        get_scheme(self.slope_grad_scheme)
+        step = self.slope_grad_fd_step
+        if isinstance(step, bool) or not isinstance(step, int | float) or not 0 <= step < 1:
+            raise ValueError(f"slope_grad_fd_step must be a number in [0, 1) (relative to the slope; 0: none), got "
+                             f"{step!r}")  # fmt: skip
 
     def memory_estimate(self) -> tuple[float, str]:
         """A lower bound on the run's peak memory (bytes) and the flags that set it: the largest of what one step
         holds at once — one context's synthetic Q/K/V (float32), the block labels of one head's draw (int64,
         ``n * s`` for the main sweep's ``(n, s)`` within ``max_work``, ``n * length_samples`` for the length sweep,
         ``n * T`` for the adversarial cells), one dense ``n x n`` float64 matrix where the output metrics or the
-        adversarial references are computed."""
+        adversarial references are computed, the slope-gradient section's replicates stacked as heads (about ten
+        float32 ``(replicates * heads, n, d)`` tensors)."""
         parts: list[tuple[float, str]] = []
         per_pos = (4.0 * 3 * self.synthetic_layers * self.synthetic_heads * self.synthetic_head_dim
                    if self.source == "synthetic" else 0.0)  # fmt: skip
@@ -220,13 +256,16 @@ class ValidateConfig:
         for n, t in cells:
             flags = "--adversarial-lengths/--adversarial-samples" if self.adversarial else "--report-adversarial-*"
             parts.append((8.0 * n * t + 16.0 * n * n, f"{flags} n={n}, T={t}"))
+        if self.slope_grad_samples:  # the replicates stacked as heads: q, k, v, out, W and their gradients
+            sg = 4.0 * 10 * self.slope_grad_replicates * self.synthetic_heads * self.slope_grad_len
+            parts.append((sg * self.synthetic_head_dim, "--slope-grad-len with --slope-grad-replicates"))
         return max(parts, default=(0.0, ""))
 
 
 def derive_seed(base: int, *parts: object) -> int:
-    """A reproducible 62-bit seed from a base seed and the coordinates of a draw."""
-    h = hashlib.blake2b(repr((int(base), *parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") >> 2
+    """A reproducible 62-bit seed from a base seed and the coordinates of a draw (the one rule,
+    :func:`positional_lsh.theory.slope_grad.subseed`: blake2b of their ``repr``)."""
+    return subseed(base, *parts)
 
 
 def parse_slope_mode(mode: str) -> tuple[str, float | None]:

@@ -600,7 +600,7 @@ def swap_padded_backward(
         qsl, ksl = slice(qs - q0, end - q0), slice(first, end)
         qp, kp, vp, _ = kernel_inputs(q[rows][:, :, qsl], k[rows][:, :, ksl], v[rows][:, :, ksl], kernel)
         saved = (qp, kp, vp, out[rows][:, :, qsl].contiguous(), lse[rows][:, :, qsl].contiguous())
-        gq, gk, gv = backward(p, saved, dout[rows][:, :, qsl])
+        gq, gk, gv, _ = backward(p, saved, dout[rows][:, :, qsl])
         dq[rows, :, qsl] = gq
         dk[rows, :, ksl] = gk
         dv[rows, :, ksl] = gv
