@@ -79,9 +79,15 @@ def test_compiled_function_refuses_what_it_cannot_trace():
     with pytest.raises(errors, match="needs partitions= or an int seed as generator="):
         untraced(q, k, v)
     parts = sample_partitions(16, SLOPES4, 2, generator=0)
-    with_slopes = torch.compile(lambda q, k, v: plsh_attention(q, k, v, SLOPES4, partitions=parts), fullgraph=True)
-    with pytest.raises(errors, match="pass partitions= without slopes="):
-        with_slopes(q, k, v)
+    as_list = SLOPES4.tolist()
+    with_list = torch.compile(lambda q, k, v: plsh_attention(q, k, v, as_list, partitions=parts), fullgraph=True)
+    with pytest.raises(errors, match="slopes= with partitions= must be a tensor"):
+        with_list(q, k, v)
+    # A slopes tensor is compared with the partitions' inside the compiled op, on the data.
+    with_tensor = torch.compile(lambda q, k, v, m: plsh_attention(q, k, v, m, partitions=parts), fullgraph=True)
+    torch.testing.assert_close(with_tensor(q, k, v, SLOPES4), plsh_attention(q, k, v, partitions=parts), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"slopes differ from partitions\.slopes"):
+        with_tensor(q, k, v, SLOPES4 * 2)
 
 
 def test_compiled_training_draws_fresh_reproducible_partitions():

@@ -277,7 +277,7 @@ def test_log_slopes_get_no_weight_decay() -> None:
 
 @pytest.mark.parametrize(
     ("position", "backend"),
-    [("alibi", "aot_eager"), ("window-alibi", "aot_eager"),
+    [("alibi", "aot_eager"), ("window-alibi", "aot_eager"), ("plsh", "aot_eager"),
      pytest.param("alibi", "inductor", marks=pytest.mark.slow), pytest.param("window-alibi", "inductor",
                                                                              marks=pytest.mark.slow)],
 )  # fmt: skip
@@ -298,12 +298,34 @@ def test_compiled_model_learns_the_slopes_like_eager(position: str, backend: str
     torch.testing.assert_close(comp.learned_slopes(), eager.learned_slopes(), rtol=1e-5, atol=1e-7)
 
 
-def test_compiled_plsh_with_learned_slopes_is_refused_clearly() -> None:
-    # plsh_attention refuses slopes= with partitions= under torch.compile (ops.partitions.check_slopes_match).
+def test_compiled_plsh_checks_the_slopes_against_the_partitions_inside_the_op() -> None:
+    # Under torch.compile, slopes= with partitions= cannot be compared at trace time: the compiled op compares them
+    # on the data when it runs, so a mismatch is refused there too (eager: check_slopes_match).
+    from positional_lsh.ops.attention import plsh_attention
+    from positional_lsh.ops.partitions import sample_partitions
+
     torch._dynamo.reset()
-    compiled = torch.compile(tiny("plsh", num_samples=2, learn_slopes=True), fullgraph=True, backend="eager")
-    with pytest.raises((ValueError, torch._dynamo.exc.Unsupported), match="learn_slopes=True with position='plsh'"):
-        compiled(ids())
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 32, 8, generator=g) for _ in range(3))
+    drawn = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    parts = sample_partitions(32, drawn.double(), 2, generator=0)
+
+    def call(slopes: torch.Tensor) -> torch.Tensor:
+        return plsh_attention(q, k, v, slopes, partitions=parts)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    learnable = drawn.clone().requires_grad_()
+    out = compiled(learnable)
+    out.sum().backward()
+    ref = drawn.clone().requires_grad_()
+    call(ref).sum().backward()
+    torch.testing.assert_close(out, call(drawn), rtol=0, atol=0)
+    torch.testing.assert_close(learnable.grad, ref.grad, rtol=1e-6, atol=1e-7)
+    for wrong in (drawn * 2, (drawn * 2).requires_grad_()):
+        with pytest.raises(ValueError, match=r"slopes differ from partitions\.slopes"):
+            compiled(wrong)
+        with pytest.raises(ValueError, match=r"slopes differ from partitions\.slopes"):
+            call(wrong)
 
 
 def test_context_parallel_layer_refuses_learned_slopes() -> None:

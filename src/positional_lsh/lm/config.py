@@ -85,8 +85,7 @@ class ModelConfig:
             ``window_factor / m_h`` follows the current slopes, detached; a fixed ``window`` stays fixed) and
             ``plsh`` (partitions drawn from the current detached slopes, surrogate gradient). Refused for ``rope``
             and ``nope`` (no slopes) and for ``sigma=inf`` (slope 0 has no logarithm). ``False``: no parameter.
-            Under ``torch.compile(fullgraph=True)``: ``alibi`` and ``window-alibi`` compile; ``plsh`` is refused
-            (``plsh_attention`` refuses ``slopes=`` with ``partitions=`` there). ``plsh train --context-parallel``
+            All three compile with ``torch.compile(fullgraph=True)``. ``plsh train --context-parallel``
             refuses it (the sharded attention carries no slope gradient).
     """
 

@@ -27,9 +27,8 @@ Learned slopes (``ModelConfig.learn_slopes``): each layer's slopes are ``exp`` o
 ``(n_head,)``. ``alibi`` gets their exact gradient (SDPA with a bias built from them every call by
 :func:`learned_alibi_bias`, or ``alibi_attention``'s slope gradient), ``window-alibi`` too (inside a window
 ``window_factor / m_h`` that follows the current slopes, detached), and ``plsh`` draws its partitions from the
-current slopes (detached) and gets the surrogate gradient of ``plsh_attention`` (eager only: a compiled ``plsh``
-layer with learned slopes raises, because ``plsh_attention`` refuses ``slopes=`` with ``partitions=`` under
-``torch.compile``). Without ``learn_slopes`` there is no such parameter and nothing changes.
+current slopes (detached) and gets the surrogate gradient of ``plsh_attention`` (eager and compiled alike). Without
+``learn_slopes`` there is no such parameter and nothing changes.
 
 The mode can be changed after training without touching the weights (:meth:`TransformerLM.set_position`),
 e.g. to evaluate an ALiBi-trained model with positional-LSH attention at several ``T``.
@@ -244,11 +243,6 @@ class CausalSelfAttention(nn.Module):
                 from positional_lsh.distributed.context import context_parallel_attend
 
                 return context_parallel_attend(self, q, k, v)
-            if self.log_slopes is not None and torch.compiler.is_compiling():
-                raise ValueError(
-                    "learn_slopes=True with position='plsh' cannot be compiled: plsh_attention refuses slopes= "
-                    "with partitions= under torch.compile; run it eagerly (alibi and window-alibi compile)"
-                )
             parts = self.partitions(lk)
             if self.log_slopes is not None:  # the slopes tensor carries the surrogate gradient (ops.attention)
                 return plsh_attention(

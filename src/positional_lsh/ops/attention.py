@@ -94,10 +94,14 @@ def _execute(
     partitions: Partitions,
     route: engine.Route,
     slopes: torch.Tensor | None = None,
+    expected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager or compiled execution of a routed call (``route.compiled`` is decided by ``engine.dispatch``); ``slopes``
-    (``(Hq,)``, from :func:`_grad_slopes`) gets the surrogate gradient."""
-    return (compiled.run if route.compiled else engine.run)(q, k, v, partitions, route, slopes)
+    (``(Hq,)``, from :func:`_grad_slopes`) gets the surrogate gradient; ``expected`` (compiled calls only, from
+    ``check_slopes_match``): the caller's slopes, compared with the partitions' inside the compiled op."""
+    if route.compiled:
+        return compiled.run(q, k, v, partitions, route, slopes, expected)
+    return engine.run(q, k, v, partitions, route, slopes)
 
 
 def _grad_slopes(slopes: object, slope_grad: str, num_heads: int) -> torch.Tensor | None:
@@ -221,6 +225,7 @@ def plsh_attention(
     shape = check_qkv(q, k, v)
     route = engine.dispatch(q, causal=causal, scale=scale, backend=backend, method=method)
     grad_slopes = _grad_slopes(slopes, check_slope_grad(slope_grad), shape.q_heads)
+    expected = None
     if partitions is None:
         _check_size(shape, positive_int("num_samples", num_samples), route)
     elif isinstance(partitions, Partitions):
@@ -232,11 +237,11 @@ def plsh_attention(
         t = positive_int("num_samples", num_samples)
         partitions = sample_partitions(shape.k_len, slopes_t, t, scheme=scheme, generator=generator)
     else:
-        check_slopes_match(slopes, partitions, shape.q_heads)
+        expected = check_slopes_match(slopes, partitions, shape.q_heads)  # under torch.compile: compared in the op
     check_partitions(partitions, shape.q_heads, shape.k_len)
     if q.device.type == "meta" and not route.compiled:
         return _shape_only(q, k, v)
-    return _execute(q, k, v, partitions, route, grad_slopes)
+    return _execute(q, k, v, partitions, route, grad_slopes, expected)
 
 
 class PositionalLSHAttention(nn.Module):

@@ -28,7 +28,7 @@ import torch
 
 from positional_lsh.ops._kernels import acc_dtype
 from positional_lsh.ops.engine import Plan, Route, backward, forward, kernel_inputs, plan, slope_gradient
-from positional_lsh.ops.partitions import Partitions
+from positional_lsh.ops.partitions import Partitions, check_same_slopes
 
 __all__ = ["plsh_backward", "plsh_forward", "run"]
 
@@ -53,8 +53,13 @@ def plsh_forward(
     scale: float,
     kernel: str,
     method: str,
+    expected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the estimator (see :func:`positional_lsh.ops.engine.forward`)."""
+    """``(out, lse)`` of the estimator (see :func:`positional_lsh.ops.engine.forward`). ``expected``: slopes that must
+    equal ``slopes`` in value (``plsh_attention`` given both ``slopes=`` and ``partitions=`` under ``torch.compile``,
+    where the comparison cannot run at trace time: it runs here, on the data; ``ValueError`` when they differ)."""
+    if expected is not None:
+        check_same_slopes(expected, slopes)
     parts = Partitions(k.shape[2], slopes, pitch, shift, scheme, max_block=max_block)
     out, lse, _ = forward(_plan_of(q, k, parts, Route(method, kernel, False, causal, scale)), q, k, v)
     return out, lse
@@ -115,13 +120,13 @@ def _(
     return dq, dk, dv, ds
 
 
-# plsh_forward's inputs: q, k, v, pitch, shift, slopes, then six non-tensor arguments.
+# plsh_forward's inputs: q, k, v, pitch, shift, slopes, six non-tensor arguments, then `expected`.
 _SLOPES_INPUT = 5
-_NON_TENSOR_INPUTS = 6
+_LATER_INPUTS = 7
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    q, k, v, pitch, shift, slopes, *args = inputs
+    q, k, v, pitch, shift, slopes, *args, _expected = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, pitch, shift, slopes)
     ctx.args = args
@@ -134,7 +139,7 @@ def _backward_fn(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None)
         dout = torch.zeros_like(out)
     want = bool(ctx.needs_input_grad[_SLOPES_INPUT])
     dq, dk, dv, dslopes = plsh_backward(dout, q, k, v, out, lse, pitch, shift, slopes, *ctx.args, want)
-    return (dq, dk, dv, None, None, dslopes if want else None) + (None,) * _NON_TENSOR_INPUTS
+    return (dq, dk, dv, None, None, dslopes if want else None) + (None,) * _LATER_INPUTS
 
 
 plsh_forward.register_autograd(_backward_fn, setup_context=_setup_context)
@@ -147,11 +152,15 @@ def run(
     partitions: Partitions,
     route: Route,
     slopes: torch.Tensor | None = None,
+    expected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compiled execution of a checked call (the counterpart of :func:`positional_lsh.ops.engine.run`): ``slopes``
     ``(Hq,)``, the values ``partitions`` were drawn from, gets the surrogate gradient when given (it is passed as the
-    op's ``slopes`` input in place of ``partitions.slopes``)."""
+    op's ``slopes`` input in place of ``partitions.slopes``). ``expected`` (``(Hq,)``): the caller's ``slopes=``
+    given with ``partitions=``, compared with the partitions' slopes inside the op (on the data)."""
     slopes_in = partitions.slopes if slopes is None else slopes
+    if expected is not None and slopes is not None:
+        expected = partitions.slopes  # the learnable slopes are the op's input: compare them with the partitions'
     parts = (partitions.pitch, partitions.shift, slopes_in, partitions.scheme, partitions.max_block)
-    out, _ = plsh_forward(q, k, v, *parts, route.causal, route.scale, route.kernel, route.method)
+    out, _ = plsh_forward(q, k, v, *parts, route.causal, route.scale, route.kernel, route.method, expected)
     return out

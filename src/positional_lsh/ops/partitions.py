@@ -30,6 +30,7 @@ __all__ = [
     "Segment",
     "check_partition_values",
     "check_partitions",
+    "check_same_slopes",
     "check_slopes_match",
     "sample_partitions",
     "value_problem",
@@ -517,19 +518,33 @@ def check_partitions(partitions: object, num_heads: int, seq_len: int) -> None:
         )
 
 
-def check_slopes_match(slopes: SlopesLike, partitions: Partitions, num_heads: int) -> None:
+def check_slopes_match(slopes: SlopesLike, partitions: Partitions, num_heads: int) -> torch.Tensor | None:
     """Raise ``ValueError`` when a call passes both ``slopes`` and ``partitions`` and they disagree.
 
     ``slopes`` (``None``, one float, or ``(num_heads,)``) is read as for sampling
     (:func:`~positional_lsh.ops._checks.as_slopes`) and compared with ``partitions.slopes`` by ``torch.allclose``;
-    ``None`` always matches. Under ``torch.compile`` a given ``slopes`` is refused (the comparison reads the data).
-    Partitions that are not a :class:`Partitions` for ``num_heads`` heads are left to :func:`check_partitions`.
+    ``None`` always matches. Under ``torch.compile`` the comparison reads the data, so it cannot run at trace time:
+    a ``slopes`` tensor is returned as ``(num_heads,)`` for the compiled op to compare when it runs
+    (:func:`check_same_slopes`), any other ``slopes`` is refused. Returns ``None`` otherwise. Partitions that are not
+    a :class:`Partitions` for ``num_heads`` heads are left to :func:`check_partitions`.
     """
     if slopes is None or not isinstance(partitions, Partitions) or partitions.num_heads != num_heads:
-        return
+        return None
     if torch.compiler.is_compiling():
-        raise ValueError("under torch.compile, pass partitions= without slopes= (comparing them reads the data)")
-    if not torch.allclose(as_slopes(slopes, num_heads), partitions.slopes):
+        if isinstance(slopes, torch.Tensor) and slopes.dim() <= 1 and slopes.numel() in (1, num_heads):
+            return slopes.detach().reshape(-1).expand(num_heads)
+        raise ValueError(
+            "under torch.compile, slopes= with partitions= must be a tensor of one or num_heads slopes (the "
+            f"comparison with partitions.slopes runs inside the compiled op), got {type(slopes).__name__}"
+        )
+    check_same_slopes(as_slopes(slopes, num_heads), partitions.slopes)
+    return None
+
+
+def check_same_slopes(slopes: torch.Tensor, drawn: torch.Tensor) -> None:
+    """``ValueError`` unless ``slopes`` equal the slopes ``drawn`` that the partitions were drawn from
+    (``torch.allclose`` in float64 on the CPU; both ``(H,)``)."""
+    if not torch.allclose(slopes.detach().to("cpu", torch.float64), drawn.detach().to("cpu", torch.float64)):
         raise ValueError("slopes differ from partitions.slopes; pass one or the other")
 
 
