@@ -464,3 +464,32 @@ def test_alibi_attention_refuses_bad_trainable_slopes():
         alibi_attention(q, k, v, torch.tensor([0.1, -0.1], requires_grad=True))
     with pytest.raises(ValueError, match="slopes must have one entry per head"):
         alibi_attention(q, k, v, torch.tensor([0.1, 0.1, 0.2], requires_grad=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_alibi_bias_keeps_the_graph_of_learnable_slopes(dtype: torch.dtype, causal: bool) -> None:
+    """``alibi_bias`` with a slopes tensor requiring grad: the values of the fixed-slope bias bit for bit, and the
+    gradient ``d/dm_h sum(W * bias) = -sum_{kept (i, j)} W_ij |i - j|`` (computed here from integer positions)."""
+    from positional_lsh.ops.reference import alibi_bias
+
+    m = torch.tensor([0.5, 0.1, 0.013, 0.0037], dtype=torch.float64)
+    window = torch.tensor([3.0, 7.5, 100.0, 2.0], dtype=torch.float64)
+    lq, lk = 5, 40
+    fixed = alibi_bias(lq, lk, m, causal=causal, window=window, q_offset=lk - lq, dtype=dtype)
+    learn = m.clone().requires_grad_()
+    bias = alibi_bias(lq, lk, learn, causal=causal, window=window, q_offset=lk - lq, dtype=dtype)
+    assert torch.equal(bias.detach(), fixed)
+    w = torch.randn(4, lq, lk, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (grad,) = torch.autograd.grad((bias.double().masked_fill(bias.isinf(), 0) * w).sum(), learn)
+    rel = (torch.arange(lq)[:, None] + lk - lq) - torch.arange(lk)[None, :]
+    kept = rel.abs()[None] <= window[:, None, None]
+    if causal:
+        kept &= rel >= 0
+    expected = -(w * rel.abs() * kept).sum((-1, -2))
+    # The upstream gradient reaches the float32/float64 product through the cast to ``dtype``: it is rounded to
+    # ``dtype`` once per entry (relative eps/2), so the sum is within eps/2 * sum |W| |i - j| of the exact one.
+    eps = torch.finfo(dtype).eps if dtype != torch.float64 else 1e-15
+    bound = eps / 2 * (w.abs() * rel.abs() * kept).sum((-1, -2)) + 1e-12
+    assert ((grad - expected).abs() <= bound).all(), (grad, expected, bound)
+

@@ -25,8 +25,9 @@ or torch's own attention, never a second implementation:
 
 Learned slopes (``ModelConfig.learn_slopes``): each layer's slopes are ``exp`` of a parameter ``log_slopes``
 ``(n_head,)``. ``alibi`` gets their exact gradient (SDPA with a bias built from them every call by
-:func:`learned_alibi_bias`, or ``alibi_attention``'s slope gradient), ``window-alibi`` too (inside a window
-``window_factor / m_h`` that follows the current slopes, detached), and ``plsh`` draws its partitions from the
+:func:`~positional_lsh.alibi_bias`, which keeps the slopes' graph, or ``alibi_attention``'s slope gradient),
+``window-alibi`` too (inside a window ``window_factor / m_h`` that follows the current slopes, detached), and
+``plsh`` draws its partitions from the
 current slopes (detached) and gets the surrogate gradient of ``plsh_attention`` (eager and compiled alike). Without
 ``learn_slopes`` there is no such parameter and nothing changes.
 
@@ -57,15 +58,7 @@ from positional_lsh.ops.partitions import Partitions
 from positional_lsh.ops.reference import alibi_bias
 from positional_lsh.ops.sampling import PartitionSampler, layer_seed
 
-__all__ = [
-    "MLP",
-    "Block",
-    "CausalSelfAttention",
-    "TransformerLM",
-    "apply_rope",
-    "learned_alibi_bias",
-    "rope_cos_sin",
-]
+__all__ = ["MLP", "Block", "CausalSelfAttention", "TransformerLM", "apply_rope", "rope_cos_sin"]
 
 # alibi_impl="auto" uses SDPA with a prebuilt (H, Lq, Lk) bias up to this many bias entries.
 _SDPA_MAX_BIAS_ENTRIES = 2**22
@@ -89,27 +82,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 KVCache = Sequence["tuple[torch.Tensor, torch.Tensor] | None"]
-
-
-def learned_alibi_bias(
-    q_len: int, k_len: int, slopes: torch.Tensor, window: torch.Tensor | None, *, dtype: torch.dtype
-) -> torch.Tensor:
-    """The causal ALiBi bias ``-m_h |i - j|`` ``(H, q_len, k_len)`` built differentiably from ``slopes (H,)`` (a
-    tensor that may require grad, e.g. learned slopes), ``-inf`` where ``j > i`` or ``|i - j| > window[h]``.
-
-    Queries are the last ``q_len`` of ``k_len`` positions. Made on ``slopes``' device in ``dtype`` (the distances
-    are exact integers; the product is taken in ``dtype``). The same values as ``ops.reference.alibi_bias`` up to
-    the rounding of ``m_h`` to ``dtype``; ``slopes.grad`` then gets ``-sum dS |i - j|``.
-    """
-    device = slopes.device
-    qi = torch.arange(q_len, device=device) + (k_len - q_len)
-    dist = qi[:, None] - torch.arange(k_len, device=device)[None, :]  # (q_len, k_len) int64, i - j
-    drop = (dist < 0)[None]
-    dist = dist.abs()
-    if window is not None:
-        drop = drop | (dist[None] > window.to(device=device, dtype=torch.float64)[:, None, None])
-    bias = -slopes.to(dtype)[:, None, None] * dist.to(dtype)[None]
-    return bias.masked_fill(drop, float("-inf"))
 
 
 class CausalSelfAttention(nn.Module):
@@ -207,7 +179,8 @@ class CausalSelfAttention(nn.Module):
 
     def _sdpa_bias(self, lq: int, lk: int, window: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         if self.log_slopes is not None:  # a bias that depends on a parameter: built every call, never cached
-            return learned_alibi_bias(lq, lk, self.current_slopes(), window, dtype=q.dtype)
+            return alibi_bias(lq, lk, self.current_slopes(), causal=True, window=window, q_offset=lk - lq,
+                              dtype=q.dtype, device=q.device)  # fmt: skip
         key = (lq, lk, q.dtype, q.device, None if window is None else tuple(window.tolist()))
         if self._bias_cache is None or self._bias_cache[0] != key:
             bias = alibi_bias(

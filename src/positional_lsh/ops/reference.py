@@ -78,7 +78,9 @@ def alibi_bias(
     """Additive ALiBi bias ``-m_h |i - j|`` with ``-inf`` outside the causal/window mask: ``(H, q_len, k_len)``.
 
     Query ``r`` sits at position ``q_offset + r`` and key ``c`` at ``k_offset + c``. ``window`` (``(H,)``)
-    drops keys with ``|i - j| > window[h]``.
+    drops keys with ``|i - j| > window[h]``. A ``slopes`` tensor that requires grad (learned slopes) keeps its graph:
+    the same values, from one vectorized product that autograd differentiates (``d bias / d m_h = -|i - j|``) and
+    ``torch.compile`` traces.
     """
     check_bool("causal", causal)
     # Distances are exact integers in float32 up to 2^24; float64 output is computed in float64.
@@ -88,6 +90,15 @@ def alibi_bias(
     dist = qi[:, None] - kj[None, :]
     after = dist < 0 if causal else None
     dist = dist.abs_()
+    if slopes.requires_grad:
+        learned = dist * -slopes.to(device=dist.device, dtype=arith).reshape(-1, 1, 1)
+        dropped = None if after is None else after.expand_as(learned)
+        if window is not None:
+            outside = dist > window.to(device=dist.device, dtype=arith).reshape(-1, 1, 1)
+            dropped = outside if dropped is None else dropped | outside
+        if dropped is not None:
+            learned = learned.masked_fill(dropped, float("-inf"))
+        return learned.to(dtype)
     m = slopes.detach().to("cpu", torch.float64).reshape(-1)
     out = torch.empty((m.numel(), q_len, k_len), dtype=dtype, device=device)
     for h in range(m.numel()):  # one head at a time: memory is the output plus one head
