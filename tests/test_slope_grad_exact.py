@@ -174,8 +174,8 @@ def test_no_slope_grad_changes_nothing(backend, dtype, monkeypatch):
     q, k, v = _qkv(2, 4, 2, 9, 13, 8, dtype=dtype, seed=8)
     m = _slopes(4)
     calls = []
-    real = alibi_module.attend_bias_grad
-    monkeypatch.setattr(alibi_module, "attend_bias_grad", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = alibi_module.attend_bias_grads
+    monkeypatch.setattr(alibi_module, "attend_bias_grads", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     runs = []
     for slopes in (m, m.detach(), m.detach().tolist()):
         out = alibi_attention(q, k, v, slopes, window=4.0, backend=backend)
@@ -493,3 +493,29 @@ def test_alibi_bias_keeps_the_graph_of_learnable_slopes(dtype: torch.dtype, caus
     bound = eps / 2 * (w.abs() * rel.abs() * kept).sum((-1, -2)) + 1e-12
     assert ((grad - expected).abs() <= bound).all(), (grad, expected, bound)
 
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attend_bias_grads_is_dense_autograd_for_every_weight_in_one_pass(causal: bool) -> None:
+    """``attend_bias_grads`` (several weights, one recomputation): each column is ``d L / d theta_p`` for the bias
+    ``bias0 + sum_p theta_p W_p`` by dense float64 autograd, and equals :func:`attend_bias_grad` of that weight."""
+    from positional_lsh.ops._kernels import attend, attend_bias_grad, attend_bias_grads
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 5, 4, generator=g, dtype=F64)
+    k, v = (torch.randn(2, 3, 7, 4, generator=g, dtype=F64) for _ in range(2))
+    bias0 = torch.randn(5, 7, generator=g, dtype=F64)
+    weights = [torch.randn(5, 7, generator=g, dtype=F64), torch.randn(2, 3, 5, 7, generator=g, dtype=F64)]
+    theta = torch.zeros(2, 2, 3, 1, 1, dtype=F64, requires_grad=True)
+    i, j = torch.arange(5)[:, None] + 2, torch.arange(7)[None, :]
+    mask = torch.zeros(5, 7, dtype=F64).masked_fill(j > i, float("-inf")) if causal else 0.0
+    s = q @ k.transpose(-1, -2) * 0.5 + bias0 + theta[0] * weights[0] + theta[1] * weights[1] + mask
+    o = torch.softmax(s, -1) @ v
+    dout = torch.randn(o.shape, generator=g, dtype=F64)
+    (dense,) = torch.autograd.grad((o * dout).sum(), theta)
+    out, lse = attend(q, k, v, causal=causal, scale=0.5, backend="math", bias=bias0)
+    got = attend_bias_grads(dout, q, k, v, out, lse, weights, causal=causal, scale=0.5, bias=bias0)
+    assert got.shape == (2, 3, 2)
+    torch.testing.assert_close(got, dense[..., 0, 0].permute(1, 2, 0), rtol=1e-10, atol=1e-12)
+    for p, w in enumerate(weights):
+        one = attend_bias_grad(dout, q, k, v, out, lse, w, causal=causal, scale=0.5, bias=bias0)
+        assert torch.equal(one, got[..., p])

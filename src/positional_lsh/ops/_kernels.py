@@ -24,6 +24,8 @@ it returns this call's share of the gradient of the merged output (docs/design.m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend
@@ -324,15 +326,35 @@ def attend_bias_grad(
     ``weight`` is broadcastable to ``(N, M, Lq, Lk)`` and finite (masked pairs have ``p = 0``). With ``weight =
     d bias / d theta`` this is the call's share of ``dL/d theta`` for a parameter ``theta`` of the bias (for ALiBi's
     ``bias = -m |i - j|``: ``dL/dm = -sum dS |i - j|``). Math only (one more pass over the scores, chunked over
-    ``M``), for any backend's call; no ``(Lq, Lk)`` tensor outlives a chunk.
+    ``M``), for any backend's call; no ``(Lq, Lk)`` tensor outlives a chunk. Several weights of one call:
+    :func:`attend_bias_grads` (one pass for all of them).
     """
+    return attend_bias_grads(dout, q, k, v, out, lse, (weight,), causal=causal, scale=scale, bias=bias)[..., 0]
+
+
+def attend_bias_grads(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    *,
+    causal: bool,
+    scale: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(N, M, P)``: :func:`attend_bias_grad` for each of the ``P`` weights, from one recomputation of the scores
+    (a bias with ``P`` parameters, e.g. a decay family's, costs one pass, not ``P``)."""
     lk = k.shape[-2]
     acc, mask, chunks = _math_setup(q, lk, causal, bias)
-    total = torch.zeros(q.shape[:2], dtype=acc, device=q.device)
-    w = weight.to(acc)
-    per_m = w.dim() == 4 and w.shape[1] > 1
+    total = torch.zeros((*q.shape[:2], len(weights)), dtype=acc, device=q.device)
+    ws = [w.to(acc) for w in weights]
     for sl in chunks:
         p, dpd = _math_chunk_backward(dout, q, k, v, out, lse, acc, mask, sl, scale)[3:]
-        ws = w[:, sl] if per_m else w
-        total[:, sl] = (p * dpd * ws).sum((-1, -2))
+        ds = p * dpd
+        for i, w in enumerate(ws):
+            per_m = w.dim() == 4 and w.shape[1] > 1
+            total[:, sl, i] = (ds * (w[:, sl] if per_m else w)).sum((-1, -2))
     return total

@@ -4,7 +4,7 @@
 ``|i - j| <= window[h]``. Chunked over queries, with one Toeplitz bias bank per head (every chunk's bias is a
 view of it) and a recomputing backward against the saved output and log-sum-exp: never an ``n x n`` tensor.
 A ``slopes`` tensor that requires grad gets ``dL/dm_h = -sum_{b,i,j} dS_ij |i - j|`` from one more pass of score
-recomputation per chunk in that backward (``ops._kernels.attend_bias_grad`` with the weight ``d bias / dm = -|i - j|``,
+recomputation per chunk in that backward (``ops._kernels.attend_bias_grads`` with the weight ``d bias / dm = -|i - j|``,
 a view of a per-head Toeplitz distance bank). :func:`decay_attention` is the same op for the built-in decay families
 (:data:`~positional_lsh.ops.decays.DECAY_FAMILIES`, bias ``log k_theta(|i - j|)``), with ``params.grad``.
 Runs the torch kernels of ``ops._kernels`` only (``backend`` in :data:`ALIBI_BACKENDS`; exact ALiBi has no
@@ -27,7 +27,7 @@ from positional_lsh.ops._kernels import (
     acc_dtype,
     attend,
     attend_backward,
-    attend_bias_grad,
+    attend_bias_grads,
     kernel_layout,
     nonfinite_keys,
     poison_rows,
@@ -299,9 +299,8 @@ def _param_grad_share(
         hi = min(c.hi, last + 1) if causal else (c.hi if reach is None else min(c.hi, last + reach + 1))
         rs, ks = slice(a - c.a, b - c.a), slice(lo - c.lo, hi - c.lo)
         sub = (dout[..., rs, :], q[..., rs, :], k[..., ks, :], v[..., ks, :], out[..., rs, :], lse[..., rs])
-        for p in range(weights.shape[0]):
-            w = weights[p, rs, ks][None, None]
-            total[:, p] += attend_bias_grad(*sub, w, causal=False, scale=scale, bias=bias[..., rs, ks])[:, 0]
+        ws = [weights[p, rs, ks][None, None] for p in range(weights.shape[0])]
+        total += attend_bias_grads(*sub, ws, causal=False, scale=scale, bias=bias[..., rs, ks])[:, 0]
     return total
 
 
