@@ -29,7 +29,7 @@ Writes ``gpu_check.md`` (the tables and the settings) and ``gpu_check.csv`` to `
 budget: a case that would not finish in the time left (estimated from the same case at the previous length) is
 recorded as ``skipped (budget)``, and the files are written either way; the lengths run in the order given (by
 default n = 131072, where the targets are, then 8k ... 64k). Runs on the CPU too (``--device cpu``, tiny
-sizes: what ``tests/test_triton_gpu_check.py`` runs; FlexAttention there is forward-only and, with
+sizes: what ``tests/ops/engine/test_triton_gpu_check.py`` runs; FlexAttention there is forward-only and, with
 ``--no-compile``, eager; the Triton rows need ``TRITON_INTERPRET=1``).
 """
 
@@ -50,7 +50,7 @@ import torch
 
 from positional_lsh import alibi_slopes, dense_plsh_attention, plsh_attention, sample_partitions
 from positional_lsh.cli.bench_peers import band_block_mask, band_pairs, union_pairs, useful_gflops
-from positional_lsh.ops import engine
+from positional_lsh.ops._engine import engine
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Correctness tolerances on the normalized error, per input dtype: forward, gradients.
@@ -101,7 +101,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _triton_ok(device: torch.device) -> bool:
-    from positional_lsh.ops.triton_multiplicity import triton_refusal
+    from positional_lsh.ops._engine.triton.host import triton_refusal
 
     return triton_refusal(torch.empty(1, 1, 1, 64, device=device, dtype=torch.bfloat16)) is None
 

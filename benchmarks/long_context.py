@@ -54,8 +54,8 @@ import torch
 from positional_lsh.lm.checkpoint import is_checkpoint, read_checkpoint_config
 from positional_lsh.lm.config import ModelConfig
 from positional_lsh.lm.model import TransformerLM
-from positional_lsh.ops.multiplicity import sample_bounds
-from positional_lsh.ops.partitions import sample_partitions
+from positional_lsh.ops._engine.multiplicity import sample_bounds
+from positional_lsh.ops.partitions.partition import sample_partitions
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCH = {"n_layer": 4, "n_head": 8, "d_model": 256, "vocab_size": 8192}

@@ -13,8 +13,10 @@ their ratio, measured in the same run. The default backend (torch's CPU flash op
 pass is math).
 
 ``surrogate`` — positional LSH's surrogate slope gradient: the estimator's backward with and without ``dist_grad``
-(default n = 1024, 4096; T = 8; both methods). One forward per configuration (``ops.engine.plan`` / ``forward``),
-then ``ops.engine.backward`` on the same saved tensors, without and with ``dist_grad`` in adjacent pairs (the order
+(default n = 1024, 4096; T = 8; both methods). One forward per configuration (``ops._engine.engine.plan`` /
+``forward``),
+then ``ops._engine.engine.backward`` on the same saved tensors, without and with ``dist_grad`` in adjacent pairs (the
+order
 alternating from pair to pair, so that the machine's load affects both alike): the medians over the repeats, and the
 median of the pairs' ratios (with / without), measured in the same run; the ratios' quartiles show the spread.
 ``"discrete"`` partitions, torch's CPU flash op.
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 from positional_lsh import alibi_attention, alibi_slopes, decay_attention, sample_partitions
-from positional_lsh.ops import engine
+from positional_lsh.ops._engine import engine
 
 H, D = 4, 64
 EXACT_CONFIGS = [("alibi", 1024, None), ("alibi", 2048, None), ("alibi", 4096, 128.0), ("power", 1024, None)]

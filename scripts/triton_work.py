@@ -4,8 +4,9 @@
     python scripts/triton_work.py --lengths 4096 --samples 64 --arch 80
 
 For each (arch's block configuration for bf16, d = 128; causal / bidirectional; T) it builds the kernels' plan on the
-CPU (``positional_lsh.ops.triton_plan.build_triton_plan``, scheme ``discrete``, seed 0) and prints
-``positional_lsh.ops.triton_work.count_work``: integer operations per computed score entry over all heads (total /
+CPU (``positional_lsh.ops._engine.triton.plan.build_triton_plan``, scheme ``discrete``, seed 0) and prints
+``positional_lsh.ops._tools.triton_work.count_work``: integer operations per computed score entry over all heads (total
+/
 total) for the forward (= the ``dq`` kernel) and the ``dk, dv`` kernel, the per-head mean and maximum, the share of
 near (table) pairs and the plan's bytes. The kernels before issue 17 spent ``2T`` per entry (128 at T = 64).
 """
@@ -17,8 +18,8 @@ import argparse
 import torch
 
 from positional_lsh import alibi_slopes, sample_partitions
-from positional_lsh.ops.triton_plan import block_config, build_triton_plan
-from positional_lsh.ops.triton_work import count_work
+from positional_lsh.ops._engine.triton.plan import block_config, build_triton_plan
+from positional_lsh.ops._tools.triton_work import count_work
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,8 +15,9 @@ import torch
 if TYPE_CHECKING:
     from positional_lsh.lm import TransformerLM
 
-# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when positional_lsh.ops.triton_multiplicity is
-# first imported (tests/test_architecture.py imports every documented module, before tests/test_triton.py runs).
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when positional_lsh.ops._engine.triton.host is
+# first imported (tests/test_architecture.py imports every documented module, before tests/ops/engine/test_triton.py
+# runs).
 # Without a GPU the kernels can only run in Triton's CPU interpreter, so set it here, before anything imports them
 # (importing torch does not import triton).
 if not torch.cuda.is_available():

@@ -16,9 +16,10 @@ import pytest
 import positional_lsh
 
 ENTRY_POINTS = {
-    "positional_lsh.ops.attention": ["plsh_attention", "PositionalLSHAttention"],
-    "positional_lsh.ops.alibi": ["alibi_attention"],
-    "positional_lsh.ops.partitions": ["sample_partitions"],
+    "positional_lsh.ops.attention": ["plsh_attention"],
+    "positional_lsh.ops.module": ["PositionalLSHAttention"],
+    "positional_lsh.ops.exact.alibi": ["alibi_attention"],
+    "positional_lsh.ops.partitions.partition": ["sample_partitions"],
     "positional_lsh.integrations.hf.swap": ["use_positional_lsh"],
 }
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from positional_lsh import Partitions, plsh_attention, sample_partitions, scheme_names
-from positional_lsh.ops.decays import power_decay
 from positional_lsh.ops.options import METHODS
+from positional_lsh.ops.partitions.decays import power_decay
 
 from conftest import naive_estimator, naive_mean_mask
 

@@ -70,7 +70,7 @@ from positional_lsh.ops import alibi_slopes
 from positional_lsh.ops._checks import check_choice, nonnegative_int, positive_int
 from positional_lsh.ops.attention import check_call_size
 from positional_lsh.ops.errors import check_memory
-from positional_lsh.ops.schemes import get_scheme
+from positional_lsh.ops.partitions.schemes import get_scheme
 
 __all__ = [
     "ALL_METHODS",

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from positional_lsh.ops import alibi_attention, alibi_bias, plsh_attention, sample_partitions
-from positional_lsh.ops.multiplicity import sample_bounds
-from positional_lsh.ops.partitions import Partitions
+from positional_lsh.ops._engine.multiplicity import sample_bounds
+from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
     "ALL_METHODS",

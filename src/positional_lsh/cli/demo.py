@@ -18,12 +18,12 @@ from tqdm.auto import tqdm
 
 from positional_lsh.cli.parsers import add_arguments, comma_list, option, positive_int_text, run_command
 from positional_lsh.ops._checks import nonnegative_int, positive_int
-from positional_lsh.ops.alibi import alibi_attention
 from positional_lsh.ops.attention import plsh_attention
 from positional_lsh.ops.errors import check_memory
-from positional_lsh.ops.partitions import sample_partitions
-from positional_lsh.ops.reference import alibi_matrix
-from positional_lsh.ops.slopes import alibi_slopes
+from positional_lsh.ops.exact.alibi import alibi_attention
+from positional_lsh.ops.exact.reference import alibi_matrix
+from positional_lsh.ops.partitions.partition import sample_partitions
+from positional_lsh.ops.partitions.slopes import alibi_slopes
 
 __all__ = ["DemoConfig", "attention_table", "mask_convergence_table", "register_cli", "run_demo"]
 

@@ -43,7 +43,7 @@ from positional_lsh.lm.train import default_cache_dir
 from positional_lsh.lm.train_dist import check_device
 from positional_lsh.ops._checks import nonnegative_int, positive_int
 from positional_lsh.ops.attention import check_call_size
-from positional_lsh.ops.schemes import get_scheme
+from positional_lsh.ops.partitions.schemes import get_scheme
 
 __all__ = ["EvalConfig", "main", "register_cli", "run_eval"]
 

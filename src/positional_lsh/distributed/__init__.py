@@ -9,7 +9,8 @@ computed exactly from the partitions: see ``docs/distributed.md``.
 * :func:`halo_plan`, :func:`bytes_per_rank`, :func:`ring_attention_bytes`, :func:`allgather_bytes`: exact byte
   accounting, no process group needed; :func:`comm_stats` counts what actually went through ``isend``.
 
-This room imports only the op layer (the public ``positional_lsh`` names, ``ops.options``, ``ops.partitions`` and
+This room imports only the op layer (the public ``positional_lsh`` names, ``ops.options``, ``ops.partitions.partition``
+and
 the validators of ``ops._checks``), not even inside a function: the op layer never imports it, and the language
 model loads it only inside functions (the attention hook, context-parallel training).
 """

@@ -21,7 +21,7 @@ from positional_lsh.distributed.exchange import halo_exchange
 from positional_lsh.distributed.halo import HaloPlan, crop_partitions, halo_plan
 from positional_lsh.ops._checks import as_scale, check_bool, check_qkv, nonnegative_int, positive_int
 from positional_lsh.ops.options import DEFAULT_BACKEND, DEFAULT_METHOD, check_backend, check_method
-from positional_lsh.ops.partitions import check_partitions, check_slopes_match
+from positional_lsh.ops.partitions.partition import check_partitions, check_slopes_match
 
 __all__ = ["context_parallel_plsh_attention"]
 

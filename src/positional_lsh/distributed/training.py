@@ -11,7 +11,8 @@ the gradients over ``world`` ranks, which cancels that factor: the result is the
 loss, i.e. the per-replica gradients summed over the context ranks and averaged over the data ranks — exactly
 what data parallelism alone computes. With equal shards (``seq_len % C == 0``) the factor is 1 and each rank's
 loss is simply the mean over its tokens. The partitions of every positional-LSH layer are drawn by the layer's
-``ops.sampling.PartitionSampler`` (seeded per layer by ``ops.sampling.layer_seed``; training step ``c`` draws from
+``ops.partitions.sampling.PartitionSampler`` (seeded per layer by ``ops.partitions.sampling.layer_seed``; training step
+``c`` draws from
 ``layer_seed(seed, c)``), whose step counter every rank advances identically; the attention verifies it by a
 checksum. The layer's ``attn_backend`` and ``plsh_method`` reach the sharded attention (``context_parallel_attend``).
 """

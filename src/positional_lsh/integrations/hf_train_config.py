@@ -21,7 +21,7 @@ from positional_lsh.lm.train_config import (
 )
 from positional_lsh.ops._checks import check_bool, check_choice, check_int, positive_int
 from positional_lsh.ops.options import BACKENDS, METHODS
-from positional_lsh.ops.schemes import get_scheme
+from positional_lsh.ops.partitions.schemes import get_scheme
 
 __all__ = ["BUILTIN_CONFIGS", "FINETUNE_MODES", "HF_POSITIONS", "PRESETS", "WEIGHT_DTYPES", "HFTrainConfig"]
 

@@ -17,8 +17,8 @@ import torch
 
 from positional_lsh.ops._checks import check_bool, check_choice, nonnegative_int, positive_int
 from positional_lsh.ops.options import ALIBI_BACKENDS, BACKENDS, DEFAULT_BACKEND, DEFAULT_METHOD, METHODS
-from positional_lsh.ops.schemes import scheme_names
-from positional_lsh.ops.slopes import alibi_slopes
+from positional_lsh.ops.partitions.schemes import scheme_names
+from positional_lsh.ops.partitions.slopes import alibi_slopes
 
 __all__ = ["ALIBI_IMPLS", "LEARNABLE_POSITIONS", "POSITIONS", "ModelConfig"]
 
@@ -59,7 +59,8 @@ class ModelConfig:
             ``math.inf`` means slope 0: no positional bias (positional LSH is then exact causal attention).
         num_samples: positional-LSH samples ``T`` per call (``plsh``).
         scheme: positional-LSH partition scheme: any registered name (``"discrete"``, ``"gamma"``, ``"fixed"``,
-            the variance-reduced ones, or one added with :func:`~positional_lsh.ops.schemes.register_scheme`).
+            the variance-reduced ones, or one added with
+            :func:`~positional_lsh.ops.partitions.schemes.register_scheme`).
         seed: seed of the training-time partition generators (one per layer, derived from it).
         eval_seed: seed of the eval-mode partitions (one per layer, derived from it).
         window: ``window-alibi``'s largest kept distance ``|i - j|``: ``None`` for ``window_factor * sigma_h``

@@ -12,7 +12,7 @@ or torch's own attention, never a second implementation:
 * ``"plsh"`` — positional-LSH attention (:func:`~positional_lsh.plsh_attention`) with ``num_samples``
   partitions of a ``scheme``, for the standard per-head ALiBi slopes or one constant ``sigma`` for every head
   (as the paper did). Each layer samples with the package's one policy
-  (:class:`~positional_lsh.ops.sampling.PartitionSampler`): training call ``c`` of layer ``l`` draws from
+  (:class:`~positional_lsh.ops.partitions.sampling.PartitionSampler`): training call ``c`` of layer ``l`` draws from
   ``layer_seed(layer_seed(seed, l), c)`` (fresh partitions every call; the per-layer call counters are the
   model's :meth:`~TransformerLM.rng_state`, saved for exact resume); eval mode uses the partitions seeded by
   ``layer_seed(eval_seed, l)``, the same at every call and every length (the law of a partition does not depend
@@ -52,11 +52,11 @@ from torch import nn
 
 from positional_lsh.lm.config import ModelConfig, check_float
 from positional_lsh.ops._checks import nonnegative_int, positive_int
-from positional_lsh.ops.alibi import alibi_attention
 from positional_lsh.ops.attention import plsh_attention
-from positional_lsh.ops.partitions import Partitions
-from positional_lsh.ops.reference import alibi_bias
-from positional_lsh.ops.sampling import PartitionSampler, layer_seed
+from positional_lsh.ops.exact.alibi import alibi_attention
+from positional_lsh.ops.exact.bias import alibi_bias
+from positional_lsh.ops.partitions.partition import Partitions
+from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
 
 __all__ = ["MLP", "Block", "CausalSelfAttention", "TransformerLM", "apply_rope", "rope_cos_sin"]
 

@@ -5,13 +5,15 @@ integrations, cli). Tensors are ``(batch, heads, length, head_dim)``; the ALiBi 
 ``-slopes[h] * |i - j|``, added to the scaled score.
 """
 
-from positional_lsh.ops.alibi import alibi_attention, decay_attention
-from positional_lsh.ops.attention import PositionalLSHAttention, plsh_attention
-from positional_lsh.ops.partitions import Partitions, sample_partitions
-from positional_lsh.ops.reference import alibi_bias, alibi_matrix, dense_plsh_attention
-from positional_lsh.ops.sampling import PartitionSampler
-from positional_lsh.ops.schemes import Scheme, get_scheme, register_scheme, scheme_names, unregister_scheme
-from positional_lsh.ops.slopes import alibi_slopes
+from positional_lsh.ops.attention import plsh_attention
+from positional_lsh.ops.exact.alibi import alibi_attention, decay_attention
+from positional_lsh.ops.exact.bias import alibi_bias
+from positional_lsh.ops.exact.reference import alibi_matrix, dense_plsh_attention
+from positional_lsh.ops.module import PositionalLSHAttention
+from positional_lsh.ops.partitions.partition import Partitions, sample_partitions
+from positional_lsh.ops.partitions.sampling import PartitionSampler
+from positional_lsh.ops.partitions.schemes import Scheme, get_scheme, register_scheme, scheme_names, unregister_scheme
+from positional_lsh.ops.partitions.slopes import alibi_slopes
 
 __all__ = [
     "PartitionSampler",

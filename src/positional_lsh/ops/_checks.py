@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from positional_lsh.ops.slopes import alibi_slopes
+from positional_lsh.ops.partitions.slopes import alibi_slopes
 
 SlopesLike = torch.Tensor | Sequence[float] | float | None
 GeneratorLike = torch.Generator | int | None

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from positional_lsh.ops._checks import as_scale, check_bool, check_int, check_qkv, positive_int
-from positional_lsh.ops._kernels import acc_dtype, nonfinite_keys
-from positional_lsh.ops.partitions import Partitions
-from positional_lsh.ops.schemes import get_scheme
+from positional_lsh.ops._engine.kernels import acc_dtype, nonfinite_keys
+from positional_lsh.ops.partitions.partition import Partitions
+from positional_lsh.ops.partitions.schemes import get_scheme
 
 __all__ = ["DECODE_QUERY_CHUNK", "block_bounds", "key_reach", "plsh_decode"]
 

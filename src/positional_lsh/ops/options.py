@@ -15,7 +15,8 @@ __all__ = [
     "check_backend", "check_method", "check_slope_grad"]
 
 KERNELS = ("flash", "math")
-"""The torch attention kernels (``ops._kernels``): torch's fused flash op of the CPU or CUDA, and batched matmuls (any
+"""The torch attention kernels (``ops._engine.kernels``): torch's fused flash op of the CPU or CUDA, and batched matmuls
+(any
 device)."""
 
 BACKENDS = ("auto", *KERNELS, "triton")

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from positional_lsh.ops.alibi import alibi_attention
-from positional_lsh.ops.partitions import Partitions
-from positional_lsh.ops.reference import dense_plsh_attention
+from positional_lsh.ops.exact.alibi import alibi_attention
+from positional_lsh.ops.exact.reference import dense_plsh_attention
+from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
     "AdversarialResult",

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from positional_lsh.ops._checks import positive_int
-from positional_lsh.ops.partitions import Partitions
-from positional_lsh.ops.schemes import get_scheme
+from positional_lsh.ops.partitions.partition import Partitions
+from positional_lsh.ops.partitions.schemes import get_scheme
 
 __all__ = [
     "BlockStats",
@@ -208,7 +208,7 @@ def capped_bias(
     tri = np.clip(1.0 - d / c, 0.0, None)
     mx = np.maximum(float(c), d)
     if decay is not None:
-        from positional_lsh.ops.decays import pitch_law
+        from positional_lsh.ops.partitions.decays import pitch_law
 
         probs_t, whole = pitch_law(decay, n)  # type: ignore[arg-type]
         probs = probs_t.numpy()

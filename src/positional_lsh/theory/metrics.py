@@ -28,8 +28,8 @@ import torch
 from scipy.linalg import eigh_tridiagonal
 
 from positional_lsh.ops._checks import as_scale, check_bool
-from positional_lsh.ops.partitions import Partitions
-from positional_lsh.ops.reference import alibi_matrix
+from positional_lsh.ops.exact.reference import alibi_matrix
+from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.theory.bounds import alibi_spectral_norm
 from positional_lsh.theory.operators import MeanMaskOperator, alibi_matvec, block_starts
 

@@ -17,8 +17,8 @@ import numpy as np
 from scipy.signal import lfilter
 
 from positional_lsh.ops._checks import check_int
-from positional_lsh.ops.partitions import Partitions
-from positional_lsh.ops.schemes import scheme_names
+from positional_lsh.ops.partitions.partition import Partitions
+from positional_lsh.ops.partitions.schemes import scheme_names
 
 __all__ = ["MeanMaskOperator", "alibi_matvec", "block_starts"]
 

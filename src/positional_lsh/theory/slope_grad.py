@@ -5,7 +5,7 @@ normal, drawn from ``seed`` (:func:`loss_weight`). The bias is ``-m_h |i - j|`` 
 numbers per head ``h`` are compared (docs/theory.md, "Learning the slopes"):
 
 * the **exact** gradient ``g = dL/dm`` of exact ALiBi (:func:`exact_slope_gradient`, through
-  :func:`~positional_lsh.ops.alibi.alibi_attention` with a slopes tensor that requires grad);
+  :func:`~positional_lsh.ops.exact.alibi.alibi_attention` with a slopes tensor that requires grad);
 * the **surrogate** of positional LSH: the exact formula ``-sum_ij dS_ij |i - j|`` evaluated with the estimator's
   own ``dS`` (:func:`plsh_slope_gradients`, through :func:`~positional_lsh.plsh_attention` with
   ``slope_grad="surrogate"``). It is biased at finite ``T`` and consistent as ``T -> inf``;
@@ -53,11 +53,11 @@ import torch
 from tqdm.auto import tqdm
 
 from positional_lsh.ops._checks import SlopesLike, as_scale, as_slopes, check_bool, check_qkv, positive_int
-from positional_lsh.ops.alibi import alibi_attention
 from positional_lsh.ops.attention import plsh_attention
+from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.options import check_method
-from positional_lsh.ops.partitions import Partitions, sample_partitions
-from positional_lsh.ops.schemes import get_scheme
+from positional_lsh.ops.partitions.partition import Partitions, sample_partitions
+from positional_lsh.ops.partitions.schemes import get_scheme
 from positional_lsh.theory.qkv import LayerQKV
 
 __all__ = [
@@ -167,7 +167,7 @@ def exact_slope_gradient(
 ) -> torch.Tensor:
     """``dL/dm`` of exact ALiBi for ``L = sum(alibi_attention(q, k, v, m) * weight)``: ``(Hq,)`` float64.
 
-    Through :func:`~positional_lsh.ops.alibi.alibi_attention` with a slopes tensor that requires grad (``q`` ``(B,
+    Through :func:`~positional_lsh.ops.exact.alibi.alibi_attention` with a slopes tensor that requires grad (``q`` ``(B,
     Hq, Lq, d)``, ``k, v`` ``(B, Hkv, Lk, d)``, ``weight`` like the output; bias ``-m_h |i - j|``).
     """
     _, hq, _, _, _, _ = check_qkv(q, k, v)
@@ -391,7 +391,8 @@ def slope_gradient_study(
     """Measure the surrogate and score-function slope gradients of positional LSH against the exact gradient.
 
     For the loss ``L = sum(out * W)`` (``W = loss_weight(out.shape, seed)``), the exact ``g = dL/dm`` of
-    :func:`~positional_lsh.ops.alibi.alibi_attention`, and for each ``T`` in ``samples``: ``replicates`` independent
+    :func:`~positional_lsh.ops.exact.alibi.alibi_attention`, and for each ``T`` in ``samples``: ``replicates``
+    independent
     draws of ``T`` partitions per head (seed ``subseed(seed, "partitions", T)``), each giving the surrogate gradient
     (:func:`plsh_slope_gradients`), the score-function estimate (``"discrete"`` and ``"gamma"`` only, leave-one-out
     baseline over the replicates, see the module docstring) and, with ``fd_step > 0``, the finite difference of

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from scipy.special import ndtri
 
-from positional_lsh.ops.partitions import sample_partitions
+from positional_lsh.ops.partitions.partition import sample_partitions
 
 __all__ = ["UnbiasednessResult", "unbiasedness_test"]
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from positional_lsh.cli.validate.report import write_csv
 from positional_lsh.cli.validate.settings import ValidateConfig, derive_seed
-from positional_lsh.ops.partitions import sample_partitions
+from positional_lsh.ops.partitions.partition import sample_partitions
 from positional_lsh.theory.adversarial import adversarial_search
 
 __all__ = ["ADVERSARIAL_FIELDS", "adversarial_row", "quick_adversarial", "run_adversarial", "save_violation"]

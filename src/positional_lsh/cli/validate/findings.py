@@ -11,7 +11,7 @@ import numpy as np
 
 from positional_lsh import theory
 from positional_lsh.cli.validate.settings import SLOPE_RANGE, ValidateConfig
-from positional_lsh.ops.schemes import get_scheme, scheme_names
+from positional_lsh.ops.partitions.schemes import get_scheme, scheme_names
 
 __all__ = ["base_scheme", "findings", "geomean", "mean", "unique_mask_rows"]
 

@@ -11,7 +11,7 @@ import torch
 
 from positional_lsh.cli.validate.settings import ValidateConfig, derive_seed, parse_slope_mode
 from positional_lsh.ops.errors import UserError
-from positional_lsh.ops.slopes import alibi_slopes
+from positional_lsh.ops.partitions.slopes import alibi_slopes
 from positional_lsh.theory.capture import (
     LayerQKV,
     capture_qkv,

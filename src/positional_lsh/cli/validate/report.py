@@ -14,7 +14,7 @@ import numpy as np
 from positional_lsh.cli.validate.findings import base_scheme, mean, unique_mask_rows
 from positional_lsh.cli.validate.settings import SLOPE_RANGE, ValidateConfig, command_line
 from positional_lsh.cli.validate.slope_grad import slope_grad_finding_lines, slope_grad_section
-from positional_lsh.ops.schemes import get_scheme
+from positional_lsh.ops.partitions.schemes import get_scheme
 
 __all__ = ["ReportData", "report", "write_csv"]
 

@@ -11,7 +11,7 @@ from positional_lsh.cli import parsers
 from positional_lsh.cli.parsers import option, to_argv
 from positional_lsh.ops._checks import nonnegative_int, positive_int
 from positional_lsh.ops.errors import check_memory
-from positional_lsh.ops.schemes import get_scheme
+from positional_lsh.ops.partitions.schemes import get_scheme
 from positional_lsh.theory.slope_grad import subseed
 
 __all__ = [
@@ -108,7 +108,9 @@ class ValidateConfig:
     slopes: tuple[str, ...] = option(
         ("standard",), "slope sets: 'standard' (ALiBi schedule), 'model' (the model's own), 'sigma=X' (constant)"
     )
-    schemes: tuple[str, ...] = option(DEFAULT_SCHEMES, "schemes of the main sweep (see positional_lsh.ops.schemes)")
+    schemes: tuple[str, ...] = option(
+        DEFAULT_SCHEMES, "schemes of the main sweep (see positional_lsh.ops.partitions.schemes)"
+    )
     samples: tuple[int, ...] = option(DEFAULT_SAMPLES, "sample counts s")
     repeats: int = option(1, "independent draws per (n, slopes, scheme, s)")
     causal: bool = option(True, "no causal mask in the output metrics", name="--bidirectional")

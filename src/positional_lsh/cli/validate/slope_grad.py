@@ -22,7 +22,7 @@ import torch
 
 from positional_lsh.cli.validate.inputs import Context
 from positional_lsh.cli.validate.settings import ValidateConfig, derive_seed
-from positional_lsh.ops.slopes import alibi_slopes
+from positional_lsh.ops.partitions.slopes import alibi_slopes
 from positional_lsh.theory.capture import synthetic_qkv
 from positional_lsh.theory.slope_grad import SlopeGradRow, slope_gradient_study
 

@@ -14,8 +14,8 @@ import torch
 from positional_lsh import theory
 from positional_lsh.cli.validate.inputs import Context
 from positional_lsh.cli.validate.settings import UNBIASED_TEST_SLOPES, ValidateConfig, derive_seed
-from positional_lsh.ops.partitions import Partitions, sample_partitions
-from positional_lsh.ops.schemes import get_scheme
+from positional_lsh.ops.partitions.partition import Partitions, sample_partitions
+from positional_lsh.ops.partitions.schemes import get_scheme
 
 __all__ = [
     "BLOCK_FIELDS",

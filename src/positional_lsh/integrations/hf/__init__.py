@@ -22,8 +22,10 @@ For every family the registered mask function replaces the ``(B, 1, n, n)`` caus
 ``(B, n)`` boolean key-validity mask, so no ``n x n`` tensor is built anywhere.
 
 Partitions. Positional-LSH partitions are drawn per layer, **independently across layers**, by one
-:class:`~positional_lsh.ops.sampling.PartitionSampler` per layer (the package's one sampling policy) seeded with
-``layer_seed(seed, layer_idx)`` (:func:`positional_lsh.ops.sampling.layer_seed`, the formula the project's model
+:class:`~positional_lsh.ops.partitions.sampling.PartitionSampler` per layer (the package's one sampling policy) seeded
+with
+``layer_seed(seed, layer_idx)`` (:func:`positional_lsh.ops.partitions.sampling.layer_seed`, the formula the project's
+model
 uses); the law of a partition does not depend on the length, so one draw per layer serves every length
 (:meth:`Partitions.with_seq_len`). In eval mode the partitions are therefore
 fixed: decoding with a KV cache (each new query attends within its own block in every sample) gives

@@ -2,7 +2,8 @@
 
 The replacement forwards (:mod:`~positional_lsh.integrations.hf.forward`) find the swap attached to their module
 under :data:`SWAP_ATTR` and call :meth:`AttentionSwap.attend`; :mod:`~positional_lsh.integrations.hf.swap` creates
-and installs it. Partitions are drawn by one :class:`~positional_lsh.ops.sampling.PartitionSampler` per layer,
+and installs it. Partitions are drawn by one :class:`~positional_lsh.ops.partitions.sampling.PartitionSampler` per
+layer,
 with ``seed = eval_seed = layer_seed(swap.seed, layer)``: eval mode draws from ``layer_seed(seed, layer)``,
 training step ``c`` from ``layer_seed(layer_seed(seed, layer), c)`` (the formula the project's language model uses).
 
@@ -33,11 +34,11 @@ from torch import nn
 from positional_lsh.integrations.hf.masks import valid_runs
 from positional_lsh.ops import alibi_attention, plsh_attention
 from positional_lsh.ops._checks import nonnegative_int
-from positional_lsh.ops._kernels import acc_dtype
+from positional_lsh.ops._engine.engine import Route, backward, dispatch, forward, kernel_inputs, plan
+from positional_lsh.ops._engine.kernels import acc_dtype
 from positional_lsh.ops.decode import key_reach, plsh_decode
-from positional_lsh.ops.engine import Route, backward, dispatch, forward, kernel_inputs, plan
-from positional_lsh.ops.partitions import Partitions
-from positional_lsh.ops.sampling import PartitionSampler, layer_seed
+from positional_lsh.ops.partitions.partition import Partitions
+from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
 
 __all__ = [
     "DECODE_QUERIES",
@@ -549,7 +550,8 @@ def swap_padded_forward(
     method: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the swap's causal positional-LSH attention with a ``(B, Lk)`` padding mask: each group of
-    batch rows with one valid run goes through the engine (:func:`positional_lsh.ops.engine.forward`) on that run;
+    batch rows with one valid run goes through the engine (:func:`positional_lsh.ops._engine.engine.forward`) on that
+    run;
     padded query rows get ``out = 0`` and ``lse = -inf``. The op ``torch.compile`` sees instead of the row split."""
     route = Route(method, kernel, False, True, scale)
     lq, lk = q.shape[2], k.shape[2]
@@ -589,7 +591,8 @@ def swap_padded_backward(
     kernel: str,
     method: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`swap_padded_forward`, group by group (:func:`positional_lsh.ops.engine.backward`
+    """``(dq, dk, dv)`` of :func:`swap_padded_forward`, group by group
+    (:func:`positional_lsh.ops._engine.engine.backward`
     against the saved ``out`` and ``lse``); padded positions get zero gradients."""
     route = Route(method, kernel, False, True, scale)
     lq, lk = q.shape[2], k.shape[2]

@@ -28,8 +28,9 @@ the swap.
 before the swap (e.g. Mistral's ``sliding_window``); :func:`apply_saved_swap` re-applies them.
 
 Partitions are drawn per layer, independently across layers, by a
-:class:`~positional_lsh.ops.sampling.PartitionSampler` seeded with ``layer_seed(seed, layer)``
-(:func:`positional_lsh.ops.sampling.layer_seed`, the formula the project's language model uses); in training mode
+:class:`~positional_lsh.ops.partitions.sampling.PartitionSampler` seeded with ``layer_seed(seed, layer)``
+(:func:`positional_lsh.ops.partitions.sampling.layer_seed`, the formula the project's language model uses); in training
+mode
 step ``c`` draws from ``layer_seed(layer_seed(seed, layer), c)``.
 """
 
@@ -58,8 +59,8 @@ from positional_lsh.ops.options import (
     check_backend,
     check_method,
 )
-from positional_lsh.ops.sampling import PartitionSampler
-from positional_lsh.ops.slopes import alibi_slopes
+from positional_lsh.ops.partitions.sampling import PartitionSampler
+from positional_lsh.ops.partitions.slopes import alibi_slopes
 
 __all__ = [
     "NATIVE_ALIBI_TYPES",

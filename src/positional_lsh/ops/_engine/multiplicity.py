@@ -1,0 +1,513 @@
+"""The multiplicity form of the estimator: one masked attention call per group of query tiles.
+
+For head ``h`` with ``T`` sampled partitions, let ``c[i,j] = #{t : i and j share a block of sample t}``. Then
+``Mbar = c / T`` and the estimator (docs/design.md) is
+
+    out_i = softmax_j(s[i,j] + log c[i,j]) v_j          (the 1/T cancels; log 0 = -inf)
+
+with ``s[i,j] = scale * q_i . k_j`` and, when causal, ``-inf`` for ``j > i``. Every sampled block is a
+contiguous run of positions, so with ``start_t(i)``/``end_t(i)`` the first/one-past-last position of ``i``'s
+block in sample ``t``:
+
+* causal: ``c[i,j] = #{t : start_t(i) <= j}`` for ``j <= i`` — a step function of ``j`` with at most ``T`` steps;
+* bidirectional: ``c[i,j] = #{t : start_t(i) <= j < end_t(i)}``.
+
+Query ``i``'s keys are the interval ``[min_t start_t(i), max_t end_t(i))``: its work is the *union* of its
+``T`` blocks (mean extent about ``sigma * H_T`` causal, ``H_T`` the harmonic number) instead of their sum
+(``T * sigma``), which is where the per-sample path spends its time at large ``T``.
+
+Computation. Queries are cut into tiles of ``tile`` consecutive rows (per head, chosen by the plan). A tile's
+keys are one window ``[k_start, k_start + k_len)`` covering the union of its rows' intervals (both ends are
+monotone in ``i``, so the first and last row fix it). Tiles with equal ``(tile, k_len)`` (``k_len`` rounded
+up to a few sizes per octave) form a *group*: one batched attention call over ``(B, tiles, tile, k_len)``
+with the additive float mask ``log c`` (``-inf`` outside), built on the device by a scatter of the ``T``
+block starts (and ends) of every row followed by a cumulative sum over keys — ``O(T + k_len)`` per row.
+Each query row lives in exactly one tile, so the call's ``(out, lse)`` are final: no merge. The backward
+is the same attention's backward with the saved ``out``/``lse`` and the mask rebuilt, its key gradients
+scatter-added back (tiles share keys). The surrogate slope gradient (``dist`` given to
+``multiplicity_backward``) adds each masked call's ``sum_ij dS_ij |i - j|`` over its rows and union keys
+(``ops._engine.kernels.attend_bias_grad``, one more math pass over the call's scores) into its tiles' query heads.
+
+All of it is device-agnostic torch: gathers, ``scatter_add_``, ``cumsum``, ``log`` and the attention kernels
+of :mod:`positional_lsh.ops._engine.kernels` (CPU: torch's fused flash op with ``attn_mask``; elsewhere: chunked
+matmul). The number of kernel calls is the number of groups (a handful per head), split further only to cap
+the memory of one call (:data:`_CHUNK_ELEMENTS`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from positional_lsh.ops._engine.kernels import attend, attend_backward, attend_bias_grad
+from positional_lsh.ops.partitions.partition import Partitions
+
+__all__ = [
+    "AUTO_MARGIN",
+    "BLOCK_COST",
+    "CALL_ROW_COST",
+    "ENTRY_COST",
+    "PLAN_BYTES",
+    "PLAN_COST",
+    "MultiplicityPlan",
+    "call_estimate",
+    "exact_ceil",
+    "exact_floor",
+    "exact_seconds",
+    "integer_pitch_shift",
+    "multiplicity_plan",
+    "row_bounds",
+    "sample_bounds",
+    "tile_rows",
+    "tilings",
+]
+
+# Candidate query-tile heights; the plan picks the cheapest per head.
+_TILES = (16, 32, 64, 128, 256)
+# Key-window lengths are rounded up to one of this many sizes per octave (fewer distinct shapes, fewer calls).
+_STEPS_PER_OCTAVE = 4
+# Planning evaluates block bounds over at most about this many (tile, sample, head) entries at once.
+_BOUNDS_ELEMENTS = 2**18
+# One kernel call materializes about this many elements (gathered keys/values, mask, per-row bounds).
+_CHUNK_ELEMENTS = 2**23
+# Cost model, in nanoseconds on the measured 2-core CPU (n = 32768, d = 64, fp32, causal, torch's CPU flash op):
+# least-squares fits (relative error) to single-head timings of both methods at T = 8 and 64 on a quiet machine,
+# within +-30 % of every timing (docs/implementation.md "Choosing the method"). Only ratios matter.
+PAIR_COST = 7.4  # one masked-tile score entry ...
+PAIR_COST_TILE = 455.0  # ... plus this / tile (the kernel packs the keys once per query block)
+TILE_COST = 27700.0  # per tile (gathers, scatters, kernel bookkeeping)
+BOUND_COST = 24.0  # per (query row, sample): block bounds, scatter of the start
+ENTRY_COST = 0.82  # per-sample path: one score entry of a block ...
+BLOCK_COST = 420.0  # ... per block
+CALL_ROW_COST = 64.0  # ... per (kernel call, query row): the planning and merging that grow with calls and Lq
+# Planning the per-sample path, per (sample, head): its segment lists (28-42 us and about 500 bytes each, measured at
+# n = 256 and 4096 on the same machine; samples_plan). Used by the up-front size check only (call_estimate).
+PLAN_COST = 28000.0
+PLAN_BYTES = 500.0
+# (2.1e6 ns per call at the fitted n = 32768; a constant per call overrated the per-sample path at small n and
+# sent heads at T = 1-4, n = 2048, to the multiplicity form at 2-9x the time: docs/implementation.md).
+# method="auto" takes the multiplicity form (for all heads of a call) when the sum of its estimates is at most this
+# fraction of the per-sample path's. The multiplicity-form constants were fitted before its planning and mask got
+# faster, so they overrate it: at T = 8 (estimated 0.77-0.99x) it now measures 1.0-2.3x faster, at T = 4 (estimated
+# 1.3-1.6x) slower (docs/implementation.md, "Choosing the method").
+AUTO_MARGIN = 1.0
+
+
+_ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds a float64 |x| < 2**51 to an integer
+
+
+def exact_floor(x: torch.Tensor) -> torch.Tensor:
+    """``torch.floor`` for float64 ``|x| < 2**51`` (and +-inf), exact, with vectorized adds only.
+
+    torch's CPU ``floor``/``ceil`` on float64 runs at about 60 ns per element on the measured machine (against
+    0.5 ns for float32); this is the bottleneck of the bounds otherwise.
+    """
+    r = (x + _ROUND) - _ROUND  # round to nearest integer
+    return r - (r > x).to(x.dtype)
+
+
+def exact_ceil(x: torch.Tensor) -> torch.Tensor:
+    """``torch.ceil`` for float64 ``|x| < 2**51`` (and +-inf), exact: ``-exact_floor(-x)``."""
+    return -exact_floor(-x)
+
+
+def sample_bounds(
+    pitch: torch.Tensor, shift: torch.Tensor, seq_len: int, pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """First position and one past the last of the block holding ``pos`` in each partition: int64 ``(start, end)``.
+
+    ``pitch``/``shift`` (float64, any shape broadcastable with ``pos``) describe partitions as in
+    :class:`~positional_lsh.Partitions`: position ``i`` is in block ``floor((i - shift) / pitch)``. Exact: the
+    bounds are moved until the labels agree with that floor formula (the one ``Partitions.labels`` uses), so
+    generic (non-integer) pitches give the same blocks as the dense masks. ``pitch = inf`` is one block,
+    ``pitch <= 1`` single positions.
+    """
+    p = pos.to(torch.float64)
+    n = float(seq_len)
+
+    def label(i: torch.Tensor) -> torch.Tensor:
+        return exact_floor((i - shift) / pitch)
+
+    lab = label(p)
+    lo = exact_ceil(shift + lab * pitch).clamp_min(0.0).minimum(p)
+    hi = exact_ceil(shift + (lab + 1.0) * pitch).maximum(p + 1.0).clamp_max(n)
+    for _ in range(2):
+        lo = torch.where((lo > 0) & (label(lo - 1.0) >= lab), lo - 1.0, lo)
+        lo = torch.where(label(lo) < lab, lo + 1.0, lo)
+        hi = torch.where((hi < n) & (label(hi) <= lab), hi + 1.0, hi)
+        hi = torch.where(label(hi - 1.0) > lab, hi - 1.0, hi)
+    one_block = torch.isinf(pitch)
+    single = pitch <= 1.0
+    lo = torch.where(one_block, 0.0, torch.where(single, p, lo))
+    hi = torch.where(one_block, n, torch.where(single, p + 1.0, hi))
+    return lo.long(), hi.long()
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Query tiles sharing one shape ``(tile, k_len)``; tile ``a`` holds query rows ``q_start[a] + [0, tile)``
+    (clamped to ``Lq - 1``) of query head ``head[a]`` and keys ``k_start[a] + [0, k_len)`` of ``kv_head[a]``."""
+
+    tile: int
+    k_len: int
+    head: torch.Tensor  # (N,) int64
+    kv_head: torch.Tensor  # (N,) int64
+    q_start: torch.Tensor  # (N,) int64, query rows
+    k_start: torch.Tensor  # (N,) int64, key positions
+    pitch: torch.Tensor  # (N, T) float64
+    shift: torch.Tensor  # (N, T) float64
+
+    def to(self, device: torch.device) -> _Group:
+        return _Group(
+            self.tile,
+            self.k_len,
+            *(x.to(device) for x in (self.head, self.kv_head, self.q_start, self.k_start, self.pitch, self.shift)),
+        )
+
+    def _columns(self) -> tuple[torch.Tensor, ...]:
+        return (self.head, self.kv_head, self.q_start, self.k_start, self.pitch, self.shift)
+
+    def split(self, size: int) -> list[_Group]:
+        n = self.head.shape[0]
+        return [
+            _Group(
+                self.tile,
+                self.k_len,
+                *(x[a : a + size] for x in self._columns()),
+            )
+            for a in range(0, n, size)
+        ]
+
+
+@dataclass(frozen=True)
+class MultiplicityPlan:
+    """Kernel groups for the multiplicity form of some heads; built by :func:`multiplicity_plan`."""
+
+    heads: tuple[int, ...]
+    groups: tuple[_Group, ...]
+    q_len: int
+    k_len: int
+    causal: bool
+    num_samples: int
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.groups)
+
+    def pairs(self) -> int:
+        """Score entries the kernel calls compute (per batch element), padding included."""
+        return sum(int(g.head.shape[0]) * g.tile * g.k_len for g in self.groups)
+
+
+def _round_up(k: torch.Tensor, limit: int) -> torch.Tensor:
+    """Round lengths up to one of ``_STEPS_PER_OCTAVE`` sizes per octave (multiples of 8), at most ``limit``."""
+    kf = k.to(torch.float64).clamp_min(8.0)
+    octave = torch.floor(torch.log2(kf)) - math.log2(_STEPS_PER_OCTAVE)
+    unit = torch.exp2(octave).clamp_min(8.0)
+    out = (torch.ceil(kf / unit) * unit).long()
+    out = ((out + 7) // 8) * 8
+    return torch.minimum(out, torch.full_like(out, limit))
+
+
+def tilings(
+    partitions: Partitions, heads: list[int], q_len: int, causal: bool
+) -> dict[int, tuple[float, tuple[torch.Tensor, ...], int]]:
+    """The cheapest tiling of each of ``heads``: ``head -> (estimated ns, (q_start, k_start, k_len), tile)``.
+
+    For each candidate tile height the bounds of every head's tile rows come from one vectorized
+    :func:`sample_bounds` over ``(tiles, T, heads)`` (a per-head loop costs ~30 % of a short call's forward in
+    planning overhead). A tile's key window covers the union of its rows' intervals; both ends are monotone
+    in the row, so the first and last row fix it.
+    """
+    n = partitions.seq_len
+    q0 = n - q_len
+    index = torch.tensor(heads, dtype=torch.long)
+    pitch, shift = partitions.pitch[:, index], partitions.shift[:, index]  # (T, heads)
+    # Every candidate height is a multiple of the smallest (or covers all rows in one tile), so the first and
+    # last rows of all tilings are among those of the finest: their bounds once, for all heads and heights.
+    unit = _TILES[0]
+    fine = torch.arange(0, q_len, unit, dtype=torch.long)
+    fine_last = torch.clamp(fine + unit, max=q_len) - 1 + q0
+    # (fine tiles, T, heads) bounds, a few heads at a time: sample_bounds holds ~10 float64 temporaries of that
+    # shape, which for all heads at once would dominate the call's peak memory at large n and T.
+    # At very large T one head alone is too many: then a head's samples are taken a slice at a time as well.
+    num_t = pitch.shape[0]
+    chunk = max(1, _BOUNDS_ELEMENTS // max(1, fine.numel() * num_t))
+    t_chunk = num_t if chunk > 1 else max(1, _BOUNDS_ELEMENTS // max(1, fine.numel()))
+    lo_cols, end_cols = [], []
+    for a in range(0, len(heads), chunk):
+        lo_h: torch.Tensor | None = None
+        end_h: torch.Tensor | None = None
+        for b in range(0, num_t, t_chunk):
+            p, sh = pitch[b : b + t_chunk, a : a + chunk], shift[b : b + t_chunk, a : a + chunk]
+            lo = sample_bounds(p, sh, n, (fine + q0)[:, None, None])[0].amin(1)
+            lo_h = lo if lo_h is None else torch.minimum(lo_h, lo)
+            if not causal:
+                end = sample_bounds(p, sh, n, fine_last[:, None, None])[1].amax(1)
+                end_h = end if end_h is None else torch.maximum(end_h, end)
+        assert lo_h is not None
+        lo_cols.append(lo_h)
+        if end_h is not None:
+            end_cols.append(end_h)
+    lo_fine = torch.cat(lo_cols, 1)  # (fine tiles, heads)
+    end_fine = (fine_last + 1)[:, None].expand_as(lo_fine) if causal else torch.cat(end_cols, 1)
+    best: dict[int, tuple[float, tuple[torch.Tensor, ...], int]] = {}
+    for tile in _TILES:
+        tile = min(tile, q_len)
+        step = tile // unit if tile < q_len else fine.numel()  # one tile: first row 0, last row Lq - 1
+        first_idx = torch.arange(0, fine.numel(), step)
+        last_idx = torch.clamp(first_idx + step - 1, max=fine.numel() - 1)
+        q_start = fine[first_idx]
+        lo, end = lo_fine[first_idx], end_fine[last_idx]  # (tiles, heads)
+        k_len = _round_up(end - lo, n)
+        k_start = torch.minimum(lo, n - k_len)
+        pairs = k_len.sum(0).to(torch.float64) * tile
+        fixed = TILE_COST * q_start.numel() + BOUND_COST * q_len * partitions.num_samples
+        costs = (pairs * (PAIR_COST + PAIR_COST_TILE / tile) + fixed).tolist()
+        for col, (h, cost) in enumerate(zip(heads, costs, strict=True)):
+            if h not in best or cost < best[h][0]:
+                best[h] = (cost, (q_start, k_start[:, col].contiguous(), k_len[:, col].contiguous()), tile)
+        if tile >= q_len:
+            break
+    return best
+
+
+def multiplicity_plan(
+    partitions: Partitions,
+    heads: list[int],
+    num_kv_heads: int,
+    q_len: int,
+    causal: bool,
+    tiles: dict[int, tuple[float, tuple[torch.Tensor, ...], int]] | None = None,
+) -> MultiplicityPlan:
+    """Tiles of the given query heads, grouped by shape (one batched kernel call per group).
+
+    ``tiles``: the per-head choice of :func:`tilings` where already computed (``method="auto"``).
+    """
+    group_size = partitions.num_heads // num_kv_heads
+    tiles = dict(tiles or {})
+    missing = [h for h in heads if h not in tiles]
+    if missing:
+        tiles.update(tilings(partitions, missing, q_len, causal))
+    # Every tile of every head as one row of (head, q_start, k_start, k_len), per tile height; sorted by k_len,
+    # each run of equal k_len is one group (vectorized: a per-head loop was most of a short call's planning).
+    by_tile: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+    for h in heads:
+        _, (q_start, k_start, k_len), tile = tiles[h]
+        by_tile.setdefault(tile, []).append((torch.full_like(q_start, h), q_start, k_start, k_len))
+    groups = []
+    for tile in sorted(by_tile):
+        head, q_start, k_start, k_len = (torch.cat(c) for c in zip(*by_tile[tile], strict=True))
+        k_len, order = torch.sort(k_len, stable=True)
+        head, q_start, k_start = head[order], q_start[order], k_start[order]
+        lengths, counts = torch.unique_consecutive(k_len, return_counts=True)
+        pitch, shift = partitions.pitch.t()[head], partitions.shift.t()[head]  # (tiles, T)
+        cols = (head, head // group_size, q_start, k_start, pitch, shift)
+        splits = [c.split(counts.tolist()) for c in cols]
+        for kl, *parts in zip(lengths.tolist(), *splits, strict=True):
+            groups.append(_Group(tile, int(kl), *(c.contiguous() for c in parts)))
+    return MultiplicityPlan(tuple(heads), tuple(groups), q_len, partitions.seq_len, causal, partitions.num_samples)
+
+
+def _chunks(group: _Group, num_samples: int, batch: int, d: int) -> list[_Group]:
+    """Split a group so that one call materializes about ``_CHUNK_ELEMENTS`` elements."""
+    per_tile = group.tile * (group.k_len * (2 + batch) + num_samples * 8) + 2 * batch * group.k_len * d
+    size = max(1, _CHUNK_ELEMENTS // max(1, per_tile))
+    return group.split(size) if group.head.shape[0] > size else [group]
+
+
+def tile_rows(g: _Group, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query rows of every tile of ``g``, int64 ``(N, tile)`` clamped to ``q_len - 1``, and whether each is a
+    real row (bool, ``False`` for the padding past ``q_len``)."""
+    r = g.q_start[:, None] + torch.arange(g.tile, device=g.q_start.device)
+    return r.clamp(max=q_len - 1), r < q_len
+
+
+def integer_pitch_shift(g: _Group) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``(pitch, shift)`` of ``g``'s tiles as int64 ``(N, 1, T)`` when every pitch is an integer in
+    ``[1, 2**51)`` and every shift an integer (the integer schemes, e.g. ``discrete`` and ``fixed``, without slope-0
+    heads or pitches of tiny slopes, whose int64 block ends could overflow); else ``None``."""
+    pitch, shift = g.pitch, g.shift
+    ok = (pitch >= 1) & (pitch < 2.0**51) & (exact_floor(pitch) == pitch) & (exact_floor(shift) == shift)
+    if not bool(ok.all()):
+        return None
+    return pitch.long()[:, None, :], shift.long()[:, None, :]
+
+
+def row_bounds(g: _Group, pos: torch.Tensor, n: int, need_end: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``start_t``/``end_t`` of the block of every tile row in every sample: int64 ``(N, tile, T)``.
+
+    ``pos`` (int64 ``(N, tile)``) are the rows' key positions in a sequence of ``n``; ``end`` is ``None`` unless
+    ``need_end``.
+
+    Integer pitches and shifts: block ``floor((i - shift) / pitch)`` starts at ``i - ((i - shift) mod pitch)``
+    and ends ``pitch`` later, clamped to ``[0, n]`` — a few integer passes. Otherwise exact bounds
+    (:func:`sample_bounds`) are computed for the first (and last) row of each tile only; inside a tile the rows
+    are consecutive positions, so a block starts wherever the label ``floor((i - shift) / pitch)`` changes:
+    ``start`` is a running maximum of those positions, ``end`` a reversed running minimum.
+    """
+    p = pos[..., None]  # (N, tile, 1)
+    whole = integer_pitch_shift(g)  # a module-level lookup (tests replace it to exercise the general path)
+    if whole is not None:  # integer pitches >= 1 and shifts: the block start is i - ((i - shift) mod pitch)
+        b, sh = whole
+        start = p - torch.remainder(p - sh, b)  # before clamping: the end below is start + pitch
+        end = (start + b).clamp_(max=n) if need_end else None
+        return start.clamp_(min=0), end
+    pitch, shift = g.pitch[:, None, :], g.shift[:, None, :]
+    lab = exact_floor((p.to(torch.float64) - shift) / pitch)  # (N, tile, T)
+    change = lab[:, 1:] != lab[:, :-1]  # label of row r+1 differs from row r: a block starts at row r+1
+    lo0, _ = sample_bounds(g.pitch, g.shift, n, pos[:, :1])  # (N, T)
+    start = torch.cat([lo0[:, None], torch.where(change, p[:, 1:], lo0[:, None])], 1).cummax(1).values
+    if not need_end:
+        return start, None
+    _, hi1 = sample_bounds(g.pitch, g.shift, n, pos[:, -1:])
+    cand = torch.cat([torch.where(change, p[:, 1:], hi1[:, None]), hi1[:, None]], 1)
+    end = cand.flip(1).cummin(1).values.flip(1)
+    return start, end
+
+
+def _mask(g: _Group, rows: torch.Tensor, plan: MultiplicityPlan, dtype: torch.dtype) -> torch.Tensor:
+    """``log c`` over ``(N, tile, k_len)`` with ``-inf`` where ``c = 0`` (and above the diagonal when causal)."""
+    n, kl = plan.k_len, g.k_len
+    pos = rows + (n - plan.q_len)  # (N, tile) key positions of the queries
+    start, end = row_bounds(g, pos, n, not plan.causal)
+    k0 = g.k_start[:, None, None]
+    counts = torch.zeros((*rows.shape, kl + 1), dtype=dtype, device=rows.device)
+    ones = torch.ones((), dtype=dtype, device=rows.device).expand(start.shape)
+    counts.scatter_add_(-1, start - k0, ones)
+    if end is not None:
+        counts.scatter_add_(-1, (end - k0).clamp(max=kl), -ones)
+    else:  # causal: every start is <= i, so subtracting T at key i + 1 zeroes the counts above the diagonal
+        above = (pos - g.k_start[:, None] + 1).clamp(max=kl).unsqueeze(-1)
+        minus_t = torch.full(above.shape, -float(start.shape[-1]), dtype=dtype, device=rows.device)
+        counts.scatter_add_(-1, above, minus_t)
+    c = counts[..., :kl].cumsum_(-1)  # integer-valued: exactly 0 outside every block
+    # log(0) takes the math library's slow path (about 2x the whole mask when most entries are 0, as in causal
+    # tiles): take logs of max(c, 1) and select -inf where c = 0. Same values as c.log_(); of the exact forms
+    # measured (two masked fills, a table lookup on int32 counts, this) the fastest.
+    return torch.where(c > 0, c.clamp_min(1.0).log_(), -math.inf)
+
+
+def _gather(x: torch.Tensor, head: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x (B, H, L, d)`` rows ``idx (N, R)`` of heads ``head (N,)``: ``(B, N, R, d)``."""
+    b, _, length, d = x.shape
+    if x.stride(1) == length * x.stride(2) and x.stride(2) == d and x.stride(3) == 1:  # (H, L) flattens to a view
+        flat = (head[:, None] * length + idx).flatten()
+        return x.flatten(1, 2).index_select(1, flat).view(b, *idx.shape, d)
+    return x[:, head[:, None], idx]
+
+
+def _keys(g: _Group, n: int) -> torch.Tensor:
+    return (g.k_start[:, None] + torch.arange(g.k_len, device=g.k_start.device)).clamp(max=n - 1)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Tiles are computed in float32 for half inputs (the mask's ``log c`` must not be rounded to 8 bits)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def multiplicity_forward(
+    plan: MultiplicityPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    backend: str,
+) -> None:
+    """Write the rows of ``plan.heads`` of ``out (B, Hq, Lq, d)`` and ``lse (B, Hq, Lq)`` (accumulation dtype)."""
+    cd = _compute_dtype(q.dtype)
+    b, _, lq, d = q.shape
+    for group in plan.groups:
+        for g in _chunks(group.to(q.device), plan.num_samples, b, d):
+            rows, _ = tile_rows(g, lq)
+            keys = _keys(g, plan.k_len)
+            mask = _mask(g, rows, plan, cd)
+            qg = _gather(q, g.head, rows).to(cd)
+            kg, vg = _gather(k, g.kv_head, keys).to(cd), _gather(v, g.kv_head, keys).to(cd)
+            o, l = attend(qg, kg, vg, causal=False, scale=scale, backend=backend, bias=mask.unsqueeze(0))
+            # Padded rows repeat row Lq-1 of the same tile: they write the same values.
+            flat = (g.head[:, None] * lq + rows).flatten()
+            out.view(b, -1, d).index_copy_(1, flat, o.flatten(1, 2).to(out.dtype))
+            lse.view(b, -1).index_copy_(1, flat, l.flatten(1, 2).to(lse.dtype))
+
+
+def multiplicity_backward(
+    plan: MultiplicityPlan,
+    saved: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    backend: str,
+    dist: torch.Tensor | None = None,
+) -> None:
+    """Accumulate the gradients of the rows of ``plan.heads`` into ``grads = (dq, dk, dv)`` (accumulation dtype);
+    with ``dist (Hq,)`` (accumulation dtype) also ``dist[h] += sum over batch, i, j of dS[b, h, i, j] |i - j|`` with
+    the estimator's own ``dS`` (the surrogate slope gradient is ``-dist``). Without ``dist`` no extra work is done."""
+    q, k, v, out, lse = saved
+    dq, dk, dv = grads
+    cd = _compute_dtype(q.dtype)
+    b, hq, lq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
+    for group in plan.groups:
+        for g in _chunks(group.to(q.device), plan.num_samples, b, d):
+            rows, real = tile_rows(g, lq)
+            keys = _keys(g, n)
+            mask = _mask(g, rows, plan, cd)
+            qg = _gather(q, g.head, rows).to(cd)
+            kg, vg = _gather(k, g.kv_head, keys).to(cd), _gather(v, g.kv_head, keys).to(cd)
+            og = _gather(out, g.head, rows).to(cd)
+            lg = _gather(lse.unsqueeze(-1), g.head, rows).squeeze(-1).to(cd)
+            # Padding rows get a zero upstream gradient, so they contribute nothing.
+            dg = (_gather(dout, g.head, rows).to(cd) * real[None, :, :, None]).to(cd)
+            gq, gk, gv = attend_backward(
+                dg, qg, kg, vg, og, lg, causal=False, scale=scale, backend=backend, bias=mask.unsqueeze(0)
+            )
+            qi = (g.head[:, None] * lq + rows).flatten()
+            ki = (g.kv_head[:, None] * n + keys).flatten()
+            dq_f.index_add_(1, qi, gq.flatten(1, 2).to(dq.dtype))
+            dk_f.index_add_(1, ki, gk.flatten(1, 2).to(dk.dtype))
+            dv_f.index_add_(1, ki, gv.flatten(1, 2).to(dv.dtype))
+            if dist is not None:  # the surrogate slope gradient: |i - j| of the tiles' rows and union keys
+                pos = rows + (n - lq)
+                w = (pos[:, :, None] - keys[:, None, :]).abs().to(cd).unsqueeze(0)
+                total = attend_bias_grad(dg, qg, kg, vg, og, lg, w, causal=False, scale=scale, bias=mask.unsqueeze(0))
+                dist.index_add_(0, g.head, total.sum(0).to(dist.dtype))
+
+
+def call_estimate(num_samples: int, num_heads: int, q_len: int, method: str) -> tuple[float, float]:
+    """Lower bounds on the host memory (bytes) and time (seconds) of one estimator call, before anything is drawn.
+
+    From the cost model above (measured on a 2-core CPU; unmeasured elsewhere), with ``T`` samples, ``H`` query heads
+    and ``Lq`` query rows — only the terms that grow with ``T``, so a refusal on these numbers is never a close call:
+
+    * ``"samples"``: planning each (sample, head) (``PLAN_COST``, ``PLAN_BYTES``) and at least one kernel call per
+      (sample, head) (``CALL_ROW_COST`` per query row);
+    * ``"multiplicity"``: the block bounds of every (query row, sample, head) (``BOUND_COST``); in memory, the tile
+      plan's pitches and shifts (16 bytes per (tile of the largest height, sample, head)) and one chunk's bounds
+      (``8 * 4`` bytes per (row of the smallest tile, sample));
+    * ``"auto"``: the per-sample plan (always built), then the cheaper of the two kernels' terms.
+    """
+    th = float(num_samples) * num_heads
+    plan_s = th * PLAN_COST * 1e-9
+    kernel_s = th * CALL_ROW_COST * q_len * 1e-9
+    mult_s = th * q_len * BOUND_COST * 1e-9
+    mult_b = 16.0 * th * math.ceil(q_len / _TILES[-1]) + 32.0 * _TILES[0] * num_samples
+    if method == "samples" or num_samples == 1:
+        return th * PLAN_BYTES, plan_s + kernel_s
+    if method == "multiplicity":
+        return mult_b, mult_s
+    return th * PLAN_BYTES, plan_s + min(kernel_s, mult_s)
+
+
+def exact_seconds(num_heads: int, q_len: int, k_len: int, head_dim: int, causal: bool) -> float:
+    """The cost model's time for exact attention over the same call (every query-key pair once, ``ENTRY_COST`` per
+    score entry at ``d = 64``, scaled by ``head_dim / 64``): the yardstick of the up-front size check."""
+    pairs = float(q_len) * k_len
+    if causal:
+        pairs -= q_len * (q_len - 1) / 2.0
+    return num_heads * pairs * ENTRY_COST * max(1.0, head_dim / 64.0) * 1e-9

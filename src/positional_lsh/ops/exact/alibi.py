@@ -1,0 +1,532 @@
+"""Exact and windowed ALiBi attention in ``O(n)`` memory: the production op :func:`alibi_attention`.
+
+``softmax_j(scale * q_i . k_j - m_h |i - j|) v_j``, the bias added after scaling, optionally restricted to
+``|i - j| <= window[h]``. Chunked over queries, with one Toeplitz bias bank per head (every chunk's bias is a
+view of it) and a recomputing backward against the saved output and log-sum-exp: never an ``n x n`` tensor.
+A ``slopes`` tensor that requires grad gets ``dL/dm_h = -sum_{b,i,j} dS_ij |i - j|`` from one more pass of score
+recomputation per chunk in that backward (``ops._engine.kernels.attend_bias_grads`` with the weight ``d bias / dm = -|i
+- j|``,
+a view of a per-head Toeplitz distance bank). :func:`decay_attention` is the same op for the built-in decay families
+(:data:`~positional_lsh.ops.partitions.decays.DECAY_FAMILIES`, bias ``log k_theta(|i - j|)``), with ``params.grad``.
+Runs the torch kernels of ``ops._engine.kernels`` only (``backend`` in :data:`ALIBI_BACKENDS`; exact ALiBi has no
+Triton path). Used by the language model (``alibi`` and ``window-alibi``), the transformers swap, and every benchmark
+and report as the exact/windowed peer. The dense conventions and oracles are in
+:mod:`positional_lsh.ops.exact.reference`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from positional_lsh.ops._checks import SlopesLike, as_scale, as_slopes, as_window, check_bool, check_qkv
+from positional_lsh.ops._engine.kernels import (
+    acc_dtype,
+    attend,
+    attend_backward,
+    attend_bias_grads,
+    kernel_layout,
+    nonfinite_keys,
+    poison_rows,
+    resolve_backend,
+)
+from positional_lsh.ops._engine.parallel import pool_size, run_all, work_items, workers_for
+from positional_lsh.ops.exact.bias import alibi_bias
+from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend
+from positional_lsh.ops.partitions.decays import decay_family
+
+__all__ = ["alibi_attention", "decay_attention"]
+"""``backend=`` of :func:`alibi_attention`: the torch kernels only (exact ALiBi has no Triton path)."""
+
+# Each kernel call materializes at most about CHUNK_ELEMENTS bias/score entries; the parameter-gradient pass works
+# on sub-blocks of a chunk of about GRAD_ELEMENTS scores.
+_MIN_WINDOW_ROWS = 64  # query rows per chunk for windowed ALiBi (at least)
+CHUNK_ELEMENTS = 2**22
+GRAD_ELEMENTS = 2**16  # scores per call of the parameter-gradient pass (a sub-block of a chunk)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    a: int  # query rows [a, b)
+    b: int
+    lo: int  # key rows [lo, hi)
+    hi: int
+
+
+class _HeadPlan:
+    """Query chunks of one head, and the Toeplitz banks from which every chunk's bias and weights are views.
+
+    A bias that depends on ``i - j`` only is Toeplitz: chunk queries at positions ``p + r`` and keys ``lo + c``
+    see ``f(p - lo + r - c)``. One ``(rows, width)`` bank ``bank[r, x] = f(r - x + off)`` holds every chunk's
+    bias as the column slice starting at ``off - (p - lo)``, so it is computed once per head; so are the weight
+    banks of the parameter gradient (``d bias / d theta``, same layout, :meth:`view` slices both). ``reach`` (the
+    largest kept distance ``|i - j|``; ``None``: every key) bounds the keys of each chunk.
+    """
+
+    def __init__(self, q_len: int, k_len: int, reach: int | None, causal: bool) -> None:
+        q0 = k_len - q_len  # position of the first query
+        span = k_len if reach is None else min(k_len, 2 * reach + 1)
+        rows = max(1, min(q_len, CHUNK_ELEMENTS // max(1, span)))
+        if reach is not None:  # a chunk of r rows spans r + reach keys: keep r near reach, not the whole input
+            rows = min(rows, max(_MIN_WINDOW_ROWS, reach))
+        chunks = []
+        for a in range(0, q_len, rows):
+            b = min(q_len, a + rows)
+            first, last = q0 + a, q0 + b - 1
+            lo = 0 if reach is None else max(0, first - reach)
+            hi = last + 1 if causal else (k_len if reach is None else min(k_len, last + reach + 1))
+            chunks.append(_Chunk(a, b, lo, hi))
+        self.chunks = chunks
+        deltas = [q0 + c.a - c.lo for c in chunks]
+        self.off = max(deltas)
+        self.width = max(self.off - d + (c.hi - c.lo) for d, c in zip(deltas, chunks, strict=True))
+        self.rows = rows
+        self.q0 = q0
+
+    def rel(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``(rows, width)``: ``i - j`` of every bank entry (exact integers up to ``2^24`` in float32)."""
+        r = torch.arange(self.rows, device=device, dtype=dtype) + self.off
+        return r[:, None] - torch.arange(self.width, device=device, dtype=dtype)[None, :]
+
+    def view(self, bank: torch.Tensor, c: _Chunk) -> torch.Tensor:
+        """Chunk ``c``'s ``(..., rows, keys)`` slice of a ``(..., rows, width)`` bank (a view)."""
+        start = self.off - (self.q0 + c.a - c.lo)
+        return bank[..., : c.b - c.a, start : start + c.hi - c.lo]
+
+
+class _Toeplitz:
+    """The per-head Toeplitz bias of one call, ALiBi's or a decay family's, from detached float64 values.
+
+    ``kind`` is ``"alibi"`` (``values (Hq, 1)`` the slopes: bias ``-m_h |i - j|``, ``-inf`` beyond ``window[h]``)
+    or a name of :data:`~positional_lsh.ops.partitions.decays.DECAY_FAMILIES` (``values (Hq, P)``: bias ``log
+    k_theta_h(|i - j|)``, its finite support as the window). Causal masking adds ``-inf`` for ``j > i``.
+    """
+
+    def __init__(self, kind: str, values: torch.Tensor, window: torch.Tensor | None) -> None:
+        self.family = None if kind == "alibi" else decay_family(kind)
+        self.values = values
+        if self.family is not None:
+            reach = [self.family.reach(values[h]) for h in range(values.shape[0])]
+            window = None if all(math.isinf(r) for r in reach) else torch.tensor(reach, dtype=torch.float64)
+        self.window = window  # (Hq,) float64, the largest kept distance (inf: all), or None
+
+    @property
+    def num_params(self) -> int:
+        return int(self.values.shape[1])
+
+    def reach(self, h: int) -> int | None:
+        """Head ``h``'s largest kept distance as an int, ``None`` for every key."""
+        if self.window is None or math.isinf(float(self.window[h])):
+            return None
+        return int(float(self.window[h]))
+
+    def banks(
+        self, h: int, plan: _HeadPlan, causal: bool, dtype: torch.dtype, weight_dtype: torch.dtype | None,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Head ``h``'s bias bank ``(rows, width)`` in ``dtype`` and, for a ``weight_dtype``, its weight banks
+        ``(P, rows, width)``: ``d bias / d theta_p`` (finite; 0 where the bias is ``-inf``)."""
+        if self.family is None:
+            win = None if self.window is None else torch.tensor([float(self.window[h])], dtype=torch.float64)
+            slope = self.values[h, :1]
+            bias = alibi_bias(
+                plan.rows, plan.width, slope, causal=causal, window=win, q_offset=plan.off, dtype=dtype, device=device
+            )[0]
+            if weight_dtype is None:
+                return bias, None
+            return bias, plan.rel(weight_dtype, device).abs_().neg_()[None]  # d(-m |i - j|)/dm
+        arith = torch.float64 if dtype == torch.float64 else torch.float32
+        rel = plan.rel(arith, device)
+        dist = rel.abs()
+        theta = self.values[h].to(device, arith)
+        log_k = self.family.log_k(dist, theta)
+        if causal:
+            log_k.masked_fill_(rel < 0, -math.inf)
+        if weight_dtype is None:
+            return log_k.to(dtype), None
+        weights = self.family.grad_log_k(dist.to(weight_dtype), theta.to(weight_dtype))
+        return log_k.to(dtype), weights.masked_fill_(torch.isneginf(log_k)[None], 0.0)
+
+
+def _head_items(q: torch.Tensor, k: torch.Tensor, window: torch.Tensor | None) -> list[tuple[list[int], slice]]:
+    """Independent (heads, batch slice) pieces; a head's cost is its key span."""
+    group = q.shape[1] // k.shape[1]
+    lk = k.shape[2]
+    spans = [lk if window is None else min(lk, 2 * float(window[h]) + 1) for h in range(q.shape[1])]
+    return work_items([(h, h // group, spans[h]) for h in range(q.shape[1])], q.shape[0], workers_for(q.device))
+
+
+def _alibi_rows_with_bad_keys(
+    bad: torch.Tensor, num_heads: int, q_len: int, window: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """``(B, Hq, Lq)`` bool: query rows whose kept keys (causal and window mask) include a ``bad`` (non-finite) key.
+
+    ``bad`` is ``(B, Hkv, Lk)`` bool; these are the rows :func:`alibi_attention` sets to NaN.
+    """
+    b, hkv, lk = bad.shape
+    before = torch.nn.functional.pad(bad.long().cumsum(-1), (1, 0))  # before[..., j]: bad keys among 0..j-1
+    before = before.repeat_interleave(num_heads // hkv, dim=1)  # (B, Hq, Lk + 1)
+    pos = torch.arange(q_len, device=bad.device, dtype=torch.float64) + (lk - q_len)
+    reach = torch.full((num_heads, 1), float(lk), dtype=torch.float64, device=bad.device)
+    if window is not None:
+        reach = torch.floor(window.to(bad.device, torch.float64)).clamp_max(lk)[:, None]
+    lo = (pos - reach).clamp_min(0).long()  # (Hq, Lq): first kept key
+    hi = (pos if causal else (pos + reach).clamp_max(lk - 1)).long().expand(num_heads, q_len)  # last kept key
+    count = before.gather(-1, (hi + 1).expand(b, -1, -1)) - before.gather(-1, lo.expand(b, -1, -1))
+    return count > 0
+
+
+def _head_chunks(
+    heads: list[int],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    spec: _Toeplitz,
+    causal: bool,
+    backend: str,
+    weights: bool = False,
+) -> Iterator[tuple[int, int, _Chunk, torch.Tensor, torch.Tensor | None]]:
+    """``(query head, key head, chunk, its bias (1, 1, rows, keys), its weights (P, rows, keys) or None)`` for
+    every query chunk of ``heads``, in order; the weights (``d bias / d theta``) only when asked for.
+
+    The forward and the recomputing backward walk the same chunks with the same bias (one plan per head).
+    """
+    group = q.shape[1] // k.shape[1]
+    acc = acc_dtype(q.dtype)
+    bias_dtype = q.dtype if backend == "flash" else acc
+    for h in heads:
+        plan = _HeadPlan(q.shape[2], k.shape[2], spec.reach(h), causal)
+        bias_bank, weight_bank = spec.banks(h, plan, causal, bias_dtype, acc if weights else None, q.device)
+        for c in plan.chunks:
+            w = None if weight_bank is None else plan.view(weight_bank, c)
+            yield h, h // group, c, plan.view(bias_bank, c)[None, None], w
+
+
+def _alibi_forward_item(
+    item: tuple[list[int], slice],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    spec: _Toeplitz,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> None:
+    """Exact attention for one work item's heads and batch rows, chunk by chunk, into ``out`` and ``lse``."""
+    heads, b = item
+    for h, hk, c, bias, _ in _head_chunks(heads, q, k, spec, causal, backend):
+        o, l = attend(
+            q[b, h : h + 1, c.a : c.b],
+            k[b, hk : hk + 1, c.lo : c.hi],
+            v[b, hk : hk + 1, c.lo : c.hi],
+            causal=False,
+            scale=scale,
+            backend=backend,
+            bias=bias,
+        )
+        out[b, h, c.a : c.b] = o[:, 0]
+        lse[b, h, c.a : c.b] = l[:, 0]
+
+
+def _alibi_backward_item(
+    item: tuple[list[int], slice],
+    saved: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    grads: tuple[torch.Tensor, ...] | None,
+    param_grad: torch.Tensor | None,
+    spec: _Toeplitz,
+    causal: bool,
+    scale: float,
+    backend: str,
+) -> None:
+    """Accumulate one work item's ``(dq, dk, dv)`` (into ``grads``) and its share of the parameter gradient
+    (``param_grad[b, h, p] += sum_ij dS_ij d bias_ij / d theta_p``), recomputing each chunk against the saved
+    out/lse. ``None`` skips either part; the parameter part is one more math pass of the chunk's scores."""
+    q, k, v, out, lse = saved[:5]
+    heads, b = item
+    for h, hk, c, bias, weights in _head_chunks(heads, q, k, spec, causal, backend, param_grad is not None):
+        qs, ks = slice(c.a, c.b), slice(c.lo, c.hi)
+        args = (
+            dout[b, h : h + 1, qs],
+            q[b, h : h + 1, qs],
+            k[b, hk : hk + 1, ks],
+            v[b, hk : hk + 1, ks],
+            out[b, h : h + 1, qs],
+            lse[b, h : h + 1, qs],
+        )
+        if grads is not None:
+            dq, dk, dv = grads
+            gq, gk, gv = attend_backward(*args, causal=False, scale=scale, backend=backend, bias=bias)
+            dq[b, h, qs] += gq[:, 0]
+            dk[b, hk, ks] += gk[:, 0]
+            dv[b, hk, ks] += gv[:, 0]
+        if param_grad is not None:
+            assert weights is not None
+            q0 = k.shape[2] - q.shape[2]
+            param_grad[b, h] += _param_grad_share(args, bias, weights, c, q0, spec.reach(h), causal, scale)
+
+
+def _param_grad_share(
+    args: tuple[torch.Tensor, ...],
+    bias: torch.Tensor,
+    weights: torch.Tensor,
+    c: _Chunk,
+    q0: int,
+    reach: int | None,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """``(N, P)``: ``sum_ij dS_ij weights[p]_ij`` over chunk ``c`` (``args``: its ``dout, q, k, v, out, lse`` views;
+    ``q0`` the position of query row 0).
+
+    The chunk is walked in sub-blocks of about ``GRAD_ELEMENTS`` scores (cache-sized: the pass is elementwise
+    work around two matmuls), each on the keys its rows keep (causal: up to its last row; window: within reach), so
+    masked pairs, whose ``p`` is 0, are not computed; the sum is the chunk's.
+    """
+    dout, q, k, v, out, lse = args
+    keys = c.hi - c.lo
+    span = keys if reach is None else min(keys, 2 * reach + 1)
+    step = max(1, min(c.b - c.a, GRAD_ELEMENTS // max(1, span)))
+    total = torch.zeros((q.shape[0], weights.shape[0]), dtype=acc_dtype(q.dtype), device=q.device)
+    for a in range(c.a, c.b, step):
+        b = min(c.b, a + step)
+        first, last = q0 + a, q0 + b - 1
+        lo = c.lo if reach is None else max(c.lo, first - reach)
+        hi = min(c.hi, last + 1) if causal else (c.hi if reach is None else min(c.hi, last + reach + 1))
+        rs, ks = slice(a - c.a, b - c.a), slice(lo - c.lo, hi - c.lo)
+        sub = (dout[..., rs, :], q[..., rs, :], k[..., ks, :], v[..., ks, :], out[..., rs, :], lse[..., rs])
+        ws = [weights[p, rs, ks][None, None] for p in range(weights.shape[0])]
+        total += attend_bias_grads(*sub, ws, causal=False, scale=scale, bias=bias[..., rs, ks])[:, 0]
+    return total
+
+
+class _ToeplitzFunction(torch.autograd.Function):
+    """Exact attention with a per-head Toeplitz bias; ``param`` (``None``, or the tensor whose values are
+    ``values``, requiring grad) receives ``sum dS * d bias / d theta`` in its own shape, dtype and device."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,  # torch's FunctionCtx, with this function's attributes set on it
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        param: torch.Tensor | None,
+        kind: str,
+        values: torch.Tensor,
+        window: torch.Tensor | None,
+        causal: bool,
+        scale: float,
+        backend: str,
+    ) -> torch.Tensor:
+        spec = _Toeplitz(kind, values, window)
+        q, k, v = (kernel_layout(x, backend) for x in (q, k, v))  # once per call; chunks are views
+        bad = nonfinite_keys(k, v)  # zeroed here, and the rows that keep them set to NaN below
+        if bad is not None:
+            k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
+        items = _head_items(q, k, spec.window)
+        run = partial(
+            _alibi_forward_item, q=q, k=k, v=v, out=out, lse=lse, spec=spec, causal=causal, scale=scale,
+            backend=backend,
+        )  # fmt: skip
+        run_all(run, items, pool_size(len(items), q.device))
+        if bad is not None:
+            poison_rows(out, lse, _alibi_rows_with_bad_keys(bad, q.shape[1], q.shape[2], spec.window, causal))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.causal, ctx.scale, ctx.backend = spec, causal, scale, backend
+        ctx.param_like = None if param is None else (param.shape, param.dtype, param.device)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        q, k, v = saved[:3]
+        acc = acc_dtype(q.dtype)
+        want_qkv = any(ctx.needs_input_grad[:3])
+        want_param = ctx.param_like is not None and ctx.needs_input_grad[3]
+        grads = None
+        if want_qkv:
+            grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+        spec = ctx.spec
+        # per (batch row, head): every (b, h) belongs to one work item, so the workers write disjoint entries
+        param_grad = None
+        if want_param:
+            param_grad = torch.zeros((q.shape[0], q.shape[1], spec.num_params), dtype=acc, device=q.device)
+        items = _head_items(q, k, spec.window)
+        run = partial(
+            _alibi_backward_item, saved=saved, dout=dout.contiguous(), grads=grads, param_grad=param_grad,
+            spec=spec, causal=ctx.causal, scale=ctx.scale,
+            backend=ctx.backend,
+        )  # fmt: skip
+        run_all(run, items, pool_size(len(items), q.device))
+        dq = dk = dv = dparam = None
+        if grads is not None:
+            dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
+        if param_grad is not None:
+            shape, dtype, device = ctx.param_like
+            dparam = param_grad.sum(0).reshape(shape).to(device=device, dtype=dtype)
+        return dq, dk, dv, dparam, None, None, None, None, None, None
+
+
+def _kernel_backend(backend: str, q: torch.Tensor, op: str) -> str:
+    """The torch kernel of an exact op's ``backend`` for ``q`` (half types: ``"math"``, float32 scores)."""
+    if backend == "triton":
+        raise ValueError(
+            f"backend='triton' is not available for {op}: exact ALiBi has no Triton path "
+            f"(the Triton kernels are positional LSH's); backend must be one of {ALIBI_BACKENDS}"
+        )
+    check_backend(backend, ALIBI_BACKENDS)
+    requested = backend
+    backend = resolve_backend(backend, q.device)
+    if q.dtype in (torch.float16, torch.bfloat16):
+        if requested == "flash":
+            raise ValueError(
+                f"backend='flash' is not supported for {q.dtype} in {op}: the fused op would round the "
+                "bias to the input precision. Use backend='math' or 'auto' (float32 scores)"
+            )
+        backend = "math"
+    return backend
+
+
+def _trainable(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
+
+
+def alibi_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: SlopesLike = None,
+    *,
+    causal: bool = True,
+    window: torch.Tensor | float | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact (optionally windowed) ALiBi attention with ``O(n)`` memory and a recomputing backward.
+
+    Computes ``softmax_j(scale * q_i . k_j - slopes[h] * |i - j|) v`` over keys ``j <= i`` when ``causal``,
+    dropping keys with ``|i - j| > window[h]`` when ``window`` is given (one number or one per head).
+
+    Args:
+        q: ``(B, Hq, Lq, d)``; float32, float64, bfloat16 or float16.
+        k, v: ``(B, Hkv, Lk, d)``, ``Hq % Hkv == 0``, ``Lq <= Lk`` (queries aligned to the last keys).
+        slopes: ``(Hq,)`` slopes ``>= 0`` or one float; default ``alibi_slopes(Hq)``. A tensor (``(Hq,)`` or 0-d,
+            any dtype and device) that requires grad gets ``dL/dm_h = -sum_{b,i,j} dS_bhij |i - j|`` (``dS`` the
+            gradient of the loss with respect to the biased score), accumulated in float32 (float64 for float64
+            inputs) and returned in the slopes' dtype and device (a 0-d tensor gets the sum over heads). The
+            window is a hard mask: no gradient flows through it. A float (or a tensor without grad) gets none,
+            and then the backward does no extra work.
+        causal: causal masking.
+        window: ``None`` (exact), or the largest kept distance ``|i - j|``, one float or ``(Hq,)``.
+        scale: score scale, default ``1/sqrt(d)``.
+        backend: one of :data:`ALIBI_BACKENDS`: ``"auto"`` (CPU: ``"flash"``, other devices: ``"math"``),
+            ``"flash"`` (CPU fused op, float32/float64) or ``"math"``. ``"auto"`` uses ``"math"`` (float32 scores)
+            for half types, so that the bias is not rounded to 8 bits; an explicit ``"flash"`` with a half type
+            is refused (``ValueError``), and so is ``"triton"`` (no Triton path for exact ALiBi).
+
+    Returns:
+        ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd (``q``, ``k``, ``v`` and a ``slopes`` tensor). A NaN
+        or inf in a key or value makes exactly the rows that keep that key NaN, and the slope gradient of exactly
+        the heads with such a row NaN (as dense autograd with a masked bias gives); masked (causal or
+        out-of-window) keys never reach a row.
+
+    Example:
+        >>> import torch
+        >>> from positional_lsh import alibi_attention, alibi_bias, alibi_slopes
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 4, 64, 16, dtype=torch.float64, generator=g) for _ in range(3))
+        >>> bias = alibi_bias(64, 64, alibi_slopes(4), causal=True, dtype=torch.float64)  # -m |i - j|, -inf if j > i
+        >>> dense = torch.softmax(q @ k.transpose(-1, -2) / 16**0.5 + bias, dim=-1) @ v
+        >>> torch.allclose(alibi_attention(q, k, v), dense)
+        True
+        >>> windowed = alibi_attention(q, k, v, window=8.0)  # keys with |i - j| <= 8 only
+        >>> torch.allclose(windowed[..., :9, :], dense[..., :9, :])  # rows 0..8 have no farther key
+        True
+        >>> m = alibi_slopes(4).double().requires_grad_()  # learned slopes
+        >>> alibi_attention(q, k, v, m).sum().backward()
+        >>> m.grad.shape
+        torch.Size([4])
+    """
+    _, hq, _, _, _, d = check_qkv(q, k, v)
+    sc = as_scale(scale, d)
+    check_bool("causal", causal)
+    backend = _kernel_backend(backend, q, "alibi_attention")
+    m = as_slopes(slopes, hq)  # detached float64 values; the tensor itself stays the autograd input
+    win = as_window(window, hq)
+    param = None
+    if _trainable(slopes):
+        assert isinstance(slopes, torch.Tensor)
+        param = slopes.expand(hq) if slopes.dim() == 0 else slopes
+    return _ToeplitzFunction.apply(q, k, v, param, "alibi", m[:, None], win, causal, sc, backend)
+
+
+def decay_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    family: str,
+    params: torch.Tensor | Sequence[float],
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact attention with a built-in positional decay, ``O(n)`` memory, and gradients for its parameters.
+
+    Computes ``softmax_j(scale * q_i . k_j + log k_theta_h(|i - j|)) v`` (over ``j <= i`` when ``causal``): the
+    bias is added after scaling, ``-inf`` where ``k = 0``. The families
+    (:data:`~positional_lsh.ops.partitions.decays.DECAY_FAMILIES`) and their parameters, in this order:
+
+    * ``"exponential"``: ``slope >= 0``, ``log k = -slope d`` (ALiBi's ``-m |i - j|``);
+    * ``"power"``: ``r1 > 0, r2 > 0``, ``log k = -r1 log(1 + r2 d)`` (KERPLE's power/log decay);
+    * ``"truncated-linear"``: ``width >= 1``, ``log k = log(1 - d / width)`` for ``d < width``, ``-inf`` beyond
+      (a hard mask: no gradient through the support's edge).
+
+    Chunked over queries like :func:`alibi_attention` (the same Toeplitz banks and recomputing backward; a
+    truncated-linear head only visits keys within its width).
+
+    Args:
+        q: ``(B, Hq, Lq, d)``; float32, float64, bfloat16 or float16.
+        k, v: ``(B, Hkv, Lk, d)``, ``Hq % Hkv == 0``, ``Lq <= Lk`` (queries aligned to the last keys).
+        family: a family name (above); ``ValueError`` naming ``family`` otherwise.
+        params: ``(Hq, P)`` (one row per query head) or ``(P,)`` (every head), a tensor (any float dtype and
+            device) or numbers. A tensor that requires grad gets ``dL/dtheta_hp = sum_{b,i,j} dS_bhij d log
+            k_theta_h(|i - j|) / d theta_p`` (``dS``: the gradient of the loss with respect to the biased score),
+            accumulated in float32 (float64 for float64 inputs), in its own shape, dtype and device; each
+            parameter costs one more math pass of score recomputation per chunk in the backward. ``ValueError``
+            naming ``params`` for a wrong shape or a value outside the family's bounds.
+        causal: causal masking.
+        scale: score scale, default ``1/sqrt(d)``.
+        backend: as :func:`alibi_attention`.
+
+    Returns:
+        ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd (``q``, ``k``, ``v``, ``params``). Non-finite keys
+        poison exactly the rows that keep them, as in :func:`alibi_attention`.
+
+    Example:
+        >>> import torch
+        >>> from positional_lsh import decay_attention
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 2, 32, 8, dtype=torch.float64, generator=g) for _ in range(3))
+        >>> theta = torch.tensor([[0.5, 1.0], [2.0, 0.3]], dtype=torch.float64, requires_grad=True)  # (r1, r2)
+        >>> decay_attention(q, k, v, "power", theta).sum().backward()
+        >>> theta.grad.shape
+        torch.Size([2, 2])
+    """
+    _, hq, _, _, _, d = check_qkv(q, k, v)
+    sc = as_scale(scale, d)
+    check_bool("causal", causal)
+    fam = decay_family(family)
+    theta, values = fam.check_params(params, hq)
+    backend = _kernel_backend(backend, q, "decay_attention")
+    param = theta if _trainable(theta) else None
+    return _ToeplitzFunction.apply(q, k, v, param, fam.name, values, None, causal, sc, backend)

@@ -1,0 +1,645 @@
+"""Sampled positional-LSH partitions (:class:`Partitions`) and the fast path's work lists (:class:`Segment`).
+
+A partition of positions ``0..n-1`` is a pitch ``b > 0`` and a shift ``xi`` in ``[0, b)`` per (sample, head):
+position ``i`` goes to block ``floor((i - xi) / b)`` (see :mod:`positional_lsh.ops.partitions.schemes` for the schemes
+that draw them). A slope of ``0`` means no positional bias: one block holding the whole sequence (pitch ``inf``).
+
+Randomness: partitions are always drawn on the CPU in float64 from a CPU ``torch.Generator`` (or an
+``int`` seed, or ``None`` for torch's global generator), so one seed gives the same partitions on every
+run and every device. Draws are laid out sample-major, so for an independent scheme the first ``T``
+samples of a draw with ``num_samples > T`` equal a draw with ``num_samples = T`` from the same seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
+from positional_lsh.ops.partitions.decays import DecayLike
+from positional_lsh.ops.partitions.schemes import get_scheme
+
+__all__ = [
+    "MAX_DENSE_ELEMENTS",
+    "MAX_PITCH",
+    "Partitions",
+    "Segment",
+    "check_partition_values",
+    "check_partitions",
+    "check_same_slopes",
+    "check_slopes_match",
+    "sample_partitions",
+    "value_problem",
+]
+
+# Dense validation helpers refuse to build more than this many mask entries.
+MAX_DENSE_ELEMENTS = 2**28
+# The largest cap (max_block): float64 holds every integer up to here.
+MAX_PITCH = 2**53
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``count`` equal-shape blocks of one (sample, head), processed by one kernel call.
+
+    Block ``c`` (``0 <= c < count``) pairs the query rows ``q_start + c*step + [0, q_len)`` with the key rows
+    ``k_start + c*step + [0, k_len)``, where ``step = stride or k_len`` (adjacent blocks by default). Query row
+    ``r`` sits at key position ``r + Lk - Lq``: queries are aligned to the last keys. ``q_len < k_len`` only
+    for the one block that the first query cuts (decoding, chunked prefill); its queries are the block's
+    *last* ``q_len`` positions. If ``index`` is given, it is a ``(count, k_len)`` tensor of the key positions
+    of non-adjacent blocks, and the rows are ``index + q_start`` for queries and ``index + k_start`` for keys.
+    ``masked`` says whether the causal mask applies inside the segment (``False`` for pieces whose keys all
+    precede their queries).
+    """
+
+    q_start: int
+    k_start: int
+    q_len: int
+    k_len: int
+    count: int
+    index: torch.Tensor | None = None
+    stride: int = 0
+    masked: bool = True
+
+    @property
+    def step(self) -> int:
+        return self.stride or self.k_len
+
+
+def _label_runs(pitch: float, shift: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block starts and sizes (int64) for positions ``0..n-1``."""
+    if math.isinf(pitch):
+        return torch.zeros(1, dtype=torch.long), torch.full((1,), n, dtype=torch.long)
+    if pitch <= 1.0:
+        # Boundaries are less than one position apart: every position is its own block.
+        return torch.arange(n, dtype=torch.long), torch.ones(n, dtype=torch.long)
+    labels = torch.floor((torch.arange(n, dtype=torch.float64) - shift) / pitch)
+    change = torch.ones(n, dtype=torch.bool)
+    change[1:] = labels[1:] != labels[:-1]
+    starts = torch.nonzero(change).flatten()
+    sizes = torch.diff(starts, append=torch.tensor([n]))
+    return starts, sizes
+
+
+@dataclass(frozen=True, eq=False)
+class Partitions:
+    """``T`` positional-LSH partitions for each of ``H`` heads of a length-``n`` sequence.
+
+    The ``T`` partitions of a head are independent draws for the ``"discrete"``, ``"gamma"`` and ``"fixed"``
+    schemes, and coupled (each one still marginally an exact draw) for the variance-reduced schemes.
+
+    Stores ``O(T*H)`` numbers (a pitch and a shift per sample and head), never ``O(n)`` labels. The same
+    partitions are used for every element of a batch.
+
+    Checked once, when made (by hand, ``dataclasses.replace``, :meth:`select`, :meth:`with_seq_len` or a sampler):
+    :func:`check_partition_values` refuses (``TypeError``/``ValueError`` naming the field) anything the estimator
+    cannot compute with — a NaN, zero or negative pitch, a shift outside ``[0, pitch)`` or not finite, non-integer
+    values under an integer scheme, mismatched shapes, no samples — and converts ``pitch``, ``shift`` and ``slopes``
+    to float64 CPU tensors.
+
+    Attributes:
+        seq_len: number of positions ``n`` (the key length).
+        slopes: ``(H,)`` float64 CPU tensor, the ALiBi slopes the partitions were drawn for.
+        pitch: ``(T, H)`` float64 CPU tensor, block pitch ``> 0`` (``inf``: one block holding the whole sequence,
+            for slope 0, or a slope so small that the pitch overflows float64).
+        shift: ``(T, H)`` float64 CPU tensor, finite, in ``[0, pitch)`` (0 for an ``inf`` pitch when sampled).
+        scheme: name of the sampling scheme.
+        device: default device for :meth:`labels`, :meth:`dense_masks` and :meth:`mean_mask`.
+        decays: for partitions drawn with ``sample_partitions(..., decay=...)``, one
+            :class:`~positional_lsh.ops.partitions.decays.Decay` per head (then ``slopes`` is NaN: there is no ALiBi
+            slope);
+            ``None`` for ALiBi partitions.
+        decay_len: the length whose exact (truncated) pitch law the decay partitions were drawn from; they
+            are exact samples for every length up to it and are not extended beyond it.
+        max_block: the pitch cap the partitions were drawn with (``sample_partitions(max_block=...)``), or
+            ``None``. Capped partitions are biased (far entries shrink; ``positional_lsh.theory.blocks``).
+    """
+
+    seq_len: int
+    slopes: torch.Tensor
+    pitch: torch.Tensor
+    shift: torch.Tensor
+    scheme: str
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    decays: tuple | None = None
+    decay_len: int | None = None
+    max_block: int | None = None
+
+    def __post_init__(self) -> None:
+        check_partition_values(self)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.pitch.shape[0])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.pitch.shape[1])
+
+    @property
+    def unbiased(self) -> bool:
+        """Whether each sampled mask has expectation exactly the target: the ALiBi matrix, or for decay
+        partitions ``K[i, j] = k(|i - j|)``. Never for capped partitions (``max_block``)."""
+        return get_scheme(self.scheme).unbiased and self.max_block is None
+
+    def __repr__(self) -> str:
+        return (
+            f"Partitions(seq_len={self.seq_len}, num_samples={self.num_samples}, "
+            f"num_heads={self.num_heads}, scheme={self.scheme!r})"
+        )
+
+    def with_seq_len(self, seq_len: int) -> Partitions:
+        """The same partitions of the positions ``0..seq_len-1``.
+
+        The law of a partition does not depend on the length, so restricting (or extending) a sampled
+        partition to another length is again an exact sample. Used by decoding with a KV cache.
+        """
+        seq_len = positive_int("seq_len", seq_len)
+        if self.decay_len is not None and seq_len > self.decay_len:
+            raise ValueError(
+                f"decay partitions drawn for seq_len={self.decay_len} are exact only up to that length; draw them "
+                f"for the longest length needed (got seq_len={seq_len})"
+            )
+        return replace(self, seq_len=seq_len)
+
+    def select(self, samples: slice | list[int] | torch.Tensor) -> Partitions:
+        """A sub-collection of the samples (e.g. ``partitions.select(slice(0, 4))``); at least one sample
+        (``ValueError`` for an empty selection)."""
+        pitch = self.pitch[samples]
+        if pitch.dim() != 2 or pitch.shape[0] == 0:
+            raise ValueError(
+                f"select() must keep at least one sample as a (T, H) selection (an int index: use [i]), got {samples!r}"
+            )
+        return replace(self, pitch=pitch, shift=self.shift[samples])
+
+    def labels(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Block label of every position: ``(T, H, n)`` int64, non-decreasing along positions."""
+        n = self.seq_len
+        pos = torch.arange(n, dtype=torch.float64)
+        pitch = self.pitch[..., None]
+        lab = torch.floor((pos - self.shift[..., None]) / pitch)
+        lab = torch.where(torch.isinf(pitch), torch.zeros_like(lab), lab)
+        # For pitch <= 1 several boundaries fall between two positions; floor() still separates them.
+        return lab.to(torch.long).to(device or self.device)
+
+    def blocks(self, sample: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block boundaries of one (sample, head): ``(starts, sizes)``, int64 tensors covering ``0..n-1``."""
+        return _label_runs(float(self.pitch[sample, head]), float(self.shift[sample, head]), self.seq_len)
+
+    def block_span(self, head: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each position ``j``, the union over samples of the blocks holding ``j``: ``[lo, hi)`` int64.
+
+        ``positions`` is a 1-D int64 CPU tensor; ``lo``/``hi`` have its shape. Positions outside that span never
+        share a block with ``j`` (``Mbar[i, j] = 0``), so they never see key ``j``.
+        """
+        pitch = self.pitch[:, head, None]  # (T, 1)
+        shift = self.shift[:, head, None]
+        pos = positions.to(torch.float64)[None, :]  # (1, J)
+        n = self.seq_len
+
+        def label(i: torch.Tensor) -> torch.Tensor:  # the block label of positions(s) i, as labels() computes it
+            return torch.floor((i - shift) / pitch)
+
+        lab = label(pos)
+        # First position of the block and one past its last, up to rounding.
+        lo = torch.ceil(shift + lab * pitch).clamp_min(0.0).minimum(pos)
+        hi = torch.ceil(shift + (lab + 1.0) * pitch).maximum(pos + 1.0).clamp_max(float(n))
+        for _ in range(2):  # exact: move the bounds until the labels agree with the floor formula
+            lo = torch.where((lo > 0) & (label(lo - 1.0) >= lab), lo - 1.0, lo)
+            lo = torch.where(label(lo) < lab, lo + 1.0, lo)
+            hi = torch.where((hi < n) & (label(hi) <= lab), hi + 1.0, hi)
+            hi = torch.where(label(hi - 1.0) > lab, hi - 1.0, hi)
+        one_block = torch.isinf(pitch).expand_as(lo)
+        single = (pitch <= 1.0).expand_as(lo)
+        lo = torch.where(one_block, 0.0, torch.where(single, pos.expand_as(lo), lo))
+        hi = torch.where(one_block, float(n), torch.where(single, pos.expand_as(hi) + 1.0, hi))
+        return lo.amin(0).long(), hi.amax(0).long()
+
+    def _check_dense(self, what: str, elements: int) -> None:
+        if elements > MAX_DENSE_ELEMENTS:
+            raise ValueError(
+                f"{what} would hold {elements:,} entries (more than {MAX_DENSE_ELEMENTS:,}); it is meant for "
+                f"validation at small seq_len. Use labels() or blocks(), or positional_lsh.theory for "
+                f"matrix-free error metrics at this size"
+            )
+
+    def dense_masks(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Binary block masks ``M[t, h, i, j] = [i, j in one block]``: ``(T, H, n, n)`` bool (small n only)."""
+        n = self.seq_len
+        self._check_dense("dense_masks()", self.num_samples * self.num_heads * n * n)
+        lab = self.labels(device)
+        return lab[..., :, None] == lab[..., None, :]
+
+    def mean_mask(self, device: torch.device | str | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``Mbar = (1/T) sum_t M_t``: ``(H, n, n)`` (float64 by default; small n only)."""
+        n = self.seq_len
+        self._check_dense("mean_mask()", self.num_heads * n * n)
+        lab = self.labels(device)
+        out = torch.zeros(self.num_heads, n, n, dtype=dtype, device=lab.device)
+        for t in range(self.num_samples):
+            out += (lab[t, :, :, None] == lab[t, :, None, :]).to(dtype)
+        return out / self.num_samples
+
+    def segments(self, sample: int, head: int, q_len: int | None = None) -> list[Segment]:
+        """Kernel work list for one (sample, head), for ``q_len`` queries aligned to the last keys."""
+        n = self.seq_len
+        q_len = n if q_len is None else q_len
+        q0 = n - q_len
+        pitch = float(self.pitch[sample, head])
+        shift = float(self.shift[sample, head])
+        if get_scheme(self.scheme).integer and math.isfinite(pitch):
+            return _integer_segments(int(pitch), int(shift), n, q0)
+        starts, sizes = _label_runs(pitch, shift, n)
+        return _generic_segments(starts, sizes, n, q0)
+
+    def iter_segments(self, q_len: int | None = None) -> Iterator[tuple[int, int, list[Segment]]]:
+        """``(head, sample, segments)`` for every head and sample, head-major."""
+        for h in range(self.num_heads):
+            for t in range(self.num_samples):
+                yield h, t, self.segments(t, h, q_len)
+
+
+def _cut_block(start: int, size: int, q0: int) -> Segment:
+    """A block that the first query position ``q0`` may cut: queries ``max(start, q0)..start+size``."""
+    qs = max(start, q0)
+    return Segment(q_start=qs - q0, k_start=start, q_len=start + size - qs, k_len=size, count=1)
+
+
+def _integer_segments(b: int, s: int, n: int, q0: int) -> list[Segment]:
+    """Blocks ``[0, s)`` (when ``s > 0``), then ``[s + k b, s + (k+1) b)`` clipped to ``n``."""
+    segs: list[Segment] = []
+    if s > 0 and min(s, n) > q0:
+        segs.append(_cut_block(0, min(s, n), q0))
+    if s >= n:
+        return segs
+    start = s + ((q0 - s) // b) * b if q0 > s else s  # the block holding q0, or the first after it
+    if start < q0:
+        end = min(start + b, n)
+        segs.append(_cut_block(start, end - start, q0))
+        start = end
+    full = max(0, (n - start) // b)
+    if full > 0:
+        segs.append(Segment(q_start=start - q0, k_start=start, q_len=b, k_len=b, count=full))
+    tail = start + full * b
+    if tail < n:
+        segs.append(_cut_block(tail, n - tail, q0))
+    return segs
+
+
+def _generic_segments(starts: torch.Tensor, sizes: torch.Tensor, n: int, q0: int) -> list[Segment]:
+    ends = starts + sizes
+    keep = ends > q0
+    starts, sizes = starts[keep], sizes[keep]
+    segs: list[Segment] = []
+    if starts.numel() and int(starts[0]) < q0:
+        segs.append(_cut_block(int(starts[0]), int(sizes[0]), q0))
+        starts, sizes = starts[1:], sizes[1:]
+    if starts.numel() == 0:
+        return segs
+    # Group the remaining (whole) blocks by size; one kernel call per size, gathering rows.
+    for size in torch.unique(sizes).tolist():
+        sel = starts[sizes == size]
+        count = sel.numel()
+        first = int(sel[0])
+        if count == 1 or bool((torch.diff(sel) == size).all()):
+            segs.append(Segment(q_start=first - q0, k_start=first, q_len=size, k_len=size, count=count))
+        else:
+            index = sel[:, None] + torch.arange(size)
+            segs.append(Segment(q_start=-q0, k_start=0, q_len=size, k_len=size, count=count, index=index))
+    return segs
+
+
+def sample_partitions(
+    seq_len: int,
+    slopes: SlopesLike,
+    num_samples: int,
+    *,
+    scheme: str = "discrete",
+    generator: GeneratorLike = None,
+    device: torch.device | str | None = None,
+    num_heads: int | None = None,
+    decay: DecayLike | Sequence[DecayLike] | None = None,
+    max_block: int | None = None,
+) -> Partitions:
+    """Draw ``num_samples`` positional-LSH partitions per head.
+
+    Args:
+        seq_len: number of positions ``n >= 1``.
+        slopes: ``(H,)`` ALiBi slopes (``>= 0``, finite), a sequence, or one float for every head
+            (then ``num_heads`` is required). ``None`` means ``alibi_slopes(num_heads)``.
+        num_samples: ``T >= 1`` partitions per head.
+        scheme: ``"discrete"`` (exactly unbiased, integer blocks: fastest), ``"gamma"`` (the paper's
+            scheme, exactly unbiased), ``"fixed"`` (biased ablation), the variance-reduced
+            ``"discrete-strat"``, ``"gamma-strat"``, ``"discrete-antithetic"`` (coupled samples, each
+            marginally exact; see ``docs/theory.md``), or a scheme added with :func:`register_scheme`.
+        generator: a CPU ``torch.Generator``, an ``int`` seed, or ``None`` (torch's global generator).
+        device: default device of :meth:`Partitions.labels` and the dense masks.
+        num_heads: number of heads when ``slopes`` is ``None`` or a single float.
+        decay: instead of ALiBi, a positional decay ``k(|i - j|)`` (convex, decreasing, ``k(0) = 1``): one
+            :class:`~positional_lsh.ops.partitions.decays.Decay` (a callable on int64 distances, or tabulated values)
+            for
+            every head (with ``num_heads``), or a sequence of them, one per head. Needs ``slopes=None`` and
+            ``scheme="discrete"`` (its general form: ``P(B = b) = b (k(b-1) - 2 k(b) + k(b+1))``, truncated
+            exactly at ``seq_len``; see :mod:`positional_lsh.ops.partitions.decays`).
+        max_block: cap every pitch at this many positions (``inf`` pitches included): a capped pitch gets a
+            fresh shift, uniform on ``[0, max_block)`` (integers for integer schemes). No block is then longer
+            than ``max_block``, but the partitions are **biased**: pairs at distance ``d`` share a block with
+            probability ``E[(1 - d/min(B, cap))_+] <= A``, so far entries shrink (the exact bias is
+            ``positional_lsh.theory.blocks.capped_bias``). With a cap, the first ``T`` samples of a larger
+            draw are no longer a ``T``-sample draw. Cost: the per-sample fast path of
+            :func:`~positional_lsh.plsh_attention` scores ``sum_t sum_blocks len^2 <= n * max_block * T`` query-key
+            pairs per head, so a cap bounds its **worst case** at ``O(n * max_block * T * d)`` per head (uncapped,
+            a block may be as long as ``n``: ``O(n^2 T d)``; ``theory.blocks.block_stats`` gives the actual work).
+
+    Returns:
+        :class:`Partitions` with ``pitch`` and ``shift`` of shape ``(T, H)``.
+
+    Example:
+        >>> import torch
+        >>> from positional_lsh import alibi_slopes, sample_partitions
+        >>> parts = sample_partitions(256, alibi_slopes(8), num_samples=4, scheme="discrete", generator=0)
+        >>> parts.pitch.shape, parts.shift.shape  # (T, H)
+        (torch.Size([4, 8]), torch.Size([4, 8]))
+        >>> starts, sizes = parts.blocks(0, 0)  # sample 0, head 0: contiguous blocks covering 0..n-1
+        >>> int(starts[0]), int(sizes.sum()), bool((starts[1:] == starts[:-1] + sizes[:-1]).all())
+        (0, 256, True)
+        >>> parts.mean_mask().shape  # Mbar, dense (H, n, n): small n only
+        torch.Size([8, 256, 256])
+        >>> again = sample_partitions(256, alibi_slopes(8), num_samples=4, generator=0)  # same seed, same draw
+        >>> torch.equal(parts.pitch, again.pitch) and torch.equal(parts.shift, again.shift)
+        True
+    """
+    seq_len = positive_int("seq_len", seq_len)
+    num_samples = positive_int("num_samples", num_samples)
+    if not isinstance(scheme, str):
+        raise TypeError(f"scheme must be a str, got {type(scheme).__name__}")
+    cap = None if max_block is None else positive_int("max_block", max_block)
+    if cap is not None and cap > MAX_PITCH:
+        raise ValueError(
+            f"max_block must be <= 2**53 (beyond, float64 pitches are not exact integers), got {_short(cap)}"
+        )
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if decay is not None:
+        return _sample_decay(decay, seq_len, num_samples, slopes, scheme, generator, num_heads, cap, dev)
+    return _sample_alibi(slopes, seq_len, num_samples, scheme, generator, num_heads, cap, dev)
+
+
+def _short(value: int) -> str:
+    """An int for a message: itself, or its size when it is too long to print."""
+    text = str(value)
+    return text if len(text) <= 30 else f"an int of {len(text)} digits"
+
+
+def _num_heads(slopes: SlopesLike, num_heads: int | None) -> int:
+    """The number of heads: ``len(slopes)``, or ``num_heads`` for ``None`` or one float (they must agree)."""
+    if isinstance(slopes, torch.Tensor) and slopes.dim() > 1:
+        raise ValueError(f"slopes must be a 1-D tensor (one slope per head) or one number, got shape "
+                         f"{tuple(slopes.shape)}")  # fmt: skip
+    if isinstance(slopes, torch.Tensor) and slopes.dim() == 1:
+        h = slopes.numel()
+    elif isinstance(slopes, (str, bytes)):
+        raise TypeError(f"slopes must be a tensor, a sequence of floats or a float, got {type(slopes).__name__}")
+    elif slopes is not None and not isinstance(slopes, (int, float, torch.Tensor)):
+        if not isinstance(slopes, Sequence):
+            raise TypeError(f"slopes must be a tensor, a sequence of floats or a float, got {type(slopes).__name__}")
+        h = len(slopes)
+    else:
+        if num_heads is None:
+            raise ValueError("num_heads is required when slopes is None or a single number")
+        h = positive_int("num_heads", num_heads)
+    if h == 0:
+        raise ValueError("slopes must have at least one entry (one slope per head), got none")
+    if num_heads is not None and positive_int("num_heads", num_heads) != h:
+        raise ValueError(f"num_heads={num_heads} but slopes has {h} entries")
+    return h
+
+
+def _sample_alibi(
+    slopes: SlopesLike,
+    seq_len: int,
+    num_samples: int,
+    scheme: str,
+    generator: GeneratorLike,
+    num_heads: int | None,
+    cap: int | None,
+    dev: torch.device,
+) -> Partitions:
+    """ALiBi partitions from the scheme's sampler (a slope of 0: one block, pitch ``inf``), then the cap."""
+    spec = get_scheme(scheme)
+    h = _num_heads(slopes, num_heads)
+    m = as_slopes(slopes, h)
+    gen = as_generator(generator)
+    positive = m > 0
+    safe = torch.where(positive, m, torch.ones_like(m))
+    pitch, shift = _sampler_output(scheme, spec.sampler(safe, num_samples, gen), (num_samples, h))
+    # One block holding the whole sequence (pitch inf): a slope of 0, or a slope so small (subnormal, <~ 2e-307)
+    # that the drawn pitch ~ 1/slope overflows float64. Its shift is 0: every position is in the one block whatever
+    # the shift, and the sampler's shift of an overflowed pitch (inf * u: inf or NaN) is no number to compute with.
+    one_block = ~positive[None, :] | torch.isinf(pitch)
+    pitch = torch.where(one_block, math.inf, pitch)
+    shift = torch.where(one_block, 0.0, shift)
+    problem = value_problem(pitch, shift, spec.integer)
+    if problem is not None:
+        raise ValueError(
+            f"the sampler of scheme {scheme!r} returned {problem}; a sampler must return (pitch, shift) with "
+            "pitch > 0 and 0 <= shift < pitch" + (", both integers" if spec.integer else "")
+        )
+    pitch, shift = _cap(pitch, shift, cap, spec.integer, gen)
+    return Partitions(seq_len, m, pitch.contiguous(), shift.contiguous(), scheme, dev, max_block=cap)
+
+
+def _sampler_output(scheme: str, out: object, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scheme sampler's ``(pitch, shift)`` as float64 CPU ``(T, H)`` tensors; ``ValueError``/``TypeError`` naming
+    the scheme unless it returned two real tensors of that shape."""
+    if not isinstance(out, tuple | list) or len(out) != 2:
+        raise TypeError(f"the sampler of scheme {scheme!r} must return (pitch, shift), got {type(out).__name__}")
+    tensors = []
+    for name, x in zip(("pitch", "shift"), out, strict=True):
+        if not isinstance(x, torch.Tensor) or x.is_complex() or x.dtype == torch.bool:
+            what = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"the sampler of scheme {scheme!r} must return real tensors, got {what} for {name}")
+        if tuple(x.shape) != shape:
+            raise ValueError(
+                f"the sampler of scheme {scheme!r} returned {name} of shape {tuple(x.shape)}; expected "
+                f"(num_samples, num_heads) = {shape}"
+            )
+        tensors.append(x.detach().to("cpu", torch.float64))
+    return tensors[0], tensors[1]
+
+
+def _sample_decay(
+    decay: DecayLike | Sequence[DecayLike],
+    seq_len: int,
+    num_samples: int,
+    slopes: SlopesLike,
+    scheme: str,
+    generator: GeneratorLike,
+    num_heads: int | None,
+    cap: int | None,
+    dev: torch.device,
+) -> Partitions:
+    """Partitions for a general decay (the ``"discrete"`` scheme's general law; slopes NaN), then the cap."""
+    from positional_lsh.ops.partitions.decays import sample_decay_pitches
+
+    if slopes is not None:
+        raise ValueError("pass slopes or decay, not both")
+    if scheme != "discrete":
+        raise ValueError(f"decay= samples the general 'discrete' scheme; got scheme={scheme!r}")
+    heads, pitch, shift = sample_decay_pitches(decay, seq_len, num_samples, generator, num_heads=num_heads)
+    nan = torch.full((len(heads),), math.nan, dtype=torch.float64)
+    pitch, shift = _cap(pitch, shift, cap, True, as_generator(generator) if cap else None)
+    return Partitions(seq_len, nan, pitch.contiguous(), shift.contiguous(), scheme, dev, tuple(heads), seq_len, cap)
+
+
+def _cap(
+    pitch: torch.Tensor, shift: torch.Tensor, cap: int | None, integer: bool, gen: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pitches above ``cap`` set to ``cap`` with a fresh uniform shift (drawn after the main draw)."""
+    if cap is None:
+        return pitch, shift
+    over = pitch > cap
+    u = torch.rand(pitch.shape, generator=gen, dtype=torch.float64)
+    fresh = torch.floor(u * cap).clamp_max(cap - 1.0) if integer else u * cap
+    return torch.where(over, float(cap), pitch), torch.where(over, fresh, shift)
+
+
+def check_partitions(partitions: object, num_heads: int, seq_len: int) -> None:
+    """Raise unless ``partitions`` is a :class:`Partitions` drawn for ``num_heads`` query heads and ``seq_len`` keys."""
+    if not isinstance(partitions, Partitions):
+        raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
+    if partitions.num_heads != num_heads:
+        raise ValueError(f"partitions were drawn for {partitions.num_heads} heads, but q has {num_heads} heads")
+    if partitions.seq_len != seq_len:
+        raise ValueError(
+            f"partitions were drawn for seq_len={partitions.seq_len}, but k has {seq_len} positions "
+            "(use partitions.with_seq_len(n) to reuse them at another length)"
+        )
+
+
+def check_slopes_match(slopes: SlopesLike, partitions: Partitions, num_heads: int) -> torch.Tensor | None:
+    """Raise ``ValueError`` when a call passes both ``slopes`` and ``partitions`` and they disagree.
+
+    ``slopes`` (``None``, one float, or ``(num_heads,)``) is read as for sampling
+    (:func:`~positional_lsh.ops._checks.as_slopes`) and compared with ``partitions.slopes`` by ``torch.allclose``;
+    ``None`` always matches. Under ``torch.compile`` the comparison reads the data, so it cannot run at trace time:
+    a ``slopes`` tensor is returned as ``(num_heads,)`` for the compiled op to compare when it runs
+    (:func:`check_same_slopes`), any other ``slopes`` is refused. Returns ``None`` otherwise. Partitions that are not
+    a :class:`Partitions` for ``num_heads`` heads are left to :func:`check_partitions`.
+    """
+    if slopes is None or not isinstance(partitions, Partitions) or partitions.num_heads != num_heads:
+        return None
+    if torch.compiler.is_compiling():
+        if isinstance(slopes, torch.Tensor) and slopes.dim() <= 1 and slopes.numel() in (1, num_heads):
+            return slopes.detach().reshape(-1).expand(num_heads)
+        raise ValueError(
+            "under torch.compile, slopes= with partitions= must be a tensor of one or num_heads slopes (the "
+            f"comparison with partitions.slopes runs inside the compiled op), got {type(slopes).__name__}"
+        )
+    check_same_slopes(as_slopes(slopes, num_heads), partitions.slopes)
+    return None
+
+
+def check_same_slopes(slopes: torch.Tensor, drawn: torch.Tensor) -> None:
+    """``ValueError`` unless ``slopes`` equal the slopes ``drawn`` that the partitions were drawn from
+    (``torch.allclose`` in float64 on the CPU; both ``(H,)``)."""
+    if not torch.allclose(slopes.detach().to("cpu", torch.float64), drawn.detach().to("cpu", torch.float64)):
+        raise ValueError("slopes differ from partitions.slopes; pass one or the other")
+
+
+def value_problem(pitch: torch.Tensor, shift: torch.Tensor, integer: bool) -> str | None:
+    """What is wrong with these pitch and shift values (float64 CPU tensors of one shape), or ``None``.
+
+    Every pitch must be ``> 0`` and not NaN (``inf``: one block holding the whole sequence), every shift finite with
+    ``0 <= shift < pitch``; with ``integer``, finite pitches and all shifts must be integers. The message names the
+    first offending (sample, head) and its values. ``O(T*H)``, through numpy (about 3 us at T = 16, H = 8).
+    """
+    p = pitch.detach().numpy()
+    s = shift.detach().numpy()
+    # Fast path: 0 <= shift < pitch alone rules out NaN anywhere, pitch <= 0 and an infinite shift (inf < inf is
+    # false); floor(inf) == inf, so infinite pitches pass the integer test.
+    ok = (s >= 0) & (s < p)
+    if integer:
+        ok &= (np.floor(p) == p) & (np.floor(s) == s)
+    if ok.all():
+        return None
+    with np.errstate(invalid="ignore"):
+        checks = [
+            (~(p > 0), "pitch > 0 (or inf: one block)"),
+            (~np.isfinite(s) | ~(s >= 0), "a finite shift >= 0"),
+            (~(s < p), "shift < pitch"),
+        ]
+        if integer:
+            finite = np.isfinite(p)
+            checks.append(((finite & (p != np.floor(np.where(finite, p, 0.0)))) | (s != np.floor(s)),
+                           "integer pitches and shifts (the scheme is declared integer)"))  # fmt: skip
+    for bad, want in checks:
+        if bad.any():
+            t, h = (int(i) for i in np.argwhere(bad)[0])
+            count = int(bad.sum())
+            return (f"pitch={float(p[t, h])!r}, shift={float(s[t, h])!r} at sample {t}, head {h} ({count} such entr"
+                    f"{'y' if count == 1 else 'ies'}); expected {want}")  # fmt: skip
+    return None
+
+
+def _as_values(name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.is_complex() or x.dtype == torch.bool:
+        what = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"Partitions.{name} must be a real tensor, got {what}")
+    if x.device.type == "meta":
+        raise ValueError(f"Partitions.{name} must hold values (a CPU tensor), got a meta tensor")
+    return x
+
+
+def check_partition_values(p: Partitions) -> None:
+    """Refuse a :class:`Partitions` whose fields are not what the estimator computes with; run once, when one is
+    made (``Partitions.__post_init__``: by hand, by ``dataclasses.replace``, ``select``, ``with_seq_len``, or from a
+    sampler), raising ``TypeError``/``ValueError`` naming the field.
+
+    * Structure, always (also inside a ``torch.compile`` trace, where it reads shapes only): ``seq_len`` an int
+      ``>= 1``; ``pitch`` and ``shift`` real tensors of one shape ``(T, H)`` with ``T, H >= 1``; ``slopes`` ``(H,)``;
+      a registered ``scheme``; ``decays`` ``None`` or one per head; ``decay_len`` ``None`` or ``>= seq_len``;
+      ``max_block`` ``None`` or an int ``>= 1``. In eager mode, ``pitch``, ``shift`` and ``slopes`` that are not
+      float64 CPU tensors are converted to them, and a ``device`` given by name becomes a ``torch.device``.
+    * Values, in eager mode only (under ``torch.compile`` they come from the draw op, which is trusted, and are not
+      read): :func:`value_problem` for the scheme (``get_scheme(scheme).integer``). ``O(T*H)`` numbers; about
+      10 us per ``Partitions`` made at T = 16, H = 8.
+    """
+    compiling = torch.compiler.is_compiling()
+    if not (compiling and isinstance(p.seq_len, torch.SymInt)):
+        positive_int("seq_len", p.seq_len)
+    pitch, shift = _as_values("pitch", p.pitch), _as_values("shift", p.shift)
+    slopes = _as_values("slopes", p.slopes)
+    if pitch.dim() != 2 or shift.shape != pitch.shape:
+        raise ValueError(
+            f"Partitions.pitch and shift must be (num_samples, num_heads) tensors of one shape, got "
+            f"{tuple(pitch.shape)} and {tuple(shift.shape)}"
+        )
+    if not compiling and min(pitch.shape) < 1:
+        raise ValueError(f"Partitions need at least one sample and one head, got pitch of shape {tuple(pitch.shape)}")
+    if slopes.dim() != 1 or (not compiling and slopes.shape[0] != pitch.shape[1]):
+        raise ValueError(f"Partitions.slopes must be ({pitch.shape[1]},), one per head, got {tuple(slopes.shape)}")
+    integer = get_scheme(p.scheme).integer
+    if p.decays is not None and (not isinstance(p.decays, tuple) or len(p.decays) != pitch.shape[1]):
+        raise ValueError(f"Partitions.decays must be None or a tuple of one Decay per head ({pitch.shape[1]})")
+    if p.decay_len is not None and not compiling and positive_int("decay_len", p.decay_len) < p.seq_len:
+        raise ValueError(f"Partitions.decay_len={p.decay_len} is below seq_len={p.seq_len}: the decay partitions "
+                         "are exact only up to decay_len")  # fmt: skip
+    if p.max_block is not None:
+        positive_int("max_block", p.max_block)
+    if compiling:
+        return
+    if not isinstance(p.device, torch.device):
+        try:
+            object.__setattr__(p, "device", torch.device(p.device))
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"Partitions.device must be a torch.device or its name, got {p.device!r}") from exc
+    for name, x in (("pitch", pitch), ("shift", shift), ("slopes", slopes)):
+        if x.dtype != torch.float64 or x.device.type != "cpu" or x.requires_grad:
+            object.__setattr__(p, name, x.detach().to("cpu", torch.float64))
+    problem = value_problem(p.pitch, p.shift, integer)
+    if problem is not None:
+        raise ValueError(f"Partitions of scheme {p.scheme!r} hold {problem}")

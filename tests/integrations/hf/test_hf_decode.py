@@ -1,0 +1,159 @@
+"""Fast decoding (issue 18, failure F), tested as a mechanism, counted rather than timed: the work of a decoded token
+does not grow with the prompt, nor with the number of samples T (no per-call plan over every block of every sample);
+LiveKeyCache holds only the keys a later query can reach and decodes exactly as the default DynamicCache.
+Speed and memory: benchmarks/hf_decode.py (figures in docs/hf.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_tiny import MODEL_TYPES, tiny_model, token_ids  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+from positional_lsh.integrations import hf  # noqa: E402
+from positional_lsh.integrations.hf import attention_swap  # noqa: E402
+
+
+class _Work(TorchDispatchMode):
+    """Counts the aten ops run and the floating-point elements they read (the tensor inputs of every op that is not a
+    view: slicing the cache reads nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func.is_view:
+            return func(*args, **(kwargs or {}))
+        for x in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                self.elements += x.numel()
+        return func(*args, **(kwargs or {}))
+
+
+def _decode_work(prompt: int, num_samples: int, *, live: bool, attention_only: bool, monkeypatch) -> tuple:
+    """Work of one decoded token after ``prompt`` tokens: (ops, elements) of the attention calls or of the model."""
+    model = tiny_model("llama")
+    swap = hf.use_positional_lsh(model, num_samples=num_samples, seed=0, slopes=0.1)
+    work = _Work()
+    counting = {"on": False}
+    if attention_only:
+        original = attention_swap.AttentionSwap._kernel
+
+        def counted(self, *args, **kwargs):
+            if not counting["on"]:
+                return original(self, *args, **kwargs)
+            with work:
+                return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(attention_swap.AttentionSwap, "_kernel", counted)
+    cache = swap.new_cache() if live else transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(token_ids(batch=1, length=prompt), cache=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        model(token, cache=cache, use_cache=True)  # the first decoded token (a LiveKeyCache drops its dead keys)
+        counting["on"] = True
+        if attention_only:
+            model(token, cache=cache, use_cache=True)
+        else:
+            with work:
+                model(token, cache=cache, use_cache=True)
+    monkeypatch.undo()
+    return work.ops, work.elements, cache, swap
+
+
+def test_attention_work_per_decoded_token_does_not_grow_with_the_prompt_or_t(monkeypatch):
+    # With the default DynamicCache: the attention of a decoded token reads its blocks' keys and a constant amount
+    # more. Before, it planned every block of every sample (ops ~ T H) and scanned all n keys for non-finite values.
+    runs = {
+        (n, t): _decode_work(n, t, live=False, attention_only=True, monkeypatch=monkeypatch)
+        for n in (128, 2048)
+        for t in (4, 16)
+    }
+    ops = {key: r[0] for key, r in runs.items()}
+    elements = {key: r[1] for key, r in runs.items()}
+    assert len(set(ops.values())) == 1, ops  # the same ops whatever the prompt length and T
+    for t in (4, 16):
+        # 16x the keys; the span of a token's blocks depends on its position only (slope 0.1: about 60 keys).
+        assert elements[(2048, t)] < 1.5 * elements[(128, t)], elements
+    reach = runs[(2048, 4)][3].key_reach(0)
+    heads, head_dim, layers = 4, 8, 2
+    assert elements[(2048, 4)] < layers * 8 * heads * (reach + 1) * head_dim  # a few passes over its span, not n
+
+
+def test_live_key_cache_bounds_memory_and_the_work_of_the_whole_model(monkeypatch):
+    runs = {n: _decode_work(n, 4, live=True, attention_only=False, monkeypatch=monkeypatch) for n in (128, 2048)}
+    (ops_a, el_a, cache_a, swap), (ops_b, el_b, cache_b, _) = runs[128], runs[2048]
+    assert ops_a == ops_b
+    assert el_b < 1.25 * el_a  # the whole model's work per token: flat (the default cache copies all n keys)
+    for cache in (cache_a, cache_b):
+        held = cache.cached_tokens()
+        assert all(h <= swap.key_reach(i) + 1 for i, h in enumerate(held)), held
+    assert cache_b.memory_bytes() <= 1.5 * cache_a.memory_bytes()
+    _, el_dynamic, dynamic, _ = _decode_work(2048, 4, live=False, attention_only=False, monkeypatch=monkeypatch)
+    assert el_dynamic > 2 * el_b  # (the default DynamicCache copies its 2048 keys for every new token)
+    assert dynamic.get_seq_length() == cache_b.get_seq_length() == 2050
+
+
+def _generate(model, x, mask, cache):
+    out = model.generate(
+        x,
+        attention_mask=mask,
+        max_new_tokens=10,
+        do_sample=False,
+        use_cache=True,
+        cache=cache,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences, torch.stack(out.scores)
+
+
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+@pytest.mark.parametrize("name", MODEL_TYPES)
+def test_live_key_cache_generates_as_the_default_cache(name, mode):
+    model = tiny_model(name, dtype=torch.float64)
+    x = token_ids(length=40)
+    mask = torch.ones_like(x)
+    x[1, :6], mask[1, :6] = 0, 0  # a left-padded row: its positions count from its first valid token
+    if mode == "plsh":
+        swap = hf.use_positional_lsh(model, num_samples=4, seed=1, slopes=0.3)
+    else:
+        swap = hf.use_alibi(model, window=5.0)
+    with swap:
+        seq, scores = _generate(model, x, mask, None)
+        cache = swap.new_cache()
+        assert type(cache).__name__ == "LiveKeyCache"
+        live_seq, live_scores = _generate(model, x, mask, cache)
+    assert torch.equal(live_seq, seq)
+    torch.testing.assert_close(live_scores, scores, rtol=0, atol=1e-12)
+    held, offsets = cache.cached_tokens(), [layer.offset for layer in cache.layers]
+    assert all(0 < o for o in offsets) and all(h + o == 49 for h, o in zip(held, offsets, strict=True))
+
+
+def test_exact_alibi_keeps_every_key_and_refusals():
+    model = tiny_model("qwen3", dtype=torch.float64)
+    x = token_ids(batch=1, length=30)
+    with hf.use_alibi(model) as exact:
+        cache = exact.new_cache()
+        model.generate(x, max_new_tokens=3, do_sample=False, cache=cache)
+        assert cache.cached_tokens() == [32, 32]  # no key is ever dead for exact ALiBi
+    with hf.use_alibi(model, window=4.0) as windowed:
+        cache = windowed.new_cache()
+        model.generate(x, max_new_tokens=3, do_sample=False, cache=cache)
+        assert cache.cached_tokens() == [5, 5]
+        with pytest.raises(ValueError, match="cropped"):
+            cache.crop(-1)
+    with hf.use_alibi(model):  # the same (trimmed) cache with an attention that needs every key
+        with pytest.raises(ValueError, match="dropped keys"):
+            model(x[:, -1:], cache=cache, use_cache=True)
+    with hf.use_positional_lsh(model, num_samples=4, slopes=0.01) as wide:  # longer blocks than the window kept
+        with pytest.raises(ValueError, match="dropped"):
+            model(x[:, -1:], cache=cache, use_cache=True)
+        assert wide.key_reach(0) > 4

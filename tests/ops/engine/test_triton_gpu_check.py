@@ -1,0 +1,69 @@
+"""benchmarks/gpu_check.py, the prepared device check, run tiny on the CPU: its correctness section (every backend and
+method against the float64 oracle; the Triton rows in Triton's interpreter), its speed section's logic, its files,
+and that it stops cleanly at its time budget. What it measures on a GPU is not tested here (no GPU)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = ["--device", "cpu", "--check-len", "24", "--check-dim", "16", "--check-samples", "2", "--lengths", "48",
+        "--samples", "2", "--heads", "2", "--dim", "16", "--repeats", "1", "--no-compile"]  # fmt: skip
+
+
+@pytest.fixture
+def gpu_check(monkeypatch):
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_defaults_are_the_h200_check(gpu_check):
+    args = gpu_check.parser().parse_args([])
+    assert (args.heads, args.dim, args.dtype, args.device) == (32, 128, "bfloat16", "cuda")
+    assert args.lengths[0] == 131072 and set(args.lengths) == {8192, 16384, 32768, 65536, 131072}
+    assert args.samples == (8, 64)
+    assert args.budget <= 480 and set(args.check_dtypes) == {"bfloat16", "float16", "float32"}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton rows need the interpreter on CPU")
+def test_runs_tiny_on_cpu(gpu_check, tmp_path):
+    pytest.importorskip("triton")
+    rows = gpu_check.main([*TINY, "--check-dtypes", "float32,bfloat16", "--out", str(tmp_path)])
+    checks = [r for r in rows if r.section == "correctness"]
+    assert len(checks) == 4 * 2 * len(gpu_check.COMBOS)  # shapes x dtypes x (backend, method)
+    assert all(r.status.startswith("ok") for r in checks), [r.status for r in checks if not r.status.startswith("ok")]
+    assert {r.route for r in checks if r.backend == "triton"} == {"multiplicity/triton"}
+    assert {r.case.split()[0] for r in checks} == {"prefill", "chunk", "decode"}
+    slopes = [r for r in rows if r.section == "slope-grad"]  # the surrogate slope gradient, every route
+    assert len(slopes) == 4 * 2 * len(gpu_check.COMBOS)
+    assert all(r.status.startswith("ok") for r in slopes), [r.status for r in slopes if not r.status.startswith("ok")]
+    assert {r.route for r in slopes if r.backend == "triton"} == {"multiplicity/triton"}
+    speed = {(r.case, r.mode) for r in rows if r.section == "speed" and r.status == "ok"}
+    assert {("plsh", "fwd+bwd"), ("plsh-triton", "fwd+bwd"), ("sdpa-flash", "fwd+bwd"), ("flex-exact", "fwd")} <= speed
+    assert ("plsh-triton-slopes", "fwd+bwd") in speed and ("plsh-triton-slopes", "fwd") not in speed
+    assert ("flex-exact", "fwd+bwd") not in speed  # torch has no CPU backward for FlexAttention
+    md, table = tmp_path / "gpu_check.md", tmp_path / "gpu_check.csv"
+    text = md.read_text()
+    assert "## Correctness" in text and "## Slope gradient" in text and "## Speed" in text
+    assert "- n=48 T=2: " in text  # the slope gradient's cost: with / without
+    with table.open() as fh:
+        assert len(list(csv.DictReader(fh))) == len(rows)
+
+
+def test_stops_cleanly_at_its_budget(gpu_check, tmp_path, monkeypatch):
+    # Budget spent after the first correctness row: every later case is recorded as skipped, the files are written.
+    left = iter([1.0] + [0.0] * 10_000)
+    monkeypatch.setattr(gpu_check.Budget, "left", lambda self: next(left))
+    rows = gpu_check.main([*TINY, "--check-dtypes", "float32", "--out", str(tmp_path)])
+    assert rows[0].status.startswith("ok") and all(r.status == "skipped (budget)" for r in rows[1:])
+    assert any(r.section == "speed" for r in rows)
+    assert "skipped (budget)" in (tmp_path / "gpu_check.md").read_text() and (tmp_path / "gpu_check.csv").exists()
