@@ -99,7 +99,7 @@ def _execute(
     ``check_slopes_match``): the caller's slopes, compared with the partitions' inside the compiled op."""
     if route.compiled:
         return compiled.run(q, k, v, partitions, route, slopes, expected)
-    return engine.run(q, k, v, partitions, route, slopes)
+    return compiled.run_eager(q, k, v, partitions, route, slopes)
 
 
 def _grad_slopes(slopes: object, slope_grad: str, num_heads: int) -> torch.Tensor | None:

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from positional_lsh.ops._engine.engine import Plan, Route, backward, forward, kernel_inputs, plan, slope_gradient
+from positional_lsh.ops._engine.engine import Plan, Route, backward, forward, kernel_inputs, plan
 from positional_lsh.ops._engine.kernels import acc_dtype
 from positional_lsh.ops.partitions.partition import Partitions, check_same_slopes
 
-__all__ = ["plsh_backward", "plsh_forward", "run"]
+__all__ = ["plsh_backward", "plsh_forward", "run", "run_eager", "slope_gradient"]
 
 
 def _plan_of(q: torch.Tensor, k: torch.Tensor, partitions: Partitions, route: Route) -> Plan:
@@ -168,3 +168,56 @@ def run(
     parts = (partitions.pitch, partitions.shift, slopes_in, partitions.scheme, partitions.max_block)
     out, _ = plsh_forward(q, k, v, *parts, route.causal, route.scale, route.kernel, route.method, expected)
     return out
+
+
+def slope_gradient(dist: torch.Tensor | None, like: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The surrogate gradient of slopes ``like`` (a ``(Hq,)`` tensor, or one shaped like it) from :func:`backward`'s
+    ``dist`` (asked for with ``dist_grad=True``): ``-dist`` in ``like``'s dtype and device.
+
+    Never silently: a ``dist`` of ``None`` (the ``kernel``'s backward returned no slope gradient although asked)
+    raises ``RuntimeError``."""
+    if dist is None:
+        raise RuntimeError(f"the {kernel!r} backward returned no slope gradient (dist_grad=True)")
+    return (-dist).to(dtype=like.dtype, device=like.device).reshape(like.shape)
+
+
+class _EngineFunction(torch.autograd.Function):
+    """The eager autograd Function of every backend: :func:`forward` and :func:`backward` for one :class:`Plan`.
+
+    ``slopes`` is ``None`` or the ``(Hq,)`` slopes tensor whose surrogate gradient is wanted: it takes no part in the
+    forward (the plan's partitions were drawn from its detached values); the backward computes ``-dist`` only when
+    autograd asks for its gradient (``ctx.needs_input_grad``)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None, p: Plan
+    ) -> torch.Tensor:
+        out, lse, inputs = forward(p, q, k, v)
+        ctx.save_for_backward(*inputs, out, lse)
+        ctx.plan = p
+        # A detached stand-in of the slopes (dtype, device, shape): nothing of the graph is kept.
+        ctx.slopes_like = None if slopes is None else slopes.detach()
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        want = ctx.slopes_like is not None and bool(ctx.needs_input_grad[3])
+        dq, dk, dv, dist = backward(ctx.plan, ctx.saved_tensors, dout, dist_grad=want)
+        if not want:
+            return dq, dk, dv, None, None
+        return dq, dk, dv, slope_gradient(dist, ctx.slopes_like, ctx.plan.kernel), None
+
+
+def run_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    partitions: Partitions,
+    route: Route,
+    slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eager execution of a checked call: plan, then the autograd Function (differentiable in ``q, k, v``, and in
+    ``slopes`` (``(Hq,)``, the values ``partitions`` were drawn from) by the surrogate gradient when given)."""
+    p = plan(route, partitions, k.shape[1], q.shape[2], q.device)
+    return _EngineFunction.apply(q, k, v, slopes, p)
