@@ -15,7 +15,7 @@ from positional_lsh import (
     sample_partitions,
 )
 from positional_lsh.ops._checks import check_int, nonnegative_int, positive_int
-from positional_lsh.ops.partitions.partition import schemes
+from positional_lsh.ops.partitions import schemes
 from positional_lsh.ops.partitions.schemes import Scheme, get_scheme, register_scheme, scheme_names, unregister_scheme
 
 from conftest import naive_mean_mask

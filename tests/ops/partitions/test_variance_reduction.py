@@ -11,7 +11,7 @@ import torch
 from scipy.special import ndtri
 
 from positional_lsh import dense_plsh_attention, plsh_attention, sample_partitions
-from positional_lsh.ops.partitions.partition import variance_reduced
+from positional_lsh.ops.partitions import variance_reduced
 from positional_lsh.ops.partitions.schemes import get_scheme, register_scheme, scheme_names, unregister_scheme
 from positional_lsh.theory import (
     MeanMaskOperator,
