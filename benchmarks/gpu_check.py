@@ -29,7 +29,7 @@ Writes ``gpu_check.md`` (the tables and the settings) and ``gpu_check.csv`` to `
 budget: a case that would not finish in the time left (estimated from the same case at the previous length) is
 recorded as ``skipped (budget)``, and the files are written either way; the lengths run in the order given (by
 default n = 131072, where the targets are, then 8k ... 64k). Runs on the CPU too (``--device cpu``, tiny
-sizes: what ``tests/ops/engine/test_triton_gpu_check.py`` runs; FlexAttention there is forward-only and, with
+sizes: what ``tests/test_benchmarks.py`` runs; FlexAttention there is forward-only and, with
 ``--no-compile``, eager; the Triton rows need ``TRITON_INTERPRET=1``).
 """
 

@@ -464,6 +464,166 @@ def test_import_positional_lsh_loads_only_the_op_layer() -> None:
     assert out.stdout.strip() == "", f"import positional_lsh also loaded: {out.stdout.split()}"
 
 
+def test_nothing_outside_the_op_layer_imports_its_private_engine(parsed) -> None:
+    offenders = engine_violations(parsed[0])
+    assert not offenders, "imports of the op layer's private engine:\n" + "\n".join(offenders)
+
+
+def test_the_transformers_integration_reaches_attention_only_through_the_public_ops(sources, parsed) -> None:
+    offenders = integration_violations(sources, parsed[0])
+    assert not offenders, "imports past the op layer's public API:\n" + "\n".join(offenders)
+
+
+def test_one_custom_op_registration_per_op(sources) -> None:
+    offenders = custom_op_violations(sources)
+    assert not offenders, "custom-op registrations:\n" + "\n".join(offenders)
+
+
+def test_every_test_module_sits_under_the_folder_of_its_package(sources, parsed) -> None:
+    offenders = placement_violations(sources, parsed[0])
+    assert not offenders, "misplaced test modules:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The op layer's private engine, its one op registration per op, and where tests live
+# ------------------------------------------------------------------------------------------------------------------
+
+PRIVATE_ENGINE = ("positional_lsh.ops._engine", "positional_lsh.ops._tools")
+ENGINE_RULE = "nothing outside the op layer imports its private engine (ops._engine, ops._tools): call the public ops"
+INTEGRATION_RULE = (
+    "the transformers integration reaches the op layer only through its public API (names in the __all__ of a public "
+    "module of positional_lsh.ops, or the validators of ops._checks)"
+)
+OP_HELPERS = ("positional_lsh.ops._checks",)  # validators any room may share (no attention in them)
+# Every torch.library.custom_op of the package: one registration (forward, backward) per op, in the op's module.
+CUSTOM_OPS = {
+    "positional_lsh.ops._engine.op": {"positional_lsh::plsh_forward", "positional_lsh::plsh_backward"},
+    "positional_lsh.ops.exact.alibi": {"positional_lsh::alibi_forward", "positional_lsh::alibi_backward"},
+    "positional_lsh.ops.partitions.sampling": {"positional_lsh::sample_partitions"},
+}
+CUSTOM_OP_RULE = "one custom-op registration per op (docs/architecture.md, CUSTOM_OPS): no other module registers one"
+# The test suites that cut across the package, at the top of tests/ (every other test module sits in the folder of
+# the package it tests: tests/ops/engine/ for positional_lsh.ops._engine, tests/lm/ for positional_lsh.lm, ...).
+CROSS_CUTTING = {
+    "test_architecture", "test_benchmarks", "test_docs_site", "test_doctests", "test_fuzz_cli", "test_fuzz_ops",
+    "test_packaging", "test_readme", "test_reliability",
+}  # fmt: skip
+MAX_TOP_LEVEL_TESTS = 12
+PLACEMENT_RULE = "a test module sits under the folder of the package it tests, and imports from that package"
+
+
+def engine_violations(imports: Iterable[Import]) -> list[str]:
+    """Modules of the package outside the op layer that import ``ops._engine`` or ``ops._tools``."""
+    out = []
+    for imp in imports:
+        if not imp.importer.startswith("positional_lsh") or room_of(imp.importer) in (None, "ops"):
+            continue
+        if any(imp.target == p or imp.target.startswith(p + ".") for p in PRIVATE_ENGINE) or (
+            imp.base is not None and any(imp.base == p or imp.base.startswith(p + ".") for p in PRIVATE_ENGINE)
+        ):
+            out.append(f"{imp.where}: {imp.importer} `{imp.statement}` -- rule: {ENGINE_RULE}")
+    return out
+
+
+def declared_all(src: Source) -> set[str] | None:
+    """The names of ``src``'s ``__all__`` (read from the source), or ``None`` when it has none."""
+    for node in src.tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def integration_violations(sources: list[Source], imports: Iterable[Import]) -> list[str]:
+    """Imports from the op layer into ``positional_lsh.integrations`` of anything but its public API."""
+    by_module = {s.module: s for s in sources}
+    out = []
+    for imp in imports:
+        if not imp.importer.startswith("positional_lsh.integrations") or room_of(imp.target) != "ops":
+            continue
+        module = imp.base if imp.base is not None else imp.target
+        if module in OP_HELPERS:
+            continue
+        public = not any(part.startswith("_") for part in module.split("."))
+        names = declared_all(by_module[module]) if module in by_module else None
+        if imp.name is None:  # `import positional_lsh.ops.x`: the module itself
+            ok = public
+        else:
+            ok = public and (f"{module}.{imp.name}" in by_module or imp.name in (names or set()))
+        if not ok:
+            out.append(f"{imp.where}: {imp.importer} `{imp.statement}` -- rule: {INTEGRATION_RULE}")
+    return out
+
+
+def registered_custom_ops(src: Source) -> list[tuple[int, str]]:
+    """``(line, name)`` of every ``custom_op("positional_lsh::name", ...)`` call in ``src``."""
+    found = []
+    for node in ast.walk(src.tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name == "custom_op" and node.args and isinstance(node.args[0], ast.Constant):
+                found.append((node.lineno, str(node.args[0].value)))
+    return found
+
+
+def custom_op_violations(sources: Iterable[Source]) -> list[str]:
+    """Custom ops registered outside their module of ``CUSTOM_OPS``, and expected registrations that are missing."""
+    out, seen = [], {}
+    for src in sources:
+        for line, name in registered_custom_ops(src):
+            seen.setdefault(src.module, set()).add(name)
+            if name not in CUSTOM_OPS.get(src.module, set()):
+                out.append(f"{src.path}:{line}: {src.module} registers {name} -- rule: {CUSTOM_OP_RULE}")
+    for module, names in CUSTOM_OPS.items():
+        if seen.get(module, set()) != names:
+            out.append(f"{module} registers {sorted(seen.get(module, set()))}, expected {sorted(names)}")
+    return out
+
+
+def package_of_test_folder(parts: tuple[str, ...], packages: set[str]) -> str | None:
+    """The package a test folder mirrors: ``("ops", "engine")`` is ``positional_lsh.ops._engine`` (a folder may drop
+    a package's leading underscore), or ``None`` when no package matches."""
+    name = "positional_lsh"
+    for part in parts:
+        for candidate in (f"{name}.{part}", f"{name}._{part}"):
+            if candidate in packages:
+                name = candidate
+                break
+        else:
+            return None
+    return name
+
+
+def placement_violations(sources: list[Source], imports: Iterable[Import]) -> list[str]:
+    """Test modules at the top of ``tests/`` that are not cross-cutting, test folders that mirror no package, and
+    test modules that import nothing from the package of their folder."""
+    packages = {s.module for s in sources if s.is_package and s.module.startswith("positional_lsh")}
+    reached: dict[str, set[str]] = {}
+    for imp in imports:
+        reached.setdefault(imp.importer, set()).update({imp.target, imp.base or imp.target})
+    out, top = [], []
+    for src in sources:
+        parts = tuple(src.module.split("."))
+        if parts[0] != "tests" or not parts[-1].startswith("test_"):
+            continue
+        folder = parts[1:-1]
+        if not folder:
+            top.append(parts[-1])
+            if parts[-1] not in CROSS_CUTTING:
+                out.append(f"{src.path}: not a cross-cutting suite at the top of tests/ -- rule: {PLACEMENT_RULE}")
+            continue
+        package = package_of_test_folder(folder, packages)
+        if package is None:
+            out.append(f"{src.path}: tests/{'/'.join(folder)} mirrors no package -- rule: {PLACEMENT_RULE}")
+            continue
+        front = {"positional_lsh"} if package.startswith("positional_lsh.ops") else set()
+        if not any(m == package or m.startswith(package + ".") or m in front for m in reached.get(src.module, ())):
+            out.append(f"{src.path}: imports nothing from {package} -- rule: {PLACEMENT_RULE}")
+    if len(top) > MAX_TOP_LEVEL_TESTS:
+        out.append(f"{len(top)} test modules at the top of tests/ (at most {MAX_TOP_LEVEL_TESTS}): {sorted(top)}")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The checker itself, on made-up sources: each check does fail
 # ------------------------------------------------------------------------------------------------------------------
@@ -660,3 +820,44 @@ def test_docs_name_modules_that_exist(doc: str) -> None:
             except ImportError:
                 missing.append(name)
     assert not missing, f"docs/{doc} names modules that do not exist: {missing}"
+
+
+def test_checker_flags_the_private_engine_integrations_custom_ops_and_misplaced_tests() -> None:
+    sources = _fake_sources({
+        "positional_lsh/": "",
+        "positional_lsh.ops/": "",
+        "positional_lsh.ops.attention": "__all__ = ['plsh_attention']\ndef plsh_attention(): ...\nhelper = 1\n",
+        "positional_lsh.ops._engine/": "",
+        "positional_lsh.ops._engine.engine": "",
+        "positional_lsh.ops._engine.op": (
+            "import torch\n@torch.library.custom_op('positional_lsh::plsh_forward', mutates_args=())\ndef f(): ...\n"
+        ),
+        "positional_lsh.lm/": "",
+        "positional_lsh.lm.model": "from positional_lsh.ops._engine.engine import plan\n",
+        "positional_lsh.integrations/": "",
+        "positional_lsh.integrations.hf": (
+            "from positional_lsh.ops.attention import plsh_attention\nfrom positional_lsh.ops.attention import helper\n"
+            "import torch\n@torch.library.custom_op('positional_lsh::swap_forward', mutates_args=())\ndef g(): ...\n"
+        ),
+        "tests.test_lm_thing": "import positional_lsh.lm.model\n",
+        "tests.lm.test_model": "import positional_lsh.ops.attention\n",
+        "tests.nowhere.test_x": "import positional_lsh\n",
+        "tests.ops.engine.test_engine": "from positional_lsh.ops._engine import engine\n",
+    })  # fmt: skip
+    imports, _ = parse_all(sources)
+    assert engine_violations(imports) == [
+        f"positional_lsh/lm/model.py:1: positional_lsh.lm.model `from positional_lsh.ops._engine.engine import plan` "
+        f"-- rule: {ENGINE_RULE}"
+    ]
+    assert integration_violations(sources, imports) == [
+        f"positional_lsh/integrations/hf.py:2: positional_lsh.integrations.hf "
+        f"`from positional_lsh.ops.attention import helper` -- rule: {INTEGRATION_RULE}"
+    ]
+    ops = custom_op_violations(sources)
+    assert any("positional_lsh.integrations.hf registers positional_lsh::swap_forward" in o for o in ops)
+    assert any(o.startswith("positional_lsh.ops._engine.op registers ['positional_lsh::plsh_forward']") for o in ops)
+    assert placement_violations(sources, imports) == [
+        f"tests/test_lm_thing.py: not a cross-cutting suite at the top of tests/ -- rule: {PLACEMENT_RULE}",
+        f"tests/lm/test_model.py: imports nothing from positional_lsh.lm -- rule: {PLACEMENT_RULE}",
+        f"tests/nowhere/test_x.py: tests/nowhere mirrors no package -- rule: {PLACEMENT_RULE}",
+    ]

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.py, the prepared device check, run tiny on the CPU: its correctness section (every backend and
+"""The benchmark scripts. benchmarks/gpu_check.py, the prepared device check, run tiny on the CPU: its correctness
+section (every backend and
 method against the float64 oracle; the Triton rows in Triton's interpreter), its speed section's logic, its files,
 and that it stops cleanly at its time budget. What it measures on a GPU is not tested here (no GPU)."""
 
@@ -18,7 +19,7 @@ TINY = ["--device", "cpu", "--check-len", "24", "--check-dim", "16", "--check-sa
 
 @pytest.fixture
 def gpu_check(monkeypatch):
-    path = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_check.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_check", module)  # dataclasses look their module up
