@@ -4,13 +4,20 @@ Build (warnings are errors, nothing is downloaded)::
 
     python -m sphinx -W --keep-going -n -E -b html docs build/docs
 
-The API pages (``docs/api/*.rst``) hold one ``.. api-module:: ROOM`` directive each; it renders the room's package
-and every public submodule below it (:data:`PUBLIC_MODULES`). Every name of a module's ``__all__`` is rendered with
-its signature: in full once, at its *home* (the module that defines it, when that module lists it; otherwise the
-first public module that lists it), and as a one-line entry pointing there in every other module that lists it.
-All of these names resolve as cross-reference targets (the other names are aliases of the home). A module, class or
-function rendered without a docstring, a reference that resolves nowhere, and a docstring that is not valid
-reStructuredText are build errors. ``tests/test_docs_site.py`` compares what is rendered with each ``__all__``.
+**A module's ``__all__`` is its public API.** A module whose contents are internal to its room (plumbing that other
+modules of the package import: run directories, the step loop, a family's replacement forward, ...) declares no
+``__all__``; its names stay importable under their public names, but the site does not render it. So the API
+pages (``docs/api/*.rst``) hold one ``.. api-module:: ROOM`` directive each; it renders the room's package and every
+module below it that is public (no ``_``-prefixed component, no ``__main__``) and declares a non-empty ``__all__``
+(packages too; :data:`PUBLIC_MODULES`). Every name of such a module's ``__all__`` is rendered with its signature:
+in full once, at its *home* (the module that defines it, when that module lists it; otherwise the first rendered
+module that lists it), and as a one-line entry pointing there in every other module that lists it. All of these
+names resolve as cross-reference targets (the other names are aliases of the home). A reference to a name of the
+package that is not rendered leads to where its object is rendered, or else is shown as text (an internal name);
+one to a name that does not exist is an error. A module, class or function rendered without a docstring, a
+reference that resolves nowhere, and a docstring that is not valid reStructuredText are build errors.
+``tests/test_docs_site.py`` compares what is rendered with each ``__all__``, and keeps the public API small: at
+most 250 objects rendered in full.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 
 from docutils import nodes
 from docutils.statemachine import StringList
+from sphinx import addnodes
 from sphinx.application import Sphinx
 from sphinx.domains.python import ObjectEntry
 from sphinx.environment import BuildEnvironment
@@ -94,9 +102,15 @@ ROOMS = (
 )
 
 
+def declares_api(module_name: str) -> bool:
+    """Whether the module declares a public API: a non-empty ``__all__``."""
+    return bool(getattr(importlib.import_module(module_name), "__all__", ()))
+
+
 def public_modules(room: str) -> list[str]:
-    """``room`` and, except for the top-level package (its rooms have their own pages), every public module below
-    it (no ``_``-prefixed component, no ``__main__``), the package first."""
+    """``room`` and, except for the top-level package (its rooms have their own pages), every module below it that
+    is public (no ``_``-prefixed component, no ``__main__``), the package first; of these, those that declare a
+    public API (:func:`declares_api`)."""
     if room == "positional_lsh":
         return [room]
     module = importlib.import_module(room)
@@ -105,7 +119,7 @@ def public_modules(room: str) -> list[str]:
         for info in pkgutil.walk_packages(module.__path__, room + ".")
         if not any(part.startswith("_") for part in info.name.split("."))
     ]
-    return [room, *sorted(below)]
+    return [name for name in [room, *sorted(below)] if declares_api(name)]
 
 
 PUBLIC_MODULES: list[str] = [name for room in ROOMS for name in public_modules(room)]
@@ -286,9 +300,55 @@ def register_aliases(app: Sphinx, env: BuildEnvironment) -> None:
             objects[name] = ObjectEntry(entry.docname, entry.node_id, entry.objtype, aliased=True)
 
 
+def object_at(dotted: str) -> Any:
+    """The object a dotted name of the package (``positional_lsh.x.y.attr.member``) leads to, importing the longest
+    module prefix; :data:`MISSING` when there is none."""
+    parts = dotted.split(".")
+    if parts[0] != "positional_lsh":
+        return MISSING
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = lookup(obj, attr)
+            if obj is MISSING:
+                break
+        return obj
+    return MISSING
+
+
+def rendered_home(target: str, objects: dict[str, Any]) -> str | None:
+    """Where a name of the package that is not rendered itself is rendered: its object's home, or the home of the
+    object that holds it (``internal.module.Class.method`` -> ``home.Class.method``); ``None`` when nowhere."""
+    parts = target.split(".")
+    for i in range(len(parts), 1, -1):
+        obj = object_at(".".join(parts[:i]))
+        home = HOMES.get((id(obj), parts[i - 1])) if obj is not MISSING else None
+        if home is not None and ".".join([home, *parts[i:]]) in objects:
+            return ".".join([home, *parts[i:]])
+    return None
+
+
+def documented_module(node: nodes.Node) -> str | None:
+    """The module that defines the object whose description holds ``node`` (``None`` outside one, or for data)."""
+    parent = node.parent
+    while parent is not None and not isinstance(parent, addnodes.desc):
+        parent = parent.parent
+    signature = parent.children[0] if parent is not None and parent.children else None
+    if not isinstance(signature, addnodes.desc_signature) or not signature.get("module"):
+        return None
+    obj = object_at(f"{signature['module']}.{signature.get('fullname', '')}")
+    defining = getattr(obj, "__module__", None) if obj is not MISSING else None
+    return defining if isinstance(defining, str) and defining.startswith("positional_lsh") else None
+
+
 def resolve_in_package(app: Sphinx, env: BuildEnvironment, node: Any, contnode: nodes.Element) -> Any:
     """A Python reference that Sphinx does not find from the current module: try the packages above it, then any
-    object whose full name ends with the target, provided all such names lead to one place."""
+    object whose full name ends with the target, provided all such names lead to one place. A name of the package
+    that is not rendered (an internal module's, or one left out of an ``__all__``) leads to where its object is
+    rendered, or else stays text; a name that does not exist is left to Sphinx (a warning)."""
     if node.get("refdomain") != "py":
         return None
     target = node["reftarget"].lstrip("~.")
@@ -305,8 +365,21 @@ def resolve_in_package(app: Sphinx, env: BuildEnvironment, node: Any, contnode: 
     if not found:
         found = [name for name in objects if name.endswith("." + target)]
     places = {(objects[name].docname, objects[name].node_id) for name in found}
-    if len(places) != 1:
+    if len(places) > 1:
         return None
+    if not places:  # not rendered: the name as written, in the current class, in the current module or above it
+        module, context = node.get("py:module") or "", node.get("py:class")
+        names = [target, *([f"{module}.{context}.{target}"] if module and context else [])]
+        names += [".".join([*parts[:i], target]) for i in range(len(parts), 0, -1) if parts[0]]
+        defining = documented_module(node)  # a re-export's docstring is written in the module that defines it
+        names += [f"{defining}.{target}"] if defining else []
+        existing = [name for name in names if object_at(name) is not MISSING][:1]
+        if not existing:
+            return None
+        home = rendered_home(existing[0], objects)
+        if home is None:
+            return contnode  # a name of the package that is not public: shown as text
+        places = {(objects[home].docname, objects[home].node_id)}
     docname, node_id = places.pop()
     return make_refnode(app.builder, node.get("refdoc", env.docname), docname, node_id, contnode, target)
 

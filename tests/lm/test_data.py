@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from positional_lsh.lm import data as D
+from positional_lsh.lm.data.corpus import corpus_path, split_wikitext_articles
 
 # --------------------------------------------------------------------------------------------
 # Fixtures
@@ -43,7 +44,7 @@ def tok(small_texts: list[str]) -> D.BPETokenizer:
 
 
 def test_corpus_file_ships_inside_the_package() -> None:
-    p = D.corpus_path()
+    p = corpus_path()
     assert p.is_file()
     assert [p.parent.name, p.parent.parent.name, p.parent.parent.parent.name] == ["corpus", "lm", "positional_lsh"]
     assert p.stat().st_size < 5_000_000  # small enough for the repository
@@ -220,17 +221,17 @@ WIKITEXT_ROWS = [
 
 
 def test_split_wikitext_articles() -> None:
-    docs = D.split_wikitext_articles(WIKITEXT_ROWS)
+    docs = split_wikitext_articles(WIKITEXT_ROWS)
     assert [d.title for d in docs] == ["Valkyria Chronicles III", "Tower Building of the Little Rock Arsenal"]
     assert docs[0].text.startswith(" = Valkyria Chronicles III = \n")
     assert " = = Gameplay = = " in docs[0].text and " = = = Sub section = = = " in docs[0].text
     assert "Tower" not in docs[0].text and docs[1].text.endswith("building . \n")
-    pre = D.split_wikitext_articles(["intro line\n", " = A = \n", "body\n"])
+    pre = split_wikitext_articles(["intro line\n", " = A = \n", "body\n"])
     assert [d.title for d in pre] == ["(before the first heading)", "A"]
     with pytest.raises(ValueError, match="lines"):
-        D.split_wikitext_articles(["", "  \n"])
+        split_wikitext_articles(["", "  \n"])
     with pytest.raises(TypeError, match="lines"):
-        D.split_wikitext_articles("a string")  # type: ignore[arg-type]
+        split_wikitext_articles("a string")  # type: ignore[arg-type]
 
 
 def test_load_hf_dataset_without_datasets_names_the_extra(monkeypatch) -> None:

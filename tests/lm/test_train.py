@@ -17,6 +17,7 @@ import torch
 from positional_lsh.cli import train as cli_train
 from positional_lsh.lm import ModelConfig, load_checkpoint
 from positional_lsh.lm import train as T
+from positional_lsh.lm.train_config import lr_at
 
 # text_dir, tokenizer_file: tests/conftest.py
 
@@ -52,12 +53,12 @@ def log(path: Path) -> list[dict]:
 
 def test_lr_schedule() -> None:
     cfg = T.TrainConfig(out_dir="x", steps=100, warmup=10, lr=1e-3, min_lr=1e-4)
-    lrs = [T.lr_at(s, cfg) for s in range(100)]
+    lrs = [lr_at(s, cfg) for s in range(100)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert all(a < b for a, b in itertools.pairwise(lrs[:10]))  # warm-up rises
     assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))  # cosine falls
     assert lrs[55] == pytest.approx(1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 45 / 90)))
-    assert T.lr_at(100, cfg) == pytest.approx(1e-4)
+    assert lr_at(100, cfg) == pytest.approx(1e-4)
 
 
 def test_training_learns_and_writes_a_checkpoint(tmp_path: Path, text_dir: Path, tokenizer_file: Path) -> None:

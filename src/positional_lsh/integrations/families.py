@@ -63,15 +63,6 @@ from positional_lsh.theory.qkv import (
     split_neox,
 )
 
-__all__ = [
-    "FAMILIES",
-    "Family",
-    "attention_modules",
-    "family_capture_points",
-    "family_of",
-    "native_slopes",
-]
-
 
 @dataclass(frozen=True)
 class Family:

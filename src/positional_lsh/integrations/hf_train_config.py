@@ -23,8 +23,6 @@ from positional_lsh.ops._checks import check_bool, check_choice, check_int, posi
 from positional_lsh.ops.options import BACKENDS, METHODS
 from positional_lsh.ops.partitions.schemes import get_scheme
 
-__all__ = ["BUILTIN_CONFIGS", "FINETUNE_MODES", "HF_POSITIONS", "PRESETS", "WEIGHT_DTYPES", "HFTrainConfig"]
-
 HF_POSITIONS = ("plsh", "alibi", "window-alibi", "native")
 FINETUNE_MODES = ("full", "lora")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")

@@ -35,16 +35,6 @@ from positional_lsh.lm.eval_results import LearnedSlopes
 from positional_lsh.lm.model import TransformerLM
 from positional_lsh.ops.errors import UserError
 
-__all__ = [
-    "HF_POSITION_CHOICES",
-    "HFAdapter",
-    "HFAttention",
-    "LMAdapter",
-    "ModelAdapter",
-    "encode_with_hf_tokenizer",
-    "load_for_eval",
-]
-
 HF_POSITION_CHOICES = ("saved", "native", "alibi", "window-alibi", "plsh")
 """``plsh eval --position`` values (:class:`HFAttention`)."""
 

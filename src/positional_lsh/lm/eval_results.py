@@ -12,22 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "POSITION_COLUMNS",
-    "SLOPE_COLUMNS",
-    "EvalRow",
-    "LearnedSlopes",
-    "PositionBucket",
-    "format_slopes",
-    "format_table",
-    "plot_results",
-    "read_loss_by_position",
-    "read_results",
-    "read_slopes",
-    "write_results",
-    "write_slopes",
-]
-
 
 @dataclass
 class PositionBucket:

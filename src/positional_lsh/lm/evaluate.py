@@ -54,7 +54,6 @@ from positional_lsh.lm.eval_models import ModelAdapter, load_for_eval
 from positional_lsh.lm.eval_results import (
     EvalRow,
     PositionBucket,
-    format_table,
     plot_results,
     read_results,
     write_results,
@@ -65,23 +64,12 @@ from positional_lsh.ops.errors import UserError
 __all__ = [
     "EvalRow",
     "ModelAdapter",
-    "PositionBucket",
-    "ShippedDemo",
-    "check_something_to_score",
     "equal_cost_window",
     "evaluate_model",
-    "expected_plsh_cost",
-    "format_table",
     "load_for_eval",
     "plot_results",
-    "position_buckets",
-    "predictive_entropy",
     "read_results",
-    "reciprocal_ranks",
-    "shipped_checkpoint_path",
-    "shipped_model_demo",
     "sliding_window_metrics",
-    "window_cost",
     "write_results",
 ]
 

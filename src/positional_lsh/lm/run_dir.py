@@ -49,32 +49,6 @@ from positional_lsh.lm.data.tokenizer import BPETokenizer
 from positional_lsh.lm.model import TransformerLM
 from positional_lsh.ops.errors import UserError
 
-__all__ = [
-    "LOG_FILE",
-    "PER_JOB_SETTINGS",
-    "RESUME_MAY_CHANGE",
-    "STATE_FILE",
-    "STEPS_DIR",
-    "TRAIN_CONFIG_FILE",
-    "append_log",
-    "check_changes",
-    "check_output_dir",
-    "clean_stale",
-    "load_run",
-    "load_trainer_state",
-    "per_job_settings",
-    "prepare_new_run",
-    "read_state_file",
-    "read_train_config",
-    "restore_trainer_state",
-    "run_files",
-    "save_run_checkpoint",
-    "trainer_state",
-    "truncate_log",
-    "write_checkpoint_set",
-    "write_train_config",
-]
-
 STATE_FILE = "trainer_state.pt"
 TRAIN_CONFIG_FILE = "train_config.json"
 LOG_FILE = "log.jsonl"

@@ -15,8 +15,6 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["StopOnSignal"]
-
 _SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None)) if s is not None)
 
 

@@ -35,15 +35,13 @@ from positional_lsh.lm import run_dir as R
 from positional_lsh.lm import train_loop as L
 from positional_lsh.lm.config import ModelConfig
 from positional_lsh.lm.model import TransformerLM
-from positional_lsh.lm.run_dir import LOG_FILE, STATE_FILE, TRAIN_CONFIG_FILE
+from positional_lsh.lm.run_dir import LOG_FILE, TRAIN_CONFIG_FILE
 from positional_lsh.lm.train_config import (
-    AUTOCAST_CHOICES,
     QUICK_PRESET,
     TrainConfig,
     check_learn_slopes_run,
     default_cache_dir,
     estimate_step_bytes,
-    lr_at,
     resolve_autocast_dtype,
 )
 from positional_lsh.lm.train_dist import Dist as _Dist
@@ -52,21 +50,7 @@ from positional_lsh.lm.train_dist import init_distributed as _init_distributed
 from positional_lsh.lm.train_loop import TrainResult
 from positional_lsh.ops.errors import UserError, check_memory
 
-__all__ = [
-    "AUTOCAST_CHOICES",
-    "LOG_FILE",
-    "QUICK_PRESET",
-    "STATE_FILE",
-    "TRAIN_CONFIG_FILE",
-    "TrainConfig",
-    "TrainResult",
-    "default_cache_dir",
-    "lr_at",
-    "resolve_autocast_dtype",
-    "resolve_run_configs",
-    "slopes_record",
-    "train",
-]
+__all__ = ["QUICK_PRESET", "TrainConfig", "TrainResult", "train"]
 
 
 # --------------------------------------------------------------------------------------------------

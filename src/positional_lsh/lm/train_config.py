@@ -14,23 +14,8 @@ from typing import Any
 
 import torch
 
-from positional_lsh.lm import data as D
+from positional_lsh.lm.data.tokenizer import DEFAULT_VOCAB_SIZE
 from positional_lsh.ops._checks import check_choice, check_int, positive_int
-
-__all__ = [
-    "AUTOCAST_CHOICES",
-    "QUICK_PRESET",
-    "TrainConfig",
-    "check_betas",
-    "check_learn_slopes_run",
-    "check_nonnegative_numbers",
-    "check_out_dir",
-    "check_step_counts",
-    "default_cache_dir",
-    "estimate_step_bytes",
-    "lr_at",
-    "resolve_autocast_dtype",
-]
 
 AUTOCAST_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
@@ -121,7 +106,7 @@ class TrainConfig:
     out_dir: str
     data: str | None = None
     tokenizer: str | None = None
-    vocab_size: int = D.DEFAULT_VOCAB_SIZE
+    vocab_size: int = DEFAULT_VOCAB_SIZE
     cache_dir: str | None = None
     batch_size: int = 16
     grad_accum: int = 1

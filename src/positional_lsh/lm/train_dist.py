@@ -11,8 +11,6 @@ import torch.distributed as dist
 
 from positional_lsh.ops.errors import UserError
 
-__all__ = ["Dist", "check_device", "init_distributed"]
-
 
 @dataclass
 class Dist:

@@ -32,22 +32,6 @@ from positional_lsh.lm.signals import StopOnSignal
 from positional_lsh.lm.train_config import lr_at
 from positional_lsh.lm.train_dist import Dist
 
-__all__ = [
-    "LoopSettings",
-    "LossFn",
-    "RunState",
-    "TrainResult",
-    "adamw",
-    "autocast",
-    "default_command",
-    "end_distributed",
-    "optimizer_step",
-    "run_loop",
-    "stop_requested",
-    "train_batches",
-    "validation_loss",
-]
-
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 """The mean next-token loss of a model on inputs ``x`` and targets ``y``."""
 

@@ -49,12 +49,8 @@ from positional_lsh.theory.metrics import (
 )
 from positional_lsh.theory.operators import MeanMaskOperator, alibi_matvec, block_starts
 from positional_lsh.theory.slope_grad import (
-    DEFAULT_SLOPE_GRAD_SAMPLES,
-    ESTIMATORS,
-    SCORE_SCHEMES,
     SlopeGradRow,
     SlopeGradStudy,
-    estimator_rows,
     exact_slope_gradient,
     log_prob,
     loss_weight,
@@ -62,14 +58,10 @@ from positional_lsh.theory.slope_grad import (
     score,
     shipped_qkv,
     slope_gradient_study,
-    subseed,
 )
 from positional_lsh.theory.unbiased import UnbiasednessResult, unbiasedness_test
 
 __all__ = [
-    "DEFAULT_SLOPE_GRAD_SAMPLES",
-    "ESTIMATORS",
-    "SCORE_SCHEMES",
     "BlockStats",
     "MaskErrors",
     "MeanMaskOperator",
@@ -89,7 +81,6 @@ __all__ = [
     "capped_bias",
     "dense_mask_errors",
     "dense_max_error",
-    "estimator_rows",
     "exact_slope_gradient",
     "expected_error_bound",
     "fit_power_law",
@@ -106,7 +97,6 @@ __all__ = [
     "shipped_qkv",
     "slope_gradient_study",
     "spectral_error",
-    "subseed",
     "suggested_samples",
     "tail_bound",
     "tail_bound_epsilon",

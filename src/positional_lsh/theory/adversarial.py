@@ -41,11 +41,7 @@ __all__ = [
     "AdversarialResult",
     "UniformBound",
     "adversarial_search",
-    "gaussian_error",
-    "head_mean_mask",
-    "realize_row_input",
     "uniform_error_bound",
-    "worst_row_error",
 ]
 
 

@@ -61,12 +61,8 @@ from positional_lsh.ops.partitions.schemes import get_scheme
 from positional_lsh.theory.qkv import LayerQKV
 
 __all__ = [
-    "DEFAULT_SLOPE_GRAD_SAMPLES",
-    "ESTIMATORS",
-    "SCORE_SCHEMES",
     "SlopeGradRow",
     "SlopeGradStudy",
-    "estimator_rows",
     "exact_slope_gradient",
     "log_prob",
     "loss_weight",
@@ -74,7 +70,6 @@ __all__ = [
     "score",
     "shipped_qkv",
     "slope_gradient_study",
-    "subseed",
 ]
 
 DEFAULT_SLOPE_GRAD_SAMPLES = (1, 4, 16, 64, 256)

@@ -63,7 +63,7 @@ def load_shipped() -> tuple[torch.nn.Module, Callable[[str], Sequence[int]], str
 
 def _read_text(path: str) -> str:
     """``--text``: a UTF-8 text file (binary or other encodings refused, naming the file, as ``plsh train`` does)."""
-    from positional_lsh.lm.data import read_text_file
+    from positional_lsh.lm.data.corpus import read_text_file
 
     p = Path(path)
     if not p.is_file():

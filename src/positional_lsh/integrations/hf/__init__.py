@@ -103,8 +103,6 @@ from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, padding_ma
 from positional_lsh.integrations.hf.rope import attention_function
 from positional_lsh.integrations.hf.saved import SWAP_FILE, read_swap_settings, swap_settings, write_swap_settings
 from positional_lsh.integrations.hf.swap import (
-    NATIVE_ALIBI_TYPES,
-    ROPE_TYPES,
     AttentionSwap,
     apply_saved_swap,
     apply_swap_settings,
@@ -118,8 +116,6 @@ from positional_lsh.integrations.hf.swap import (
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
-    "NATIVE_ALIBI_TYPES",
-    "ROPE_TYPES",
     "SWAP_FILE",
     "AttentionSwap",
     "LoadedModel",

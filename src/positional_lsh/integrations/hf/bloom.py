@@ -14,8 +14,6 @@ from torch import nn
 
 from positional_lsh.integrations.hf.forward import attend_native, check_dropout, check_no_attentions, swap_of
 
-__all__ = ["bloom_forward"]
-
 
 def bloom_forward(
     self: nn.Module,

@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-__all__ = ["LiveKeyCache", "LiveKeyLayer"]
+__all__ = ["LiveKeyCache"]
 
 
 class LiveKeyLayer(DynamicLayer):

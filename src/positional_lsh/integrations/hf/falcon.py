@@ -15,8 +15,6 @@ from torch import nn
 
 from positional_lsh.integrations.hf.forward import attend_native, check_dropout, check_no_attentions, swap_of
 
-__all__ = ["falcon_forward"]
-
 
 def falcon_forward(
     self: nn.Module,

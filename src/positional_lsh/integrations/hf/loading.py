@@ -20,7 +20,7 @@ from positional_lsh.integrations.hf.swap import apply_swap_settings
 from positional_lsh.ops._checks import check_bool
 from positional_lsh.ops.errors import UserError
 
-__all__ = ["ADAPTER_CONFIG", "LoadedModel", "load_local_model"]
+__all__ = ["LoadedModel", "load_local_model"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
 ADAPTER_CONFIG = "adapter_config.json"

@@ -12,8 +12,6 @@ from torch import nn
 
 from positional_lsh.integrations.hf.forward import attend_native, check_dropout, swap_of
 
-__all__ = ["mpt_forward"]
-
 
 def mpt_forward(
     self: nn.Module,

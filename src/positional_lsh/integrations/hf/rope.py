@@ -18,8 +18,6 @@ from torch import nn
 from positional_lsh.integrations.hf.forward import check_dropout, check_no_attentions, set_instance_attr, swap_of
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, key_validity
 
-__all__ = ["attention_function", "check_installable", "install"]
-
 
 def attention_function(
     module: nn.Module,

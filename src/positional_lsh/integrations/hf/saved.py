@@ -21,15 +21,7 @@ from typing import Any
 from positional_lsh.integrations.hf.attention_swap import AttentionSwap
 from positional_lsh.ops.errors import UserError
 
-__all__ = [
-    "SWAP_FILE",
-    "SWAP_FORMAT",
-    "describe_swap_settings",
-    "read_swap_settings",
-    "swap_position",
-    "swap_settings",
-    "write_swap_settings",
-]
+__all__ = ["SWAP_FILE", "read_swap_settings", "swap_settings", "write_swap_settings"]
 
 SWAP_FILE = "positional_lsh_swap.json"
 """The file, next to a checkpoint's ``config.json``, holding the swap's settings."""

@@ -63,8 +63,6 @@ from positional_lsh.ops.partitions.sampling import PartitionSampler
 from positional_lsh.ops.partitions.slopes import alibi_slopes
 
 __all__ = [
-    "NATIVE_ALIBI_TYPES",
-    "ROPE_TYPES",
     "AttentionSwap",
     "apply_saved_swap",
     "apply_swap_settings",

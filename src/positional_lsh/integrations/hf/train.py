@@ -62,14 +62,7 @@ from positional_lsh.lm.train_dist import Dist, check_device, init_distributed
 from positional_lsh.lm.train_loop import TrainResult
 from positional_lsh.ops.errors import UserError
 
-__all__ = [
-    "PRESETS",
-    "HFTrainConfig",
-    "build_model",
-    "load_training_splits",
-    "resolve_settings",
-    "train_hf",
-]
+__all__ = ["PRESETS", "HFTrainConfig", "train_hf"]
 
 # --------------------------------------------------------------------------------------------------
 # Data and tokenizers

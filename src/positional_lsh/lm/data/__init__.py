@@ -15,19 +15,15 @@ Every public name is re-exported here, so ``from positional_lsh.lm import data a
 from positional_lsh.lm.data.corpus import (
     SPLITS,
     Document,
-    corpus_path,
     corpus_splits,
     load_corpus,
     load_hf_dataset,
     load_splits,
     load_text_files,
-    read_text_file,
     split_by_position,
     split_documents,
-    split_wikitext_articles,
 )
 from positional_lsh.lm.data.tokenizer import (
-    DEFAULT_VOCAB_SIZE,
     EOD_TOKEN,
     BPETokenizer,
     encode_documents,
@@ -38,12 +34,10 @@ from positional_lsh.lm.data.tokenizer import (
 from positional_lsh.lm.data.windows import num_sliding_windows, random_batch, random_windows, sliding_windows
 
 __all__ = [
-    "DEFAULT_VOCAB_SIZE",
     "EOD_TOKEN",
     "SPLITS",
     "BPETokenizer",
     "Document",
-    "corpus_path",
     "corpus_splits",
     "encode_documents",
     "encode_splits",
@@ -55,10 +49,8 @@ __all__ = [
     "num_sliding_windows",
     "random_batch",
     "random_windows",
-    "read_text_file",
     "sliding_windows",
     "split_by_position",
     "split_documents",
-    "split_wikitext_articles",
     "train_tokenizer",
 ]

@@ -31,16 +31,13 @@ from typing import IO, Any
 __all__ = [
     "SPLITS",
     "Document",
-    "corpus_path",
     "corpus_splits",
     "load_corpus",
     "load_hf_dataset",
     "load_splits",
     "load_text_files",
-    "read_text_file",
     "split_by_position",
     "split_documents",
-    "split_wikitext_articles",
 ]
 
 SPLITS: tuple[str, str, str] = ("train", "validation", "test")

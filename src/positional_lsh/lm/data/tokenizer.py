@@ -24,7 +24,6 @@ from positional_lsh.ops._checks import positive_int
 from positional_lsh.ops.errors import UserError
 
 __all__ = [
-    "DEFAULT_VOCAB_SIZE",
     "EOD_TOKEN",
     "BPETokenizer",
     "encode_documents",
