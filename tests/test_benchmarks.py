@@ -1,6 +1,7 @@
 """The benchmark scripts: benchmarks/gpu_check.py, the prepared device check, run tiny on the CPU: its correctness
 section (every backend and method against the float64 oracle; the Triton rows in Triton's interpreter), its speed
-section's logic, its files, and that it stops cleanly at its time budget. What it measures on a GPU is not tested here (no GPU)."""
+section's logic, its files, and that it stops cleanly at its time budget. What it measures on a GPU is not
+tested here (no GPU)."""
 
 from __future__ import annotations
 
