@@ -3,12 +3,12 @@
     python scripts/triton_work.py                       # n = 32768, H = 32 standard slopes, T = 8, 64, 256
     python scripts/triton_work.py --lengths 4096 --samples 64 --arch 80
 
-For each (arch's block configuration for bf16, d = 128; causal / bidirectional; T) it builds the kernels' plan on the
-CPU (``positional_lsh.ops._engine.triton.plan.build_triton_plan``, scheme ``discrete``, seed 0) and prints
+For each (arch's block configuration for bf16, d = 128; causal / bidirectional; T) it builds the kernels' layout on the
+CPU (``positional_lsh.ops._engine.triton.plan.build_layout``, scheme ``discrete``, seed 0) and prints
 ``positional_lsh.ops._tools.triton_work.count_work``: integer operations per computed score entry over all heads (total
 /
 total) for the forward (= the ``dq`` kernel) and the ``dk, dv`` kernel, the per-head mean and maximum, the share of
-near (table) pairs and the plan's bytes. The kernels before issue 17 spent ``2T`` per entry (128 at T = 64).
+near (table) pairs and the layout's bytes. The kernels before issue 17 spent ``2T`` per entry (128 at T = 64).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from positional_lsh import alibi_slopes, sample_partitions
-from positional_lsh.ops._engine.triton.plan import block_config, build_triton_plan
+from positional_lsh.ops._engine.triton.plan import block_config, build_layout
 from positional_lsh.ops._tools.triton_work import count_work
 
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bidirectional", action="store_true", help="also the bidirectional kernels")
     args = ap.parse_args(argv)
     print("| arch | config (m x n, near) | causal | n | T | fwd ops/entry | dkdv ops/entry | per-head mean | "
-          "per-head max | near pairs | plan MiB |")  # fmt: skip
+          "per-head max | near pairs | layout MiB |")  # fmt: skip
     print("|" + " --- |" * 11)
     for arch in args.arch:
         cfg = block_config(torch.bfloat16, 128, arch)
@@ -40,15 +40,15 @@ def main(argv: list[str] | None = None) -> None:
             for n in args.lengths:
                 for t in args.samples:
                     parts = sample_partitions(n, alibi_slopes(args.heads), t, generator=0)
-                    plan = build_triton_plan(parts, n, causal, cfg, torch.device("cpu"))
-                    fwd, dkdv = count_work(plan, "fwd"), count_work(plan, "dkdv")
+                    layout = build_layout(parts, n, causal, cfg, torch.device("cpu"))
+                    fwd, dkdv = count_work(layout, "fwd"), count_work(layout, "dkdv")
                     head = fwd.per_entry_by_head
                     near = float(fwd.near_pairs.sum()) / float(fwd.pairs.sum())
                     tile = f"{cfg.block_m} x {cfg.block_n}, {cfg.near}"
                     print(f"| sm_{arch} | {tile} | {'yes' if causal else 'no'} | {n} | {t} | {fwd.per_entry:.2f} "
                           f"| {dkdv.per_entry:.2f} | {float(head.mean()):.2f} | {float(head.max()):.2f} | {near:.2f} "
-                          f"| {plan.nbytes() / 2**20:.0f} |", flush=True)  # fmt: skip
-                    del plan, parts
+                          f"| {layout.nbytes() / 2**20:.0f} |", flush=True)  # fmt: skip
+                    del layout, parts
 
 
 if __name__ == "__main__":

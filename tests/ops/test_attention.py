@@ -255,7 +255,7 @@ def test_long_causal_blocks_are_split_and_exact(backend):
     n = 900
     q, k, v = _qkv(1, 3, 3, n, n, 8, seed=4, grad=True)
     parts = sample_partitions(n, torch.tensor([0.004, 0.002, 0.0]), 3, generator=1)
-    pieces = [seg for work in samples_plan(parts, 3, n, True) for segs, _ in work.samples for seg in segs]
+    pieces = [seg for work in samples_plan(parts, 3, n, True).heads for segs, _ in work.samples for seg in segs]
     assert any(not seg.masked for seg in pieces) and any(seg.stride for seg in pieces)
     out = plsh_attention(q, k, v, partitions=parts, backend=backend)
     ref = dense_plsh_attention(q, k, v, parts)

@@ -512,7 +512,7 @@ def test_attend_bias_grads_is_dense_autograd_for_every_weight_in_one_pass(causal
     o = torch.softmax(s, -1) @ v
     dout = torch.randn(o.shape, generator=g, dtype=F64)
     (dense,) = torch.autograd.grad((o * dout).sum(), theta)
-    out, lse = attend(q, k, v, causal=causal, scale=0.5, backend="math", bias=bias0)
+    out, lse = attend(q, k, v, causal=causal, scale=0.5, kernel="math", bias=bias0)
     got = attend_bias_grads(dout, q, k, v, out, lse, weights, causal=causal, scale=0.5, bias=bias0)
     assert got.shape == (2, 3, 2)
     torch.testing.assert_close(got, dense[..., 0, 0].permute(1, 2, 0), rtol=1e-10, atol=1e-12)

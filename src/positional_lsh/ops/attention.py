@@ -26,7 +26,7 @@ from positional_lsh.ops._checks import (
 )
 from positional_lsh.ops._engine import engine
 from positional_lsh.ops._engine import op as compiled
-from positional_lsh.ops._engine.multiplicity import call_estimate, exact_seconds
+from positional_lsh.ops._engine.cost import call_estimate, exact_seconds
 from positional_lsh.ops.errors import check_memory, check_seconds, format_seconds
 from positional_lsh.ops.options import (
     DEFAULT_BACKEND,
@@ -59,7 +59,7 @@ def check_call_size(
     """Refuse a call, before anything is drawn, whose estimated host memory exceeds this machine's
     (:func:`~positional_lsh.ops.errors.check_memory`) or whose estimated time exceeds both :data:`MAX_SECONDS` and
     :data:`MAX_OVER_EXACT` times exact attention over the same call (lower bounds from the cost model,
-    :func:`~positional_lsh.ops._engine.multiplicity.call_estimate`; e.g. ``num_samples=10**6`` at ``n = 4096``). One
+    :func:`~positional_lsh.ops._engine.cost.call_estimate`; e.g. ``num_samples=10**6`` at ``n = 4096``). One
     line with
     the estimate: :class:`~positional_lsh.ops.errors.UserError` (a ``ValueError``) naming ``what`` (default: the
     call's sizes). Every eager :func:`plsh_attention` call runs it; commands check their flags with it up front."""

@@ -1,4 +1,8 @@
-"""The option sets of the op layer, each defined once: kernel backends and estimator methods.
+"""The option sets of the op layer, each defined once: backends, kernels and estimator methods.
+
+Two words, two meanings: a *backend* is what a caller chooses (``backend=``: :data:`BACKENDS`, with ``"auto"``); a
+*kernel* is what the engine runs (:data:`KERNELS`: torch's two attention kernels, :data:`TORCH_KERNELS`, and the
+Triton kernels). Every backend but ``"auto"`` names one kernel.
 
 Every entry point that takes ``backend=`` or ``method=`` (``plsh_attention``, ``PositionalLSHAttention``,
 ``alibi_attention``, the language model's ``ModelConfig``, the transformers swap, context parallelism, the CLI)
@@ -12,19 +16,21 @@ from positional_lsh.ops._checks import check_choice
 __all__ = [
     "ALIBI_BACKENDS",
     "BACKENDS", "DEFAULT_BACKEND", "DEFAULT_METHOD", "DEFAULT_SLOPE_GRAD", "KERNELS", "METHODS", "SLOPE_GRADS",
-    "check_backend", "check_method", "check_slope_grad"]
+    "TORCH_KERNELS", "check_backend", "check_method", "check_slope_grad"]
 
-KERNELS = ("flash", "math")
+TORCH_KERNELS = ("flash", "math")
 """The torch attention kernels (``ops._engine.kernels``): torch's fused flash op of the CPU or CUDA, and batched matmuls
-(any
-device)."""
+(any device)."""
 
-BACKENDS = ("auto", *KERNELS, "triton")
+KERNELS = (*TORCH_KERNELS, "triton")
+"""Every kernel the engine runs: the torch kernels and ``"triton"`` (the Triton kernels of the multiplicity form)."""
+
+BACKENDS = ("auto", *KERNELS)
 """``backend=``: ``"auto"`` (CPU and CUDA: ``"flash"``, other devices: ``"math"``; for positional LSH on CUDA the
 Triton kernels whenever the multiplicity form is chosen, with triton installed), a torch kernel, or ``"triton"`` (the
 Triton kernels of the multiplicity form; positional LSH only, exact ALiBi has no Triton path)."""
 
-ALIBI_BACKENDS = ("auto", *KERNELS)
+ALIBI_BACKENDS = ("auto", *TORCH_KERNELS)
 """``backend=`` of exact and windowed ALiBi (``alibi_attention``): the torch kernels only."""
 
 METHODS = ("auto", "samples", "multiplicity")

@@ -112,9 +112,9 @@ def test_auto_cost_model_choices(n):
     route = engine.dispatch(q, causal=True, scale=None, backend="auto", method="auto")
     for t in (1, 4):
         p = engine.plan(route, sample_partitions(n, slopes, t, generator=0), 8, n, q.device)
-        assert p.method == "samples" and len(p.work) == 8
+        assert p.method == "samples" and len(p.backend_plan.heads) == 8
     p = engine.plan(route, sample_partitions(n, slopes, 64, generator=0), 8, n, q.device)
-    assert p.method == "multiplicity" and p.work.heads == tuple(range(8))
+    assert p.method == "multiplicity" and p.backend_plan.heads == tuple(range(8))
 
 
 def test_nan_keys_reach_the_same_rows():

@@ -23,8 +23,9 @@ pytest.importorskip("triton")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
 
+from positional_lsh.ops._engine.per_sample import SamplesPlan  # noqa: E402
 from positional_lsh.ops._engine.triton import host as tm  # noqa: E402
-from positional_lsh.ops._engine.triton.plan import BlockConfig, TritonWork  # noqa: E402
+from positional_lsh.ops._engine.triton.plan import BlockConfig, TritonPlan  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -73,9 +74,9 @@ def test_auto_on_cuda_runs_triton_whenever_it_picks_the_multiplicity_form(n, t):
     torch_route = engine.Route("auto", "flash", False, True, route.scale)
     assert p.method == engine.plan(torch_route, parts, 2, n, cpu).method  # the one cost model decides
     if p.method == "multiplicity":
-        assert p.kernel == "triton" and isinstance(p.work, TritonWork)
+        assert p.kernel == "triton" and isinstance(p.backend_plan, TritonPlan)
     else:
-        assert p.kernel == "flash" and isinstance(p.work, list)  # per sample, on the device's flash op
+        assert p.kernel == "flash" and isinstance(p.backend_plan, SamplesPlan)  # per sample, the device's flash op
     if t == 1:
         assert p.method == "samples"  # one sample never takes the multiplicity form
     if t == 64:
@@ -90,7 +91,7 @@ def pretend_cuda(monkeypatch):
     monkeypatch.setattr(engine, "triton_device", lambda device: True)
     monkeypatch.setattr(tm, "config_for", lambda q: BlockConfig(16, 16, 16))
     launches = {"forward": 0, "backward": 0, "routes": []}
-    forward, backward, dispatch = tm.triton_forward, tm.triton_backward, engine.dispatch
+    forward, backward, dispatch = tm.TritonBackend.forward, tm.TritonBackend.backward, engine.dispatch
 
     def count(name, fn):
         def wrapped(*args, **kwargs):
@@ -104,8 +105,8 @@ def pretend_cuda(monkeypatch):
         launches["routes"].append((route.method, route.kernel))
         return route
 
-    monkeypatch.setattr(tm, "triton_forward", count("forward", forward))
-    monkeypatch.setattr(tm, "triton_backward", count("backward", backward))
+    monkeypatch.setattr(tm.TritonBackend, "forward", count("forward", forward))
+    monkeypatch.setattr(tm.TritonBackend, "backward", count("backward", backward))
     monkeypatch.setattr(engine, "dispatch", spy)
     return launches
 
@@ -227,12 +228,12 @@ def test_flash_backend_selects_the_cuda_op_or_the_math_fallback(monkeypatch):
     real = _kernels.cuda_flash_attend
     monkeypatch.setattr(_kernels, "cuda_flash_attend", lambda *a: calls.append("flash") or real(*a))
     q = _meta(1, 2, 16, 64)
-    out, lse = _kernels.attend(q, q, q, causal=True, scale=0.125, backend="flash")
+    out, lse = _kernels.attend(q, q, q, causal=True, scale=0.125, kernel="flash")
     assert calls == ["flash"] and out.shape == q.shape
     bias = _meta(1, 1, 16, 16, dtype=torch.float32)
-    out, lse = _kernels.attend(q, q, q, causal=False, scale=0.125, backend="flash", bias=bias)  # the math fallback
+    out, lse = _kernels.attend(q, q, q, causal=False, scale=0.125, kernel="flash", bias=bias)  # the math fallback
     assert calls == ["flash"] and out.shape == q.shape and lse.dtype == torch.float32
-    out, lse = _kernels.attend(q.float(), q.float(), q.float(), causal=True, scale=0.125, backend="flash")
+    out, lse = _kernels.attend(q.float(), q.float(), q.float(), causal=True, scale=0.125, kernel="flash")
     assert calls == ["flash"]  # float32: the math backend
     assert _kernels.resolve_backend("auto", CUDA) == "flash" and _kernels.resolve_backend("flash", CUDA) == "flash"
     assert _kernels.resolve_backend("auto", torch.device("mps")) == "math"

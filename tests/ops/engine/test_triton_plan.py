@@ -1,7 +1,7 @@
 """The host side of the Triton kernels (ops/_engine/triton/plan.py) against dense float64 counts; torch only, no triton.
 
 ``c[i, j] = T * Mbar[i, j]`` (0 above the diagonal when causal) is materialized from ``Partitions.mean_mask`` and
-every piece of the plan is checked against it: the near table, the event form of the far blocks (from the events as
+every piece of the layout is checked against it: the near table, the event form of the far blocks (from the events as
 stored, sorted and split), the event counts at the key-block boundaries, and that the key blocks a tile visits (and
 the tiles a key block is visited by) cover every pair with ``c > 0``.
 """
@@ -17,7 +17,7 @@ from positional_lsh.ops._engine.triton.plan import (
     BLOCK_TABLE,
     BlockConfig,
     block_config,
-    build_triton_plan,
+    build_layout,
     head_bounds,
     near_dtype,
 )
@@ -49,47 +49,47 @@ _CASES = [
 @pytest.mark.parametrize(("scheme", "causal", "heads", "lq", "lk", "t", "cfg"), _CASES)
 def test_plan_against_dense_counts(scheme, causal, heads, lq, lk, t, cfg):
     parts = sample_partitions(lk, SLOPES[:heads], t, scheme=scheme, generator=5)
-    plan = build_triton_plan(parts, lq, causal, cfg, torch.device("cpu"))
+    layout = build_layout(parts, lq, causal, cfg, torch.device("cpu"))
     dense = _dense_counts(parts, lq, causal)
     bm, bn, near = cfg.block_m, cfg.block_n, cfg.near
-    assert plan.near.dtype == near_dtype(t) and plan.near.shape == (heads, lq, cfg.width(causal))
-    assert -bn < plan.grid0 <= 0 and (lk - lq - plan.grid0) % bn == 0
+    assert layout.near.dtype == near_dtype(t) and layout.near.shape == (heads, lq, cfg.width(causal))
+    assert -bn < layout.grid0 <= 0 and (lk - lq - layout.grid0) % bn == 0
     for h in range(heads):
         covered = torch.zeros(lq, lk, dtype=torch.bool)
-        for m in range(plan.num_tiles):
+        for m in range(layout.num_tiles):
             rows = torch.arange(m * bm, min((m + 1) * bm, lq))
             pos = rows + (lk - lq)
             i0 = int(pos[0])
-            tb0 = (i0 - plan.grid0) // bn
+            tb0 = (i0 - layout.grid0) // bn
             # Near table: column o is key i0 - near + o.
-            keys = i0 - near + torch.arange(plan.width)
+            keys = i0 - near + torch.arange(layout.width)
             ok = (keys >= 0) & (keys < lk)
-            want = torch.zeros(len(rows), plan.width, dtype=torch.float64)
+            want = torch.zeros(len(rows), layout.width, dtype=torch.float64)
             want[:, ok] = dense[h][rows][:, keys[ok]]
-            torch.testing.assert_close(plan.near[h, rows].double(), want.double(), rtol=0, atol=0)
+            torch.testing.assert_close(layout.near[h, rows].double(), want.double(), rtol=0, atol=0)
             # Events: stable first, each part sorted by u; stable means v above every row (left) / -row (right).
-            sides = [(plan.left_u, plan.left_v, plan.left_ns, plan.left_cuts, pos, 1)]
+            sides = [(layout.left_u, layout.left_v, layout.left_ns, layout.left_cuts, pos, 1)]
             if not causal:
-                sides.append((plan.right_u, plan.right_v, plan.right_ns, plan.right_cuts, -pos, -1))
+                sides.append((layout.right_u, layout.right_v, layout.right_ns, layout.right_cuts, -pos, -1))
             for u_all, v_all, ns_all, cuts, rcoord, sign in sides:
                 u, v, ns = u_all[h, m].long(), v_all[h, m].long(), int(ns_all[h, m])
                 assert torch.all(v[:ns] > rcoord.max()) and torch.all(v[ns:] <= rcoord.max())
                 assert torch.equal(u[:ns], u[:ns].sort().values) and torch.equal(u[ns:], u[ns:].sort().values)
-                base = int(plan.cut_base[h, m])
-                for k in range(int(plan.tile_first[h, m]), int(plan.tile_last[h, m]) + 1):
-                    key = plan.grid0 + k * bn if sign == 1 else 1 - (plan.grid0 + k * bn)
+                base = int(layout.cut_base[h, m])
+                for k in range(int(layout.tile_first[h, m]), int(layout.tile_last[h, m]) + 1):
+                    key = layout.grid0 + k * bn if sign == 1 else 1 - (layout.grid0 + k * bn)
                     s_cut, b_cut = (int(x) for x in cuts[2 * (base + k) : 2 * (base + k) + 2])
                     assert s_cut == int((u[:ns] < key).sum()) and b_cut == ns + int((u[ns:] < key).sum())
             # Far blocks: c[i, j] = #{t : u_t <= col, v_t > row} with (col, row) = (j, i) left, (-j, -i) right.
-            for kb in range(int(plan.tile_first[h, m]), int(plan.tile_last[h, m])):
-                cols = plan.grid0 + kb * bn + torch.arange(bn)
+            for kb in range(int(layout.tile_first[h, m]), int(layout.tile_last[h, m])):
+                cols = layout.grid0 + kb * bn + torch.arange(bn)
                 inside = (cols >= 0) & (cols < lk)
                 covered[rows[:, None], cols[inside][None, :]] = True
                 left = kb < tb0 - near // bn
                 right = not causal and kb >= tb0 + (bm + near) // bn
                 if not (left or right):
                     continue
-                u, v = (plan.left_u, plan.left_v) if left else (plan.right_u, plan.right_v)
+                u, v = (layout.left_u, layout.left_v) if left else (layout.right_u, layout.right_v)
                 u, v = u[h, m].long(), v[h, m].long()
                 cc, rr = (cols, pos) if left else (-cols, -pos)
                 got = ((u[None, None, :] <= cc[None, :, None]) & (v[None, None, :] > rr[:, None, None])).sum(-1)
@@ -98,10 +98,10 @@ def test_plan_against_dense_counts(scheme, causal, heads, lq, lk, t, cfg):
                 torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=0)
         # Coverage: the visited pairs hold every c > 0; the dk/dv kernel's tile ranges are the same pairs.
         assert not torch.any((dense[h] > 0) & ~covered)
-        first, last = plan.tile_first[h].long(), plan.tile_last[h].long()
-        for kb in range(plan.num_kb):
+        first, last = layout.tile_first[h].long(), layout.tile_last[h].long()
+        for kb in range(layout.num_kb):
             visits = torch.nonzero((first <= kb) & (kb < last)).flatten().tolist()
-            lo, hi = int(plan.kb_first[h, kb]), int(plan.kb_last[h, kb])
+            lo, hi = int(layout.kb_first[h, kb]), int(layout.kb_last[h, kb])
             assert visits == list(range(lo, hi)) or (not visits and lo >= hi)
 
 

@@ -1,4 +1,4 @@
-"""The slope gradient inside the Triton backward (``triton_backward(..., dist_grad=True)``), in Triton's interpreter.
+"""The slope gradient inside the Triton backward (``TRITON.backward(..., dist_grad=True)``), in Triton's interpreter.
 
 ``dist[h] = sum over batch, i, j of dS_hat[b, h, i, j] |i - j|`` (the estimator's own score gradient; the surrogate
 gradient of a slope is ``-dist``) against the dense float64 surrogate reference of the contract: autograd through
@@ -19,6 +19,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
 
+from positional_lsh.ops._engine.backend import Saved  # noqa: E402
 from positional_lsh.ops._engine.triton import host as tm  # noqa: E402  (after the skip: it imports triton)
 from positional_lsh.ops._engine.triton.plan import BlockConfig  # noqa: E402
 
@@ -57,9 +58,9 @@ def _triton(q, k, v, dout, parts, causal, scale, config, dist_grad):
     tm_config = tm.config_for
     tm.config_for = lambda x: config
     try:
-        work = tm.triton_plan(parts, q.shape[2], causal, q.device)
-        out, lse = tm.triton_forward(work, q, k, v, causal, scale)
-        return out, tm.triton_backward(work, (q, k, v, out, lse), dout, causal, scale, dist_grad=dist_grad)
+        plan = tm.TRITON.plan(parts, k.shape[1], q.shape[2], causal, q.device)
+        out, lse = tm.TRITON.forward(plan, q, k, v, scale)
+        return out, tm.TRITON.backward(plan, Saved(q, k, v, out, lse), dout, scale, dist_grad)
     finally:
         tm.config_for = tm_config
 
@@ -101,14 +102,14 @@ def test_dist_grad_of_the_block_table_configuration():
     q, k, v, dout, parts = _inputs(2, 2, 30, 30, 4, "gamma", torch.float32)
     scale = 0.3
     want, _ = _dense_surrogate(q, k, v, dout, parts, True, scale)
-    work = tm.triton_plan(parts, 30, True, q.device)
-    out, lse = tm.triton_forward(work, q, k, v, True, scale)
-    *_, dist = tm.triton_backward(work, (q, k, v, out, lse), dout, True, scale, dist_grad=True)
+    plan = tm.TRITON.plan(parts, k.shape[1], 30, True, q.device)
+    out, lse = tm.TRITON.forward(plan, q, k, v, scale)
+    *_, dist = tm.TRITON.backward(plan, Saved(q, k, v, out, lse), dout, scale, True)
     torch.testing.assert_close(dist.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_plsh_attention_gives_the_slopes_the_kernels_dist(monkeypatch):
-    # End to end: plsh_attention(backend="triton", slopes=<requires grad>) -> engine -> triton_backward(dist_grad).
+    # End to end: plsh_attention(backend="triton", slopes=<requires grad>) -> engine -> TRITON.backward(dist_grad).
     monkeypatch.setattr(tm, "config_for", lambda x: SMALL)
     q, k, v, dout, parts = _inputs(4, 2, 20, 40, 4, "discrete", torch.float32)
     want, _ = _dense_surrogate(q, k, v, dout, parts, True, q.shape[-1] ** -0.5)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from positional_lsh import alibi_slopes, plsh_attention, sample_partitions
-from positional_lsh.ops._engine.triton.plan import BlockConfig, block_config, build_triton_plan
+from positional_lsh.ops._engine.triton.plan import BlockConfig, block_config, build_layout
 from positional_lsh.ops._tools.triton_work import count_work
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -92,8 +92,8 @@ def test_work_model_equals_an_instrumented_run(monkeypatch, counter, causal, sch
     q = torch.randn(1, hq, lq, 16, generator=g, requires_grad=True)
     k, v = (torch.randn(1, hq, lk, 16, generator=g) for _ in range(2))
     parts = sample_partitions(lk, torch.tensor([0.5, 0.03, 0.1])[:hq], t, scheme=scheme, generator=3)
-    plan = build_triton_plan(parts, lq, causal, cfg, torch.device("cpu"))
-    fwd, dkdv = count_work(plan, "fwd"), count_work(plan, "dkdv")
+    layout = build_layout(parts, lq, causal, cfg, torch.device("cpu"))
+    fwd, dkdv = count_work(layout, "fwd"), count_work(layout, "dkdv")
     out = plsh_attention(q, k, v, partitions=parts, causal=causal, backend="triton")
     assert (counter["ops"], counter["calls"]) == (int(fwd.ops.sum()), int(fwd.pairs.sum()))
     assert int(fwd.near_pairs.sum()) > 0 and int(fwd.near_pairs.sum()) < int(fwd.pairs.sum())  # both kinds ran
@@ -106,8 +106,8 @@ def test_work_model_equals_an_instrumented_run(monkeypatch, counter, causal, sch
 
 def _per_entry(n, t, causal=True):
     parts = sample_partitions(n, alibi_slopes(32), t, generator=0)
-    plan = build_triton_plan(parts, n, causal, block_config(torch.bfloat16, 128, 90), torch.device("cpu"))
-    return count_work(plan)
+    layout = build_layout(parts, n, causal, block_config(torch.bfloat16, 128, 90), torch.device("cpu"))
+    return count_work(layout)
 
 
 def test_count_costs_few_integer_ops_per_entry_at_n_4096():

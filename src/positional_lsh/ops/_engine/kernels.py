@@ -1,18 +1,21 @@
 """Regular (positionally unbiased) attention kernels that also return the log-sum-exp.
 
-Two backends share one contract:
+Two kernels share one contract:
 
 * ``"flash"`` — torch's fused flash-attention op of the device, with its log-sum-exp and a backward that takes an
   externally supplied ``out``/``lse``, which is exactly what the positional-LSH merge needs:
   on the CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (and ``..._backward``), which also takes a float
   mask; on CUDA ``aten._scaled_dot_product_flash_attention`` (and ``..._backward``, dropout 0), which takes no mask.
-  Where the CUDA op refuses the inputs (:func:`cuda_flash_refusal`: an additive mask, float32/float64, a head dim
-  that is not a multiple of 8 or above 256, causal with ``Lq != Lk``, a GPU older than sm_80, or torch's own
-  check) the call runs the math backend instead, forward and backward alike (the same test decides both).
+  What the CUDA op refuses for a whole call (:func:`flash_refusal`: an additive mask, float32/float64, a head dim
+  that is not a multiple of 8 or above 256, a GPU older than sm_80) the engine decides up front
+  (``ops._engine.engine.decide``: such calls run ``"math"``). What only one kernel call's tensors show
+  (:func:`cuda_flash_refusal`: causal with ``Lq != Lk``, whose mask the op aligns elsewhere, no rows, or torch's own
+  check) the ``"flash"`` kernel computes with the math formula, forward and backward alike (the same test decides
+  both); so do calls whose caller did not decide (the exact ops, which always pass a mask).
 * ``"math"`` — plain batched matmuls with softmax, processed in chunks to bound memory. Runs on any
   device and dtype.
 
-Contract: ``q (N, M, Lq, d)``, ``k, v (N, M, Lk, d)`` (any strides on the first two dims; the flash backend
+Contract: ``q (N, M, Lq, d)``, ``k, v (N, M, Lk, d)`` (any strides on the first two dims; the flash kernel
 needs stride 1 in the last dim, see :func:`kernel_layout`),
 ``Lq <= Lk``; queries are aligned to the *last* ``Lq`` keys, so with ``causal=True`` query ``i`` sees keys
 ``j <= i + Lk - Lq``. ``bias`` is an optional additive float mask broadcastable to ``(N, M, Lq, Lk)``.
@@ -37,13 +40,13 @@ _cuda_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backwa
 # The devices whose fused flash op backend="flash" runs (CPU and CUDA; "meta" takes the CUDA op's shape functions).
 _FLASH_DEVICES = ("cpu", "cuda")
 
-# The math backend materializes at most this many score entries at once.
+# The math kernel materializes at most this many score entries at once.
 _MATH_CHUNK_ELEMENTS = 2**24
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The torch kernel (``"flash"`` or ``"math"``) for ``backend`` in ``ops.options.ALIBI_BACKENDS`` on ``device``:
-    ``"auto"`` is the device's fused flash op on the CPU and on CUDA and the math backend elsewhere."""
+    ``"auto"`` is the device's fused flash op on the CPU and on CUDA and the math kernel elsewhere."""
     check_backend(backend, ALIBI_BACKENDS)
     if backend == "auto":
         return "flash" if device.type in _FLASH_DEVICES else "math"
@@ -55,25 +58,50 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def flash_refusal(
+    device: torch.device, dtype: torch.dtype | None, head_dim: int | None, masked: bool
+) -> str | None:
+    """Why torch's fused flash op of ``device`` refuses every kernel call of an op whose inputs are ``dtype`` with
+    ``head_dim`` (with an additive mask when ``masked``; ``None``: not known, not checked); ``None`` where it takes
+    them. The engine's decision of a call's kernel (then ``"math"``); :func:`cuda_flash_refusal` starts from it.
+
+    The CPU op takes every float dtype and a mask: never refused. The CUDA op (any other device: ``"meta"`` stands
+    for CUDA in shape checks) takes no additive mask, half precision only, head dims that are multiples of 8 up to
+    256 (torch's SDPA pads the others before calling it), sm_80 or newer.
+    """
+    if device.type == "cpu":
+        return None
+    if masked:
+        return "an additive mask"
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype} (float16 or bfloat16 only)"
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return f"head dim {head_dim} (a multiple of 8, at most 256)"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "a GPU older than sm_80"
+    return None
+
+
 def cuda_flash_refusal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None
 ) -> str | None:
-    """Why torch's fused CUDA flash op does not take this call (``None`` if it does); then ``"flash"`` runs the math
-    backend. Decided from the shapes, dtypes and device alone, so the forward and the backward of a call agree.
+    """Why torch's fused CUDA flash op does not take this kernel call (``None`` if it does); then ``"flash"`` runs
+    the math formula. Decided from the shapes, dtypes and device alone, so the forward and the backward of a call
+    agree.
 
     The op computes ``softmax(scale q k^T) v`` (with ``is_causal`` only for ``Lq == Lk``, where its causal mask is
-    the contract's) and returns the natural-log ``lse (N, M, Lq)`` float32; it takes no additive mask, half
-    precision only, head dims that are multiples of 8 up to 256 (torch's SDPA pads the others before calling it),
-    sm_80 or newer. On a CUDA device torch's own check (``torch.backends.cuda.can_use_flash_attention``) must
-    agree too.
+    the contract's) and returns the natural-log ``lse (N, M, Lq)`` float32. Besides :func:`flash_refusal` (the
+    whole call's dtype, head dim, mask and GPU) the call's own shapes must suit it, and on a CUDA device torch's own
+    check (``torch.backends.cuda.can_use_flash_attention``) must agree too.
     """
-    if bias is not None:
-        return "an additive mask"
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtype {q.dtype} (float16 or bfloat16 only)"
     d = q.shape[-1]
-    if d % 8 or d > 256 or k.shape[-1] != d or v.shape[-1] != d:
-        return f"head dim {d} (a multiple of 8, at most 256)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (one dtype)"
+    if k.shape[-1] != d or v.shape[-1] != d:
+        return f"head dims {d}, {k.shape[-1]}, {v.shape[-1]} (one head dim)"
+    why = flash_refusal(q.device, q.dtype, d, bias is not None)
+    if why is not None:
+        return why
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "not (N, M, L, d)"
     if q.shape[-2] == 0 or k.shape[-2] == 0:
@@ -81,8 +109,6 @@ def cuda_flash_refusal(
     if causal and q.shape[-2] != k.shape[-2]:
         return "causal with Lq != Lk (the op aligns its causal mask to the first key)"
     if q.device.type == "cuda":
-        if torch.cuda.get_device_capability(q.device) < (8, 0):
-            return "a GPU older than sm_80"
         params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, False)
         if not torch.backends.cuda.can_use_flash_attention(params, False):
             return "torch's check (torch.backends.cuda.can_use_flash_attention)"
@@ -129,7 +155,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def kernel_layout(x: torch.Tensor, backend: str) -> torch.Tensor:
+def kernel_layout(x: torch.Tensor, kernel: str) -> torch.Tensor:
     """``x (B, H, L, d)`` in a layout the kernels are correct and fast on; a copy only when needed.
 
     torch's CPU flash op reads the last dim as if its stride were 1 (any other stride gives wrong results)
@@ -138,7 +164,7 @@ def kernel_layout(x: torch.Tensor, backend: str) -> torch.Tensor:
     ``stride(-2) == d``); the batch and head strides may be anything (expanded tensors are kept as views).
     Called once per op call, so that the per-block kernel calls get views of it. ``"math"`` takes any layout.
     """
-    if backend != "flash":
+    if kernel != "flash":
         return x
     length, d = x.shape[-2], x.shape[-1]
     if (d == 1 or x.stride(-1) == 1) and (length == 1 or x.stride(-2) == d):
@@ -242,16 +268,17 @@ def attend(
     *,
     causal: bool,
     scale: float,
-    backend: str,
+    kernel: str,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention returning ``(out, lse)``; see the module docstring."""
+    """Softmax attention returning ``(out, lse)`` with ``kernel`` (``"flash"`` or ``"math"``); see the module
+    docstring."""
     lk = k.shape[-2]
-    if backend == "flash" and q.device.type != "cpu":
+    if kernel == "flash" and q.device.type != "cpu":
         if cuda_flash_refusal(q, k, v, causal, bias) is None:
             return cuda_flash_attend(q, k, v, causal, scale)
-        backend = "math"
-    if backend == "flash":
+        kernel = "math"
+    if kernel == "flash":
         mask = _full_bias(q, lk, causal, bias, q.dtype)
         plain_causal = causal and mask is None
         out, lse = _flash(q, k, v, 0.0, plain_causal, attn_mask=mask, scale=scale)
@@ -279,16 +306,16 @@ def attend_backward(
     *,
     causal: bool,
     scale: float,
-    backend: str,
+    kernel: str,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` of one call, given the (possibly merged) ``out`` and ``lse``."""
+    """Gradients ``(dq, dk, dv)`` of one call with ``kernel``, given the (possibly merged) ``out`` and ``lse``."""
     lk = k.shape[-2]
-    if backend == "flash" and q.device.type != "cpu":
+    if kernel == "flash" and q.device.type != "cpu":
         if cuda_flash_refusal(q, k, v, causal, bias) is None:
             return cuda_flash_attend_backward(dout, q, k, v, out, lse, causal, scale)
-        backend = "math"
-    if backend == "flash":
+        kernel = "math"
+    if kernel == "flash":
         mask = _full_bias(q, lk, causal, bias, q.dtype)
         plain_causal = causal and mask is None
         return _flash_backward(dout, q, k, v, out, lse, 0.0, plain_causal, attn_mask=mask, scale=scale)
@@ -326,7 +353,7 @@ def attend_bias_grad(
     ``weight`` is broadcastable to ``(N, M, Lq, Lk)`` and finite (masked pairs have ``p = 0``). With ``weight =
     d bias / d theta`` this is the call's share of ``dL/d theta`` for a parameter ``theta`` of the bias (for ALiBi's
     ``bias = -m |i - j|``: ``dL/dm = -sum dS |i - j|``). Math only (one more pass over the scores, chunked over
-    ``M``), for any backend's call; no ``(Lq, Lk)`` tensor outlives a chunk. Several weights of one call:
+    ``M``), for any kernel's call; no ``(Lq, Lk)`` tensor outlives a chunk. Several weights of one call:
     :func:`attend_bias_grads` (one pass for all of them).
     """
     return attend_bias_grads(dout, q, k, v, out, lse, (weight,), causal=causal, scale=scale, bias=bias)[..., 0]

@@ -24,14 +24,20 @@ with the additive float mask ``log c`` (``-inf`` outside), built on the device b
 block starts (and ends) of every row followed by a cumulative sum over keys — ``O(T + k_len)`` per row.
 Each query row lives in exactly one tile, so the call's ``(out, lse)`` are final: no merge. The backward
 is the same attention's backward with the saved ``out``/``lse`` and the mask rebuilt, its key gradients
-scatter-added back (tiles share keys). The surrogate slope gradient (``dist`` given to
-``multiplicity_backward``) adds each masked call's ``sum_ij dS_ij |i - j|`` over its rows and union keys
-(``ops._engine.kernels.attend_bias_grad``, one more math pass over the call's scores) into its tiles' query heads.
+scatter-added back (tiles share keys). The surrogate slope gradient (``dist_grad``) adds each masked call's
+``sum_ij dS_ij |i - j|`` over its rows and union keys (``ops._engine.kernels.attend_bias_grad``, one more math pass
+over the call's scores) into its tiles' query heads.
 
 All of it is device-agnostic torch: gathers, ``scatter_add_``, ``cumsum``, ``log`` and the attention kernels
 of :mod:`positional_lsh.ops._engine.kernels` (CPU: torch's fused flash op with ``attn_mask``; elsewhere: chunked
 matmul). The number of kernel calls is the number of groups (a handful per head), split further only to cap
-the memory of one call (:data:`_CHUNK_ELEMENTS`).
+the memory of one call (:data:`_CHUNK_ELEMENTS`). Each head's tile height is the cheapest by the cost model
+(:mod:`positional_lsh.ops._engine.cost`).
+
+The backend (:class:`MultiplicityBackend`, the rows ``("multiplicity", "flash")`` and ``("multiplicity", "math")``
+of the engine's table: :data:`MULTIPLICITY_FLASH`, :data:`MULTIPLICITY_MATH`) implements
+:class:`~positional_lsh.ops._engine.backend.Backend`: its plan is a :class:`MultiplicityPlan`
+(:func:`multiplicity_plan`).
 """
 
 from __future__ import annotations
@@ -41,21 +47,19 @@ from dataclasses import dataclass
 
 import torch
 
-from positional_lsh.ops._engine.kernels import attend, attend_backward, attend_bias_grad
+from positional_lsh.ops._engine.backend import Gradients, Saved, accumulators
+from positional_lsh.ops._engine.cost import TILE_HEIGHTS, tiling_estimate
+from positional_lsh.ops._engine.kernels import acc_dtype, attend, attend_backward, attend_bias_grad
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
-    "AUTO_MARGIN",
-    "BLOCK_COST",
-    "CALL_ROW_COST",
-    "ENTRY_COST",
-    "PLAN_BYTES",
-    "PLAN_COST",
+    "MULTIPLICITY_FLASH",
+    "MULTIPLICITY_MATH",
+    "MultiplicityBackend",
     "MultiplicityPlan",
-    "call_estimate",
+    "Tiling",
     "exact_ceil",
     "exact_floor",
-    "exact_seconds",
     "integer_pitch_shift",
     "multiplicity_plan",
     "row_bounds",
@@ -64,35 +68,12 @@ __all__ = [
     "tilings",
 ]
 
-# Candidate query-tile heights; the plan picks the cheapest per head.
-_TILES = (16, 32, 64, 128, 256)
 # Key-window lengths are rounded up to one of this many sizes per octave (fewer distinct shapes, fewer calls).
 _STEPS_PER_OCTAVE = 4
 # Planning evaluates block bounds over at most about this many (tile, sample, head) entries at once.
 _BOUNDS_ELEMENTS = 2**18
 # One kernel call materializes about this many elements (gathered keys/values, mask, per-row bounds).
 _CHUNK_ELEMENTS = 2**23
-# Cost model, in nanoseconds on the measured 2-core CPU (n = 32768, d = 64, fp32, causal, torch's CPU flash op):
-# least-squares fits (relative error) to single-head timings of both methods at T = 8 and 64 on a quiet machine,
-# within +-30 % of every timing (docs/implementation.md "Choosing the method"). Only ratios matter.
-PAIR_COST = 7.4  # one masked-tile score entry ...
-PAIR_COST_TILE = 455.0  # ... plus this / tile (the kernel packs the keys once per query block)
-TILE_COST = 27700.0  # per tile (gathers, scatters, kernel bookkeeping)
-BOUND_COST = 24.0  # per (query row, sample): block bounds, scatter of the start
-ENTRY_COST = 0.82  # per-sample path: one score entry of a block ...
-BLOCK_COST = 420.0  # ... per block
-CALL_ROW_COST = 64.0  # ... per (kernel call, query row): the planning and merging that grow with calls and Lq
-# Planning the per-sample path, per (sample, head): its segment lists (28-42 us and about 500 bytes each, measured at
-# n = 256 and 4096 on the same machine; samples_plan). Used by the up-front size check only (call_estimate).
-PLAN_COST = 28000.0
-PLAN_BYTES = 500.0
-# (2.1e6 ns per call at the fitted n = 32768; a constant per call overrated the per-sample path at small n and
-# sent heads at T = 1-4, n = 2048, to the multiplicity form at 2-9x the time: docs/implementation.md).
-# method="auto" takes the multiplicity form (for all heads of a call) when the sum of its estimates is at most this
-# fraction of the per-sample path's. The multiplicity-form constants were fitted before its planning and mask got
-# faster, so they overrate it: at T = 8 (estimated 0.77-0.99x) it now measures 1.0-2.3x faster, at T = 4 (estimated
-# 1.3-1.6x) slower (docs/implementation.md, "Choosing the method").
-AUTO_MARGIN = 1.0
 
 
 _ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds a float64 |x| < 2**51 to an integer
@@ -211,10 +192,13 @@ def _round_up(k: torch.Tensor, limit: int) -> torch.Tensor:
     return torch.minimum(out, torch.full_like(out, limit))
 
 
-def tilings(
-    partitions: Partitions, heads: list[int], q_len: int, causal: bool
-) -> dict[int, tuple[float, tuple[torch.Tensor, ...], int]]:
-    """The cheapest tiling of each of ``heads``: ``head -> (estimated ns, (q_start, k_start, k_len), tile)``.
+Tiling = tuple[float, tuple[torch.Tensor, ...], int]
+"""One head's tiling: ``(estimated ns, (q_start, k_start, k_len), tile height)`` (see :func:`tilings`)."""
+
+
+def tilings(partitions: Partitions, heads: list[int], q_len: int, causal: bool) -> dict[int, Tiling]:
+    """The cheapest tiling of each of ``heads`` by the cost model (``ops._engine.cost.tiling_estimate``):
+    ``head -> (estimated ns, (q_start, k_start, k_len), tile)``.
 
     For each candidate tile height the bounds of every head's tile rows come from one vectorized
     :func:`sample_bounds` over ``(tiles, T, heads)`` (a per-head loop costs ~30 % of a short call's forward in
@@ -227,7 +211,7 @@ def tilings(
     pitch, shift = partitions.pitch[:, index], partitions.shift[:, index]  # (T, heads)
     # Every candidate height is a multiple of the smallest (or covers all rows in one tile), so the first and
     # last rows of all tilings are among those of the finest: their bounds once, for all heads and heights.
-    unit = _TILES[0]
+    unit = TILE_HEIGHTS[0]
     fine = torch.arange(0, q_len, unit, dtype=torch.long)
     fine_last = torch.clamp(fine + unit, max=q_len) - 1 + q0
     # (fine tiles, T, heads) bounds, a few heads at a time: sample_bounds holds ~10 float64 temporaries of that
@@ -253,8 +237,8 @@ def tilings(
             end_cols.append(end_h)
     lo_fine = torch.cat(lo_cols, 1)  # (fine tiles, heads)
     end_fine = (fine_last + 1)[:, None].expand_as(lo_fine) if causal else torch.cat(end_cols, 1)
-    best: dict[int, tuple[float, tuple[torch.Tensor, ...], int]] = {}
-    for tile in _TILES:
+    best: dict[int, Tiling] = {}
+    for tile in TILE_HEIGHTS:
         tile = min(tile, q_len)
         step = tile // unit if tile < q_len else fine.numel()  # one tile: first row 0, last row Lq - 1
         first_idx = torch.arange(0, fine.numel(), step)
@@ -264,8 +248,7 @@ def tilings(
         k_len = _round_up(end - lo, n)
         k_start = torch.minimum(lo, n - k_len)
         pairs = k_len.sum(0).to(torch.float64) * tile
-        fixed = TILE_COST * q_start.numel() + BOUND_COST * q_len * partitions.num_samples
-        costs = (pairs * (PAIR_COST + PAIR_COST_TILE / tile) + fixed).tolist()
+        costs = tiling_estimate(pairs, tile, q_start.numel(), q_len, partitions.num_samples).tolist()
         for col, (h, cost) in enumerate(zip(heads, costs, strict=True)):
             if h not in best or cost < best[h][0]:
                 best[h] = (cost, (q_start, k_start[:, col].contiguous(), k_len[:, col].contiguous()), tile)
@@ -280,7 +263,7 @@ def multiplicity_plan(
     num_kv_heads: int,
     q_len: int,
     causal: bool,
-    tiles: dict[int, tuple[float, tuple[torch.Tensor, ...], int]] | None = None,
+    tiles: dict[int, Tiling] | None = None,
 ) -> MultiplicityPlan:
     """Tiles of the given query heads, grouped by shape (one batched kernel call per group).
 
@@ -403,111 +386,93 @@ def _keys(g: _Group, n: int) -> torch.Tensor:
     return (g.k_start[:, None] + torch.arange(g.k_len, device=g.k_start.device)).clamp(max=n - 1)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Tiles are computed in float32 for half inputs (the mask's ``log c`` must not be rounded to 8 bits)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+@dataclass(frozen=True)
+class MultiplicityBackend:
+    """The multiplicity form on a torch kernel (:class:`~positional_lsh.ops._engine.backend.Backend`). Tiles are
+    computed in the accumulation dtype (``ops._engine.kernels.acc_dtype``: float32 for half inputs, so that the
+    mask's ``log c`` is not rounded to 8 bits).
 
-
-def multiplicity_forward(
-    plan: MultiplicityPlan,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    backend: str,
-) -> None:
-    """Write the rows of ``plan.heads`` of ``out (B, Hq, Lq, d)`` and ``lse (B, Hq, Lq)`` (accumulation dtype)."""
-    cd = _compute_dtype(q.dtype)
-    b, _, lq, d = q.shape
-    for group in plan.groups:
-        for g in _chunks(group.to(q.device), plan.num_samples, b, d):
-            rows, _ = tile_rows(g, lq)
-            keys = _keys(g, plan.k_len)
-            mask = _mask(g, rows, plan, cd)
-            qg = _gather(q, g.head, rows).to(cd)
-            kg, vg = _gather(k, g.kv_head, keys).to(cd), _gather(v, g.kv_head, keys).to(cd)
-            o, l = attend(qg, kg, vg, causal=False, scale=scale, backend=backend, bias=mask.unsqueeze(0))
-            # Padded rows repeat row Lq-1 of the same tile: they write the same values.
-            flat = (g.head[:, None] * lq + rows).flatten()
-            out.view(b, -1, d).index_copy_(1, flat, o.flatten(1, 2).to(out.dtype))
-            lse.view(b, -1).index_copy_(1, flat, l.flatten(1, 2).to(lse.dtype))
-
-
-def multiplicity_backward(
-    plan: MultiplicityPlan,
-    saved: tuple[torch.Tensor, ...],
-    dout: torch.Tensor,
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    scale: float,
-    backend: str,
-    dist: torch.Tensor | None = None,
-) -> None:
-    """Accumulate the gradients of the rows of ``plan.heads`` into ``grads = (dq, dk, dv)`` (accumulation dtype);
-    with ``dist (Hq,)`` (accumulation dtype) also ``dist[h] += sum over batch, i, j of dS[b, h, i, j] |i - j|`` with
-    the estimator's own ``dS`` (the surrogate slope gradient is ``-dist``). Without ``dist`` no extra work is done."""
-    q, k, v, out, lse = saved
-    dq, dk, dv = grads
-    cd = _compute_dtype(q.dtype)
-    b, hq, lq, d = q.shape
-    hkv, n = k.shape[1], k.shape[2]
-    dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
-    for group in plan.groups:
-        for g in _chunks(group.to(q.device), plan.num_samples, b, d):
-            rows, real = tile_rows(g, lq)
-            keys = _keys(g, n)
-            mask = _mask(g, rows, plan, cd)
-            qg = _gather(q, g.head, rows).to(cd)
-            kg, vg = _gather(k, g.kv_head, keys).to(cd), _gather(v, g.kv_head, keys).to(cd)
-            og = _gather(out, g.head, rows).to(cd)
-            lg = _gather(lse.unsqueeze(-1), g.head, rows).squeeze(-1).to(cd)
-            # Padding rows get a zero upstream gradient, so they contribute nothing.
-            dg = (_gather(dout, g.head, rows).to(cd) * real[None, :, :, None]).to(cd)
-            gq, gk, gv = attend_backward(
-                dg, qg, kg, vg, og, lg, causal=False, scale=scale, backend=backend, bias=mask.unsqueeze(0)
-            )
-            qi = (g.head[:, None] * lq + rows).flatten()
-            ki = (g.kv_head[:, None] * n + keys).flatten()
-            dq_f.index_add_(1, qi, gq.flatten(1, 2).to(dq.dtype))
-            dk_f.index_add_(1, ki, gk.flatten(1, 2).to(dk.dtype))
-            dv_f.index_add_(1, ki, gv.flatten(1, 2).to(dv.dtype))
-            if dist is not None:  # the surrogate slope gradient: |i - j| of the tiles' rows and union keys
-                pos = rows + (n - lq)
-                w = (pos[:, :, None] - keys[:, None, :]).abs().to(cd).unsqueeze(0)
-                total = attend_bias_grad(dg, qg, kg, vg, og, lg, w, causal=False, scale=scale, bias=mask.unsqueeze(0))
-                dist.index_add_(0, g.head, total.sum(0).to(dist.dtype))
-
-
-def call_estimate(num_samples: int, num_heads: int, q_len: int, method: str) -> tuple[float, float]:
-    """Lower bounds on the host memory (bytes) and time (seconds) of one estimator call, before anything is drawn.
-
-    From the cost model above (measured on a 2-core CPU; unmeasured elsewhere), with ``T`` samples, ``H`` query heads
-    and ``Lq`` query rows — only the terms that grow with ``T``, so a refusal on these numbers is never a close call:
-
-    * ``"samples"``: planning each (sample, head) (``PLAN_COST``, ``PLAN_BYTES``) and at least one kernel call per
-      (sample, head) (``CALL_ROW_COST`` per query row);
-    * ``"multiplicity"``: the block bounds of every (query row, sample, head) (``BOUND_COST``); in memory, the tile
-      plan's pitches and shifts (16 bytes per (tile of the largest height, sample, head)) and one chunk's bounds
-      (``8 * 4`` bytes per (row of the smallest tile, sample));
-    * ``"auto"``: the per-sample plan (always built), then the cheaper of the two kernels' terms.
+    Attributes:
+        kernel: ``"flash"`` or ``"math"`` (``ops._engine.kernels.attend``; every call has the mask ``log c``).
     """
-    th = float(num_samples) * num_heads
-    plan_s = th * PLAN_COST * 1e-9
-    kernel_s = th * CALL_ROW_COST * q_len * 1e-9
-    mult_s = th * q_len * BOUND_COST * 1e-9
-    mult_b = 16.0 * th * math.ceil(q_len / _TILES[-1]) + 32.0 * _TILES[0] * num_samples
-    if method == "samples" or num_samples == 1:
-        return th * PLAN_BYTES, plan_s + kernel_s
-    if method == "multiplicity":
-        return mult_b, mult_s
-    return th * PLAN_BYTES, plan_s + min(kernel_s, mult_s)
+
+    kernel: str
+
+    @property
+    def method(self) -> str:
+        """``"multiplicity"``."""
+        return "multiplicity"
+
+    def plan(
+        self, partitions: Partitions, num_kv_heads: int, q_len: int, causal: bool, device: torch.device
+    ) -> MultiplicityPlan:
+        """:func:`multiplicity_plan` of every query head (host-side; the groups move to the inputs' device)."""
+        return multiplicity_plan(partitions, list(range(partitions.num_heads)), num_kv_heads, q_len, causal)
+
+    def forward(
+        self, plan: MultiplicityPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every group's masked call, its rows written into ``out``/``lse`` (no merge: each row is in one tile); the
+        rows of heads outside ``plan.heads`` stay 0 and ``-inf``. ``out`` in ``q``'s dtype."""
+        cd = acc_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=cd, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=cd, device=q.device)
+        b, _, lq, d = q.shape
+        for group in plan.groups:
+            for g in _chunks(group.to(q.device), plan.num_samples, b, d):
+                rows, _ = tile_rows(g, lq)
+                keys = _keys(g, plan.k_len)
+                mask = _mask(g, rows, plan, cd)
+                qg = _gather(q, g.head, rows).to(cd)
+                kg, vg = _gather(k, g.kv_head, keys).to(cd), _gather(v, g.kv_head, keys).to(cd)
+                o, l = attend(qg, kg, vg, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0))
+                # Padded rows repeat row Lq-1 of the same tile: they write the same values.
+                flat = (g.head[:, None] * lq + rows).flatten()
+                out.view(b, -1, d).index_copy_(1, flat, o.flatten(1, 2).to(out.dtype))
+                lse.view(b, -1).index_copy_(1, flat, l.flatten(1, 2).to(lse.dtype))
+        return out.to(q.dtype), lse
+
+    def backward(
+        self, plan: MultiplicityPlan, saved: Saved, dout: torch.Tensor, scale: float, dist_grad: bool
+    ) -> Gradients:
+        """Every group's masked backward against the saved ``out``/``lse``, its key gradients scatter-added
+        (accumulation dtype); with ``dist_grad`` each call's ``sum dS |i - j|`` into its tiles' heads."""
+        q, k, v, out, lse = saved
+        (dq, dk, dv), dist = accumulators(saved, dist_grad)
+        cd = acc_dtype(q.dtype)
+        b, hq, lq, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
+        for group in plan.groups:
+            for g in _chunks(group.to(q.device), plan.num_samples, b, d):
+                rows, real = tile_rows(g, lq)
+                keys = _keys(g, n)
+                mask = _mask(g, rows, plan, cd)
+                qg = _gather(q, g.head, rows).to(cd)
+                kg, vg = _gather(k, g.kv_head, keys).to(cd), _gather(v, g.kv_head, keys).to(cd)
+                og = _gather(out, g.head, rows).to(cd)
+                lg = _gather(lse.unsqueeze(-1), g.head, rows).squeeze(-1).to(cd)
+                # Padding rows get a zero upstream gradient, so they contribute nothing.
+                dg = (_gather(dout, g.head, rows).to(cd) * real[None, :, :, None]).to(cd)
+                gq, gk, gv = attend_backward(
+                    dg, qg, kg, vg, og, lg, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0)
+                )
+                qi = (g.head[:, None] * lq + rows).flatten()
+                ki = (g.kv_head[:, None] * n + keys).flatten()
+                dq_f.index_add_(1, qi, gq.flatten(1, 2).to(dq.dtype))
+                dk_f.index_add_(1, ki, gk.flatten(1, 2).to(dk.dtype))
+                dv_f.index_add_(1, ki, gv.flatten(1, 2).to(dv.dtype))
+                if dist is not None:  # the surrogate slope gradient: |i - j| of the tiles' rows and union keys
+                    pos = rows + (n - lq)
+                    w = (pos[:, :, None] - keys[:, None, :]).abs().to(cd).unsqueeze(0)
+                    total = attend_bias_grad(
+                        dg, qg, kg, vg, og, lg, w, causal=False, scale=scale, bias=mask.unsqueeze(0)
+                    )
+                    dist.index_add_(0, g.head, total.sum(0).to(dist.dtype))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dist
 
 
-def exact_seconds(num_heads: int, q_len: int, k_len: int, head_dim: int, causal: bool) -> float:
-    """The cost model's time for exact attention over the same call (every query-key pair once, ``ENTRY_COST`` per
-    score entry at ``d = 64``, scaled by ``head_dim / 64``): the yardstick of the up-front size check."""
-    pairs = float(q_len) * k_len
-    if causal:
-        pairs -= q_len * (q_len - 1) / 2.0
-    return num_heads * pairs * ENTRY_COST * max(1.0, head_dim / 64.0) * 1e-9
+MULTIPLICITY_FLASH = MultiplicityBackend("flash")
+"""The multiplicity form on torch's fused flash op of the device (the row ``("multiplicity", "flash")``)."""
+MULTIPLICITY_MATH = MultiplicityBackend("math")
+"""The multiplicity form on batched matmuls (the row ``("multiplicity", "math")``)."""

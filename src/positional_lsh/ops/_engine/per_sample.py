@@ -9,15 +9,14 @@ multiplicity.
 Backward: the merged output is one softmax over the union of the (sample, block) key sets, so each block's
 gradient is the standard flash-attention backward run with the *merged* ``out`` and ``lse``. (Autograd through the
 merge would silently drop the gradient through the fused kernels' non-differentiable ``lse``; this module never
-relies on it.) The surrogate slope gradient (``dist`` given to :func:`samples_backward`) adds, for every kernel
-call, ``sum_ij dS_ij |i - j|`` over the call's (query, key) positions (``ops._engine.kernels.attend_bias_grad``, one
-more
-math pass over the call's scores) into its query head's entry.
+relies on it.) The surrogate slope gradient (``dist_grad``) adds, for every kernel call, ``sum_ij dS_ij |i - j|``
+over the call's (query, key) positions (``ops._engine.kernels.attend_bias_grad``, one more math pass over the
+call's scores) into its query head's entry.
 
-Interface (shared with :mod:`positional_lsh.ops._engine.multiplicity`, dispatched by
-:mod:`positional_lsh.ops._engine.engine`):
-:func:`samples_plan` → :func:`samples_forward` (accumulates into ``out, lse``) → :func:`samples_backward`
-(accumulates into ``dq, dk, dv``).
+The backend (:class:`PerSampleBackend`, the rows ``("samples", "flash")`` and ``("samples", "math")`` of the
+engine's table: :data:`PER_SAMPLE_FLASH`, :data:`PER_SAMPLE_MATH`) implements
+:class:`~positional_lsh.ops._engine.backend.Backend`: its plan is a :class:`SamplesPlan` (:func:`samples_plan`), one
+:class:`HeadWork` per query head.
 """
 
 from __future__ import annotations
@@ -28,18 +27,19 @@ from functools import partial
 
 import torch
 
-from positional_lsh.ops._engine.kernels import attend, attend_backward, attend_bias_grad
-from positional_lsh.ops._engine.multiplicity import BLOCK_COST, CALL_ROW_COST, ENTRY_COST
+from positional_lsh.ops._engine.backend import Gradients, Saved, accumulators
+from positional_lsh.ops._engine.kernels import acc_dtype, attend, attend_backward, attend_bias_grad
 from positional_lsh.ops._engine.parallel import pool_size, run_all, work_items, workers_for
 from positional_lsh.ops.partitions.partition import Partitions, Segment
 
 __all__ = [
+    "PER_SAMPLE_FLASH",
+    "PER_SAMPLE_MATH",
     "HeadWork",
+    "PerSampleBackend",
+    "SamplesPlan",
     "WorkItem",
     "head_work",
-    "samples_backward",
-    "samples_cost",
-    "samples_forward",
     "samples_plan",
     "segment_distance",
     "split_causal",
@@ -109,19 +109,26 @@ def head_work(partitions: Partitions, h: int, group: int, q_len: int, causal: bo
     return HeadWork(h, h // group, samples)
 
 
-def samples_plan(partitions: Partitions, num_kv_heads: int, q_len: int, causal: bool) -> list[HeadWork]:
+@dataclass(frozen=True)
+class SamplesPlan:
+    """The per-sample path's plan of one call: the kernel work of every query head (built by :func:`samples_plan`).
+
+    Attributes:
+        heads: one :class:`HeadWork` per query head, in order.
+        q_len: query rows (aligned to the last keys).
+        causal: the causal mask.
+    """
+
+    heads: tuple[HeadWork, ...]
+    q_len: int
+    causal: bool
+
+
+def samples_plan(partitions: Partitions, num_kv_heads: int, q_len: int, causal: bool) -> SamplesPlan:
     """The per-sample work of every query head of ``partitions``."""
     group = partitions.num_heads // num_kv_heads
-    return [head_work(partitions, h, group, q_len, causal) for h in range(partitions.num_heads)]
-
-
-def samples_cost(plan: list[HeadWork], q_len: int) -> float:
-    """Estimated time (ns, per batch element) of the per-sample path for ``plan`` (docs/implementation.md)."""
-    total = 0.0
-    for work in plan:
-        blocks = sum(s.count for segments, _ in work.samples for s in segments)
-        total += ENTRY_COST * work.cost + BLOCK_COST * blocks + CALL_ROW_COST * q_len * work.calls
-    return total
+    heads = tuple(head_work(partitions, h, group, q_len, causal) for h in range(partitions.num_heads))
+    return SamplesPlan(heads, q_len, causal)
 
 
 def _segment_rows(x: torch.Tensor, seg: Segment, start: int, length: int) -> torch.Tensor:
@@ -193,9 +200,9 @@ WorkItem = tuple[list[HeadWork], slice]
 """Heads and batch rows one thread computes: disjoint output rows per item."""
 
 
-def work_items_of(plan: list[HeadWork], batch: int, workers: int) -> list[WorkItem]:
-    """``plan`` split into thread work items balanced by cost (see ``ops._engine.parallel.work_items``)."""
-    return work_items([(w, w.kv_head, w.cost) for w in plan], batch, workers)
+def work_items_of(plan: SamplesPlan, batch: int, workers: int) -> list[WorkItem]:
+    """``plan``'s heads split into thread work items balanced by cost (see ``ops._engine.parallel.work_items``)."""
+    return work_items([(w, w.kv_head, w.cost) for w in plan.heads], batch, workers)
 
 
 def _forward_item(
@@ -217,7 +224,7 @@ def _forward_item(
         for segments, count in work.samples:
             for seg in segments:
                 o, l = attend(
-                    *_segment_inputs(seg, q_h, k_h, v_h), causal=causal and seg.masked, scale=scale, backend=kernel
+                    *_segment_inputs(seg, q_h, k_h, v_h), causal=causal and seg.masked, scale=scale, kernel=kernel
                 )
                 _merge_into(out_h, lse_h, seg, o, l, math.log(count))
 
@@ -249,7 +256,7 @@ def _backward_item(
                 if count > 1:
                     ds = ds * count
                 gq, gk, gv = attend_backward(
-                    ds, qs, ks, vs, os_, ls, causal=causal and seg.masked, scale=scale, backend=kernel
+                    ds, qs, ks, vs, os_, ls, causal=causal and seg.masked, scale=scale, kernel=kernel
                 )
                 _add_rows(dq[b, h], seg, seg.q_start, seg.q_len, gq)
                 _add_rows(dk[b, hk], seg, seg.k_start, seg.k_len, gk)
@@ -260,43 +267,60 @@ def _backward_item(
                     dist[b, h] += total.sum(1).to(dist.dtype)
 
 
-def samples_forward(
-    plan: list[HeadWork],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-    kernel: str,
-) -> None:
-    """Merge every block of ``plan`` into ``out (B, Hq, Lq, d)`` and ``lse (B, Hq, Lq)`` (accumulation dtype,
-    starting at 0 and ``-inf``), in a thread pool over (head, batch) items on the CPU."""
-    items = work_items_of(plan, q.shape[0], workers_for(q.device))
-    run = partial(_forward_item, q=q, k=k, v=v, out_acc=out, lse=lse, causal=causal, scale=scale, kernel=kernel)
-    run_all(run, items, pool_size(len(items), q.device))
+@dataclass(frozen=True)
+class PerSampleBackend:
+    """The per-sample path on a torch kernel (:class:`~positional_lsh.ops._engine.backend.Backend`).
+
+    Attributes:
+        kernel: ``"flash"`` or ``"math"`` (``ops._engine.kernels.attend``).
+    """
+
+    kernel: str
+
+    @property
+    def method(self) -> str:
+        """``"samples"``."""
+        return "samples"
+
+    def plan(
+        self, partitions: Partitions, num_kv_heads: int, q_len: int, causal: bool, device: torch.device
+    ) -> SamplesPlan:
+        """:func:`samples_plan` (host-side; ``device`` is not needed)."""
+        return samples_plan(partitions, num_kv_heads, q_len, causal)
+
+    def forward(
+        self, plan: SamplesPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge every block of ``plan`` into ``out``/``lse`` (accumulated in the accumulation dtype from 0 and
+        ``-inf``), in a thread pool over (head, batch) items on the CPU; ``out`` returned in ``q``'s dtype."""
+        acc = acc_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        items = work_items_of(plan, q.shape[0], workers_for(q.device))
+        run = partial(_forward_item, q=q, k=k, v=v, out_acc=out, lse=lse, causal=plan.causal, scale=scale,
+                      kernel=self.kernel)  # fmt: skip
+        run_all(run, items, pool_size(len(items), q.device))
+        return out.to(q.dtype), lse
+
+    def backward(
+        self, plan: SamplesPlan, saved: Saved, dout: torch.Tensor, scale: float, dist_grad: bool
+    ) -> Gradients:
+        """Every block's gradient against the merged ``out``/``lse`` of ``saved``, accumulated in the accumulation
+        dtype; with ``dist_grad`` each call's ``sum dS |i - j|`` too (per (batch, head) in the pool, then summed)."""
+        q = saved.q
+        grads, dist = accumulators(saved, dist_grad)
+        items = work_items_of(plan, q.shape[0], workers_for(q.device))
+        per_row = None if dist is None else torch.zeros((q.shape[0], q.shape[1]), dtype=dist.dtype, device=dist.device)
+        run = partial(_backward_item, saved=tuple(saved), dout=dout, grads=grads, causal=plan.causal, scale=scale,
+                      kernel=self.kernel, dist=per_row)  # fmt: skip
+        run_all(run, items, pool_size(len(items), q.device))
+        if dist is not None and per_row is not None:
+            dist += per_row.sum(0)
+        dq, dk, dv = grads
+        return dq.to(q.dtype), dk.to(saved.k.dtype), dv.to(saved.v.dtype), dist
 
 
-def samples_backward(
-    plan: list[HeadWork],
-    saved: tuple[torch.Tensor, ...],
-    dout: torch.Tensor,
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    causal: bool,
-    scale: float,
-    kernel: str,
-    dist: torch.Tensor | None = None,
-) -> None:
-    """Accumulate ``plan``'s gradients into ``grads = (dq, dk, dv)`` (accumulation dtype), ``saved = (q, k, v,
-    out, lse)`` with the merged ``out``/``lse``; with ``dist (Hq,)`` (accumulation dtype) also add into it
-    ``dist[h] += sum over batch, i, j of dS[b, h, i, j] |i - j|``, the estimator's own ``dS`` (the surrogate slope
-    gradient is ``-dist``). Without ``dist`` no extra work is done."""
-    q = saved[0]
-    items = work_items_of(plan, q.shape[0], workers_for(q.device))
-    per_row = None if dist is None else torch.zeros((q.shape[0], q.shape[1]), dtype=dist.dtype, device=dist.device)
-    run = partial(_backward_item, saved=saved, dout=dout, grads=grads, causal=causal, scale=scale, kernel=kernel,
-                  dist=per_row)  # fmt: skip
-    run_all(run, items, pool_size(len(items), q.device))
-    if dist is not None and per_row is not None:
-        dist += per_row.sum(0)
+PER_SAMPLE_FLASH = PerSampleBackend("flash")
+"""The per-sample path on torch's fused flash op of the device (the row ``("samples", "flash")``)."""
+PER_SAMPLE_MATH = PerSampleBackend("math")
+"""The per-sample path on batched matmuls (the row ``("samples", "math")``)."""

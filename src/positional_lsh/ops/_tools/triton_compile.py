@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from positional_lsh.ops._engine.triton.host import Launch, backward_launches, forward_launch
-from positional_lsh.ops._engine.triton.plan import BlockConfig, TritonPlan, block_config, build_triton_plan
+from positional_lsh.ops._engine.triton.plan import BlockConfig, TritonLayout, block_config, build_layout
 
 __all__ = [
     "ARCHS",
@@ -107,27 +107,27 @@ _N, _HQ, _HKV, _T = 2048, 4, 2, 64
 
 
 @functools.lru_cache(maxsize=8)
-def _plan(causal: bool, config: BlockConfig) -> TritonPlan:
+def _layout(causal: bool, config: BlockConfig) -> TritonLayout:
     from positional_lsh.ops.partitions.partition import sample_partitions
 
     parts = sample_partitions(_N, None, _T, num_heads=_HQ, generator=0)
-    return build_triton_plan(parts, _N, causal, config, torch.device("cpu"))
+    return build_layout(parts, _N, causal, config, torch.device("cpu"))
 
 
 def _launches(dtype: torch.dtype, head_dim: int, causal: bool, config: BlockConfig) -> list[tuple[str, bool, Launch]]:
     """``(kernel, dist_grad, launch)`` of a representative call: the three launches, and the ``dq`` launch with the
     slope gradient's switch on (CPU tensors: only their dtypes, shapes and alignment count)."""
     n, hq, hkv = _N, _HQ, _HKV
-    plan = _plan(causal, config)
+    layout = _layout(causal, config)
     q = torch.empty((1, hq, n, head_dim), dtype=dtype)
     k, v = (torch.empty((1, hkv, n, head_dim), dtype=dtype) for _ in range(2))
     out, lse = torch.empty_like(q), torch.empty((1, hq, n), dtype=torch.float32)
     delta = torch.empty_like(lse)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    dq_launch, dkdv_launch = backward_launches(plan, (q, k, v, out, lse), out, delta, grads, 0.1)
-    dist = torch.empty((1, hq, plan.num_tiles), dtype=torch.float32)
-    dq_dist, _ = backward_launches(plan, (q, k, v, out, lse), out, delta, grads, 0.1, dist)
-    fwd = forward_launch(plan, q, k, v, out, lse, 0.1)
+    dq_launch, dkdv_launch = backward_launches(layout, (q, k, v, out, lse), out, delta, grads, 0.1)
+    dist = torch.empty((1, hq, layout.num_tiles), dtype=torch.float32)
+    dq_dist, _ = backward_launches(layout, (q, k, v, out, lse), out, delta, grads, 0.1, dist)
+    fwd = forward_launch(layout, q, k, v, out, lse, 0.1)
     return [("fwd_kernel", False, fwd), ("bwd_dq_kernel", False, dq_launch), ("bwd_dq_kernel", True, dq_dist),
             ("bwd_dkdv_kernel", False, dkdv_launch)]  # fmt: skip
 

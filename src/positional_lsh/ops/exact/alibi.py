@@ -227,7 +227,7 @@ def _alibi_forward_item(
             v[b, hk : hk + 1, c.lo : c.hi],
             causal=False,
             scale=scale,
-            backend=backend,
+            kernel=backend,
             bias=bias,
         )
         out[b, h, c.a : c.b] = o[:, 0]
@@ -262,7 +262,7 @@ def _alibi_backward_item(
         )
         if grads is not None:
             dq, dk, dv = grads
-            gq, gk, gv = attend_backward(*args, causal=False, scale=scale, backend=backend, bias=bias)
+            gq, gk, gv = attend_backward(*args, causal=False, scale=scale, kernel=backend, bias=bias)
             dq[b, h, qs] += gq[:, 0]
             dk[b, hk, ks] += gk[:, 0]
             dv[b, hk, ks] += gv[:, 0]

@@ -7,15 +7,16 @@ Same estimator as :mod:`positional_lsh.ops._engine.multiplicity` (docs/implement
 with ``c[i,j] = #{t : start_t(i) <= j}`` for ``j <= i`` when causal (0 above the diagonal) and
 ``c[i,j] = #{t : start_t(i) <= j < end_t(i)}`` when bidirectional; ``log 0 = -inf``.
 
-This module is a backend of :mod:`positional_lsh.ops._engine.engine` — :func:`triton_plan` → :func:`triton_forward` →
-:func:`triton_backward` (which, asked, also returns the slopes' surrogate gradient term ``sum dS |i - j|``, computed
-inside the ``dq`` kernel), and :func:`check_triton_call` — over three pieces:
+This module is the Triton backend of the engine — :data:`TRITON` (:class:`TritonBackend`, implementing
+:class:`~positional_lsh.ops._engine.backend.Backend`: its backward, asked, also returns the slopes' surrogate gradient
+term ``sum dS |i - j|``, computed inside the ``dq`` kernel), the launches, and :func:`check_triton_call` — over three
+pieces:
 
 * :mod:`~positional_lsh.ops._engine.triton.plan` (torch only): the block configurations (:data:`BLOCK_TABLE
-  <positional_lsh.ops._engine.triton.plan.BLOCK_TABLE>`, per architecture, dtype and head dim) and the per-call plan —
-  each query tile's *events* (the blocks of its first and last rows in every sample, sorted) and the *near
-  table* (the counts of the keys next to the tile). Built on the tensors' device in ``O(H * n * T)`` elementwise
-  work; ``O(H * n * width + H * n / BLOCK_M * T)`` memory, never ``n x n``.
+  <positional_lsh.ops._engine.triton.plan.BLOCK_TABLE>`, per architecture, dtype and head dim), the per-call plan
+  and its layout for a block configuration — each query tile's *events* (the blocks of its first and last rows in
+  every sample, sorted) and the *near table* (the counts of the keys next to the tile). Built on the tensors'
+  device in ``O(H * n * T)`` elementwise work; ``O(H * n * width + H * n / BLOCK_M * T)`` memory, never ``n x n``.
 * :mod:`~positional_lsh.ops._engine.triton.kernels`: the kernels. Counting a score entry's ``c`` costs a few integer
   operations whatever ``T`` is (:mod:`~positional_lsh.ops._tools.triton_work` computes how many).
 * :mod:`~positional_lsh.ops._tools.triton_compile`: ahead-of-time compilation for sm_80/sm_90 without a GPU (registers,
@@ -36,8 +37,9 @@ from typing import Any
 
 import torch
 
+from positional_lsh.ops._engine.backend import Gradients, Saved
 from positional_lsh.ops._engine.triton.kernels import LOG2E, triton
-from positional_lsh.ops._engine.triton.plan import BlockConfig, TritonPlan, TritonWork, block_config
+from positional_lsh.ops._engine.triton.plan import BlockConfig, TritonLayout, TritonPlan, block_config
 from positional_lsh.ops.partitions.partition import Partitions
 
 if triton is not None:
@@ -47,7 +49,9 @@ __all__ = [
     "DTYPES",
     "MAX_HEAD_DIM",
     "MAX_REGISTERS",
+    "TRITON",
     "Launch",
+    "TritonBackend",
     "backward_launches",
     "check_triton_call",
     "config_for",
@@ -55,9 +59,6 @@ __all__ = [
     "forward_launch",
     "interpreting",
     "triton_available",
-    "triton_backward",
-    "triton_forward",
-    "triton_plan",
     "triton_refusal",
 ]
 
@@ -89,9 +90,8 @@ def device_arch(device: torch.device) -> int | None:
 
 
 def config_for(q: torch.Tensor) -> BlockConfig:
-    """The block configuration for ``q (B, Hq, Lq, d)``: :func:`~positional_lsh.ops._engine.triton.plan.block_config` of
-    its
-    dtype, head dim and device architecture (tests replace this to run small tiles)."""
+    """The block configuration for ``q (B, Hq, Lq, d)``: :func:`~positional_lsh.ops._engine.triton.plan.block_config`
+    of its dtype, head dim and device architecture (tests replace this to run small tiles)."""
     return block_config(q.dtype, q.shape[-1], device_arch(q.device))
 
 
@@ -126,15 +126,6 @@ def check_triton_call(q: torch.Tensor) -> None:
         raise (ImportError if triton is None else ValueError)(why)
 
 
-def triton_plan(partitions: Partitions, q_len: int, causal: bool, device: torch.device) -> TritonWork:
-    """The call's plan (:class:`~positional_lsh.ops._engine.triton.plan.TritonWork`); its tensors are built by the
-    forward,
-    when the inputs' dtype and head dim fix the block configuration."""
-    if partitions.num_samples >= 2**31 or partitions.seq_len >= 2**31 - 1:
-        raise ValueError("partitions: num_samples and seq_len must fit in int32")
-    return TritonWork(partitions, q_len, causal, device)
-
-
 MAX_REGISTERS = 255
 """``maxnreg`` of every launch: the architecture's limit per thread. Without it ptxas caps some 8-warp kernels at 128
 registers and spills (seen on sm_80 in the compile checks)."""
@@ -160,19 +151,19 @@ class Launch:
         self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
 
 
-def _constexprs(plan: TritonPlan, q: torch.Tensor) -> dict[str, object]:
-    cfg, d = plan.config, q.shape[-1]
+def _constexprs(layout: TritonLayout, q: torch.Tensor) -> dict[str, object]:
+    cfg, d = layout.config, q.shape[-1]
     return {
-        "CAUSAL": plan.causal, "IEEE": q.dtype == torch.float32, "UPCAST": _upcast(q.dtype), "HEAD_DIM": d,
+        "CAUSAL": layout.causal, "IEEE": q.dtype == torch.float32, "UPCAST": _upcast(q.dtype), "HEAD_DIM": d,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_D": max(16, triton.next_power_of_2(d)),
         "NEAR": cfg.near,
     }  # fmt: skip
 
 
-def _plan_args(plan: TritonPlan) -> tuple[torch.Tensor, ...]:
+def _layout_args(layout: TritonLayout) -> tuple[torch.Tensor, ...]:
     return (
-        plan.near, plan.left_u, plan.left_v, plan.left_ns, plan.left_cuts, plan.right_u, plan.right_v, plan.right_ns,
-        plan.right_cuts, plan.cut_base,
+        layout.near, layout.left_u, layout.left_v, layout.left_ns, layout.left_cuts, layout.right_u, layout.right_v,
+        layout.right_ns, layout.right_cuts, layout.cut_base,
     )  # fmt: skip
 
 
@@ -181,21 +172,21 @@ def _strides(*xs: torch.Tensor) -> tuple[int, ...]:
 
 
 def forward_launch(
-    plan: TritonPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    layout: TritonLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     scale: float,
 ) -> Launch:  # fmt: skip
-    """The forward launch for contiguous ``q, k, v``, writing ``out`` and ``lse``."""
+    """The forward launch over ``layout`` for contiguous ``q, k, v``, writing ``out`` and ``lse``."""
     b, hq, lq, _ = q.shape
     args = (
-        q, k, v, out, lse, *_plan_args(plan), plan.tile_first, plan.tile_last, *_strides(q, k, v, out),
-        hq, hq // k.shape[1], lq, k.shape[2], plan.num_samples, plan.num_tiles, plan.grid0, plan.width,
+        q, k, v, out, lse, *_layout_args(layout), layout.tile_first, layout.tile_last, *_strides(q, k, v, out),
+        hq, hq // k.shape[1], lq, k.shape[2], layout.num_samples, layout.num_tiles, layout.grid0, layout.width,
         scale * LOG2E,
     )  # fmt: skip
-    return Launch(fwd_kernel, (plan.num_tiles, b * hq), args, _constexprs(plan, q), *plan.config.launch("fwd"))
+    return Launch(fwd_kernel, (layout.num_tiles, b * hq), args, _constexprs(layout, q), *layout.config.launch("fwd"))
 
 
 def backward_launches(
-    plan: TritonPlan, saved: tuple[torch.Tensor, ...], dout: torch.Tensor, delta: torch.Tensor,
+    layout: TritonLayout, saved: tuple[torch.Tensor, ...], dout: torch.Tensor, delta: torch.Tensor,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float, dist: torch.Tensor | None = None,
 ) -> tuple[Launch, Launch]:  # fmt: skip
     """The ``dq`` and ``dk, dv`` launches for ``saved = (q, k, v, out, lse)`` (contiguous), ``dout`` (contiguous),
@@ -209,67 +200,81 @@ def backward_launches(
     dq, dk, dv = grads
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    cfg, t = plan.config, plan.num_samples
-    const = _constexprs(plan, q)
-    common = (*_plan_args(plan),)
+    cfg, t = layout.config, layout.num_samples
+    const = _constexprs(layout, q)
+    common = (*_layout_args(layout),)
     dq_args = (
-        q, k, v, dout, lse, delta, dq, dist, *common, plan.tile_first, plan.tile_last, *_strides(q, k, v, dout),
-        hq, hq // hkv, lq, lk, t, plan.num_tiles, plan.grid0, plan.width, scale, scale * LOG2E,
+        q, k, v, dout, lse, delta, dq, dist, *common, layout.tile_first, layout.tile_last, *_strides(q, k, v, dout),
+        hq, hq // hkv, lq, lk, t, layout.num_tiles, layout.grid0, layout.width, scale, scale * LOG2E,
     )  # fmt: skip
     dkdv_args = (
-        q, k, v, dout, lse, delta, dk, dv, *common, plan.kb_first, plan.kb_last, *_strides(q, k, v, dout),
-        hq, hkv, hq // hkv, lq, lk, t, plan.num_tiles, plan.num_kb, plan.grid0, plan.width, scale, scale * LOG2E,
+        q, k, v, dout, lse, delta, dk, dv, *common, layout.kb_first, layout.kb_last, *_strides(q, k, v, dout),
+        hq, hkv, hq // hkv, lq, lk, t, layout.num_tiles, layout.num_kb, layout.grid0, layout.width, scale,
+        scale * LOG2E,
     )  # fmt: skip
     dkdv_const = {**const, "SUB_M": cfg.sub_m, "SUB_N": cfg.sub_n}
-    dkdv_grid = (plan.num_kb * (cfg.block_n // cfg.sub_n), b * hkv)
+    dkdv_grid = (layout.num_kb * (cfg.block_n // cfg.sub_n), b * hkv)
     dq_const = {**const, "DIST_GRAD": dist is not None}
     return (
-        Launch(bwd_dq_kernel, (plan.num_tiles, b * hq), dq_args, dq_const, *cfg.launch("dq")),
+        Launch(bwd_dq_kernel, (layout.num_tiles, b * hq), dq_args, dq_const, *cfg.launch("dq")),
         Launch(bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_const, *cfg.launch("dkdv")),
     )
 
 
-def triton_forward(
-    work: TritonWork,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of the forward kernel for contiguous ``q, k, v`` and the plan ``work`` of :func:`triton_plan`:
-    ``out`` (``q``'s dtype) and ``lse (B, Hq, Lq)`` float32."""
-    assert causal == work.causal
-    plan = work.plan_for(config_for(q))
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    forward_launch(plan, q, k, v, out, lse, scale).run()
-    return out, lse
+@dataclass(frozen=True)
+class TritonBackend:
+    """The multiplicity form on the Triton kernels (:class:`~positional_lsh.ops._engine.backend.Backend`; the row
+    ``("multiplicity", "triton")``): inputs contiguous, as ``ops._engine.engine.kernel_inputs`` makes them."""
+
+    @property
+    def method(self) -> str:
+        """``"multiplicity"``."""
+        return "multiplicity"
+
+    @property
+    def kernel(self) -> str:
+        """``"triton"``."""
+        return "triton"
+
+    def plan(
+        self, partitions: Partitions, num_kv_heads: int, q_len: int, causal: bool, device: torch.device
+    ) -> TritonPlan:
+        """The call's :class:`~positional_lsh.ops._engine.triton.plan.TritonPlan`; its layout's tensors are built by
+        the forward on ``device``, when the inputs' dtype and head dim fix the block configuration."""
+        if partitions.num_samples >= 2**31 or partitions.seq_len >= 2**31 - 1:
+            raise ValueError("partitions: num_samples and seq_len must fit in int32")
+        return TritonPlan(partitions, q_len, causal, device)
+
+    def forward(
+        self, plan: TritonPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One launch of the forward kernel for contiguous ``q, k, v``: ``out`` (``q``'s dtype) and ``lse (B, Hq,
+        Lq)`` float32."""
+        layout = plan.layout_for(config_for(q))
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        forward_launch(layout, q, k, v, out, lse, scale).run()
+        return out, lse
+
+    def backward(
+        self, plan: TritonPlan, saved: Saved, dout: torch.Tensor, scale: float, dist_grad: bool
+    ) -> Gradients:
+        """Two launches (``dq``, then ``dk, dv``) for ``saved`` (contiguous, as :meth:`forward` took and returned
+        them): ``dq, dk, dv`` in the inputs' dtypes; ``dist (Hq,)`` float32, computed inside the ``dq`` kernel, when
+        ``dist_grad`` (else ``None``, and the plain kernel)."""
+        q, k, v, out, _ = saved
+        layout = plan.layout_for(config_for(q))
+        dout = dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1).contiguous()  # (B, Hq, Lq)
+        # All contiguous: the kernels index dq with q's strides, dk with k's and dv with v's.
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        b, hq = q.shape[:2]
+        # One float32 partial per (batch, head, query tile), each written once by its dq program; summed here.
+        parts = torch.empty((b, hq, layout.num_tiles), dtype=torch.float32, device=q.device) if dist_grad else None
+        for launch in backward_launches(layout, tuple(saved), dout, delta, grads, scale, parts):
+            launch.run()
+        return (*grads, None if parts is None else parts.sum(dim=(0, 2)))
 
 
-def triton_backward(
-    work: TritonWork,
-    saved: tuple[torch.Tensor, ...],
-    dout: torch.Tensor,
-    causal: bool,
-    scale: float,
-    dist_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(dq, dk, dv, dist)`` from ``saved = (q, k, v, out, lse)`` (contiguous, as :func:`triton_forward` took and
-    returned them) and the upstream gradient ``dout``: ``dq, dk, dv`` in the inputs' dtypes; ``dist (Hq,)`` float32
-    ``= sum over batch, i, j of dS[b, h, i, j] * |i - j|`` (``dS`` the estimator's own score gradient, query row ``r``
-    at position ``Lk - Lq + r``; the slope gradient of the bias ``-m_h |i - j|`` is ``-dist``) when ``dist_grad``,
-    else ``None`` (and no extra work)."""
-    assert causal == work.causal
-    q, k, v, out, _ = saved
-    plan = work.plan_for(config_for(q))
-    dout = dout.contiguous()
-    delta = (dout.float() * out.float()).sum(-1).contiguous()  # (B, Hq, Lq)
-    # All contiguous: the kernels index dq with q's strides, dk with k's and dv with v's.
-    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    b, hq = q.shape[:2]
-    # One float32 partial per (batch, head, query tile), each written once by its dq program; summed here.
-    parts = torch.empty((b, hq, plan.num_tiles), dtype=torch.float32, device=q.device) if dist_grad else None
-    for launch in backward_launches(plan, saved, dout, delta, grads, scale, parts):
-        launch.run()
-    return (*grads, None if parts is None else parts.sum(dim=(0, 2)))
+TRITON = TritonBackend()
+"""The Triton backend (the row ``("multiplicity", "triton")`` of the engine's table)."""

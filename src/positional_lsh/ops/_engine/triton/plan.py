@@ -1,4 +1,8 @@
-"""The host side of the Triton kernels: block configurations and the per-call plan (torch only, no triton).
+"""The host side of the Triton kernels: block configurations, the per-call plan and its layouts (torch only).
+
+The backend's plan of a call (:class:`TritonPlan`) is the call itself; the tensors the kernels read (a
+:class:`TritonLayout`: events, cuts, the near table) depend on the block configuration, which the inputs' dtype
+and head dim fix, so the plan builds them on first use (:meth:`TritonPlan.layout_for`, :func:`build_layout`).
 
 The kernels (:mod:`positional_lsh.ops._engine.triton.kernels`) compute the multiplicity form
 
@@ -10,7 +14,7 @@ chosen so that every tile's first row is on the grid. Relative to a tile with ro
 positions; ``i_last`` its last real row) a key block is
 
 * **near** when it lies in ``[i0 - near, i0 + BLOCK_M + near_right)`` (``near_right = near`` bidirectional,
-  ``0`` causal): its counts are read from the plan's *near table* ``near[h, r, o] = c[i, i0 - near + o]``, a band
+  ``0`` causal): its counts are read from the layout's *near table* ``near[h, r, o] = c[i, i0 - near + o]``, a band
   of ``width = near + BLOCK_M + near_right`` counts per query row, built here;
 * **far left** (keys ``j < i0 - near``): every sample's block of such a key and of a tile row can only be the block
   of row ``i0``, ``[s_t, e_t)``; so ``c[i,j] = #{t : s_t <= j, e_t > i}``, a count over ``T`` points per *tile*;
@@ -40,10 +44,10 @@ __all__ = [
     "BLOCK_TABLE",
     "DEFAULT_ARCH",
     "BlockConfig",
+    "TritonLayout",
     "TritonPlan",
-    "TritonWork",
     "block_config",
-    "build_triton_plan",
+    "build_layout",
     "head_bounds",
     "near_dtype",
 ]
@@ -181,11 +185,11 @@ def head_bounds(
 
 
 @dataclass(frozen=True)
-class TritonPlan:
-    """Everything the kernels read besides ``q, k, v`` (int32 unless said; built by :func:`build_triton_plan`).
+class TritonLayout:
+    """Everything the kernels read besides ``q, k, v`` (int32 unless said; built by :func:`build_layout`).
 
     Attributes:
-        config: the block configuration the plan was built for.
+        config: the block configuration the layout was built for.
         causal, q_len, k_len, num_samples, num_heads: the call.
         grid0: key position of key block 0's first key (``-block_n < grid0 <= 0``).
         num_tiles, num_kb: query tiles and key blocks.
@@ -227,7 +231,7 @@ class TritonPlan:
     kb_last: torch.Tensor
 
     def nbytes(self) -> int:
-        """Bytes of the plan's tensors (the near table dominates: ``H * Lq * width`` small integers)."""
+        """Bytes of the layout's tensors (the near table dominates: ``H * Lq * width`` small integers)."""
         seen: set[int] = set()
         total = 0
         for value in self.__dict__.values():
@@ -284,10 +288,10 @@ def _near_rows(
     return c
 
 
-def build_triton_plan(
+def build_layout(
     partitions: Partitions, q_len: int, causal: bool, config: BlockConfig, device: torch.device
-) -> TritonPlan:
-    """The kernels' plan for ``partitions`` (``seq_len = Lk``), ``q_len`` queries aligned to the last keys, on
+) -> TritonLayout:
+    """The kernels' layout for ``partitions`` (``seq_len = Lk``), ``q_len`` queries aligned to the last keys, on
     ``device`` (see the module docstring)."""
     n, t_count, heads = partitions.seq_len, partitions.num_samples, partitions.num_heads
     if n >= 2**31 - 1 or t_count >= 2**31:
@@ -346,7 +350,7 @@ def build_triton_plan(
     left_cuts = torch.cat(lcuts).to(torch.int32).flatten().contiguous()
     right_cuts = left_cuts if causal else torch.cat(rcuts).to(torch.int32).flatten().contiguous()
     (left_u, left_v, left_ns), (right_u, right_v, right_ns) = left, right
-    return TritonPlan(
+    return TritonLayout(
         config, causal, q_len, n, t_count, heads, g0, num_tiles, num_kb, width,
         tile_first, tile_last, left_u, left_v, left_ns, right_u, right_v, right_ns,
         left_cuts, right_cuts, cut_base, torch.stack(nears).contiguous(), kb_first, kb_last,
@@ -354,21 +358,21 @@ def build_triton_plan(
 
 
 @dataclass
-class TritonWork:
-    """What :func:`~positional_lsh.ops._engine.triton.host.triton_plan` returns: the call, with its
-    :class:`TritonPlan` built on first use for the block configuration of the inputs (the dtype and head dim pick
-    it, and the engine plans before it sees them); the backward reuses the forward's plan."""
+class TritonPlan:
+    """The Triton backend's plan of one call (``ops._engine.triton.host.TRITON.plan``): the call, with its
+    :class:`TritonLayout` built on first use for the block configuration of the inputs (the dtype and head dim pick
+    it, and the engine plans before it sees them); the backward reuses the forward's layout."""
 
     partitions: Partitions
     q_len: int
     causal: bool
     device: torch.device
-    _plans: dict[BlockConfig, TritonPlan] = field(default_factory=dict, repr=False)
+    _layouts: dict[BlockConfig, TritonLayout] = field(default_factory=dict, repr=False)
 
-    def plan_for(self, config: BlockConfig) -> TritonPlan:
-        """The plan for ``config`` (built once)."""
-        plan = self._plans.get(config)
-        if plan is None:
-            plan = build_triton_plan(self.partitions, self.q_len, self.causal, config, self.device)
-            self._plans[config] = plan
-        return plan
+    def layout_for(self, config: BlockConfig) -> TritonLayout:
+        """The layout for ``config`` (built once)."""
+        layout = self._layouts.get(config)
+        if layout is None:
+            layout = build_layout(self.partitions, self.q_len, self.causal, config, self.device)
+            self._layouts[config] = layout
+        return layout

@@ -1,0 +1,128 @@
+"""The cost model of the estimator: time estimates of its two methods, ``method="auto"``'s rule, the size bounds.
+
+Estimates are in nanoseconds per batch element; only their ratios decide anything. The constants were fitted on
+the measured 2-core CPU (n = 32768, d = 64, fp32, causal, standard slopes 1/2 ... 1/256, torch's CPU flash op):
+least-squares fits (relative error) to single-head timings of both methods at T = 8 and 64 on a quiet machine,
+every timing within +-30 % of its fit (docs/implementation.md, "Choosing the method", with the timings and the
+check at other sizes). Per head, with ``T`` samples and ``Lq`` query rows:
+
+    per-sample   = ENTRY_COST * (score entries) + BLOCK_COST * (blocks) + CALL_ROW_COST * Lq * (kernel calls)
+    multiplicity = min over tile of  pairs * (PAIR_COST + PAIR_COST_TILE / tile) + TILE_COST * tiles
+                                     + BOUND_COST * Lq * T
+
+The per-call term scales with ``Lq``: what grows with the number of per-sample calls is planning and merging. (A
+first fit as a constant, 2.1e6 ns per call at the fitted n = 32768, overrated the per-sample path at small n and
+sent heads at T = 1-4, n = 2048 to the multiplicity form at 2-9x the time.)
+
+``method="auto"`` (:func:`auto_method`) takes the multiplicity form, for all heads of a call, when the sum of its
+per-head estimates is at most :data:`AUTO_MARGIN` times the per-sample path's, and never for one sample. The same
+rule routes CUDA calls (the Triton kernels or torch's CUDA flash op), where it is unfitted: no GPU has timed either
+side (``benchmarks/gpu_check.py`` does).
+
+The up-front size check of ``plsh_attention`` (``ops.attention.check_call_size``) uses :func:`call_estimate` and
+:func:`exact_seconds`; they add :data:`PLAN_COST` and :data:`PLAN_BYTES` (the per-sample plan, measured at
+n = 256 and 4096 on the same machine).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from positional_lsh.ops._engine.per_sample import SamplesPlan
+
+__all__ = [
+    "AUTO_MARGIN", "BLOCK_COST", "BOUND_COST", "CALL_ROW_COST", "ENTRY_COST", "PAIR_COST", "PAIR_COST_TILE",
+    "PLAN_BYTES", "PLAN_COST", "TILE_COST", "TILE_HEIGHTS", "auto_method", "call_estimate", "exact_seconds",
+    "samples_estimate", "tiling_estimate",
+]  # fmt: skip
+
+TILE_HEIGHTS = (16, 32, 64, 128, 256)
+"""Candidate query-tile heights of the multiplicity form; its plan takes the cheapest per head
+(:func:`tiling_estimate`)."""
+
+PAIR_COST = 7.4
+"""Multiplicity form: one masked-tile score entry ..."""
+PAIR_COST_TILE = 455.0
+"""... plus this / tile per entry (the kernel packs the keys once per query block)."""
+TILE_COST = 27700.0
+"""Multiplicity form: per tile (gathers, scatters, kernel bookkeeping)."""
+BOUND_COST = 24.0
+"""Multiplicity form: per (query row, sample): block bounds, scatter of the start."""
+ENTRY_COST = 0.82
+"""Per-sample path: one score entry of a block ..."""
+BLOCK_COST = 420.0
+"""... per block."""
+CALL_ROW_COST = 64.0
+"""... per (kernel call, query row): the planning and merging that grow with calls and Lq."""
+PLAN_COST = 28000.0
+"""Planning the per-sample path, per (sample, head): its segment lists, 28-42 us (:func:`call_estimate` only)."""
+PLAN_BYTES = 500.0
+"""... and about this many bytes each (:func:`call_estimate` only)."""
+AUTO_MARGIN = 1.0
+"""``method="auto"`` takes the multiplicity form when its summed estimate is at most this times the per-sample one.
+
+1.0 splits the two correctly at every measured size (docs/benchmarks.md, the ``--sweep`` table), although the
+multiplicity form got faster (vectorized planning, the ``log`` mask) after its constants were fitted: they overrate
+it (at T = 8 its estimate is 0.77-0.99x the per-sample one where it measures 1.0-2.3x faster; at T = 4 the estimate
+is 1.3-1.6x and it measures slower)."""
+
+
+def tiling_estimate(pairs: torch.Tensor, tile: int, num_tiles: int, q_len: int, num_samples: int) -> torch.Tensor:
+    """The multiplicity form's estimate of one tiling of each head: ``pairs`` (float64, per head) score entries of
+    ``num_tiles`` tiles of ``tile`` rows, over ``q_len`` rows and ``num_samples`` samples."""
+    fixed = TILE_COST * num_tiles + BOUND_COST * q_len * num_samples
+    return pairs * (PAIR_COST + PAIR_COST_TILE / tile) + fixed
+
+
+def samples_estimate(plan: SamplesPlan) -> float:
+    """The per-sample path's estimate of ``plan``, summed over its heads."""
+    total = 0.0
+    for work in plan.heads:
+        blocks = sum(s.count for segments, _ in work.samples for s in segments)
+        total += ENTRY_COST * work.cost + BLOCK_COST * blocks + CALL_ROW_COST * plan.q_len * work.calls
+    return total
+
+
+def auto_method(num_samples: int, multiplicity_ns: float, samples_ns: float) -> str:
+    """``method="auto"``'s choice for one call: ``"multiplicity"`` when its estimate (summed over the heads) is at
+    most :data:`AUTO_MARGIN` times the per-sample path's, ``"samples"`` otherwise and for one sample (the
+    multiplicity form would compute the same pairs plus a mask)."""
+    if num_samples > 1 and multiplicity_ns <= AUTO_MARGIN * samples_ns:
+        return "multiplicity"
+    return "samples"
+
+
+def call_estimate(num_samples: int, num_heads: int, q_len: int, method: str) -> tuple[float, float]:
+    """Lower bounds on the host memory (bytes) and time (seconds) of one estimator call, before anything is drawn.
+
+    From the cost model (measured on a 2-core CPU; unmeasured elsewhere), with ``T`` samples, ``H`` query heads
+    and ``Lq`` query rows — only the terms that grow with ``T``, so a refusal on these numbers is never a close call:
+
+    * ``"samples"``: planning each (sample, head) (``PLAN_COST``, ``PLAN_BYTES``) and at least one kernel call per
+      (sample, head) (``CALL_ROW_COST`` per query row);
+    * ``"multiplicity"``: the block bounds of every (query row, sample, head) (``BOUND_COST``); in memory, the tile
+      plan's pitches and shifts (16 bytes per (tile of the largest height, sample, head)) and one chunk's bounds
+      (``8 * 4`` bytes per (row of the smallest tile, sample));
+    * ``"auto"``: the per-sample plan (always built), then the cheaper of the two kernels' terms.
+    """
+    th = float(num_samples) * num_heads
+    plan_s = th * PLAN_COST * 1e-9
+    kernel_s = th * CALL_ROW_COST * q_len * 1e-9
+    mult_s = th * q_len * BOUND_COST * 1e-9
+    mult_b = 16.0 * th * math.ceil(q_len / TILE_HEIGHTS[-1]) + 32.0 * TILE_HEIGHTS[0] * num_samples
+    if method == "samples" or num_samples == 1:
+        return th * PLAN_BYTES, plan_s + kernel_s
+    if method == "multiplicity":
+        return mult_b, mult_s
+    return th * PLAN_BYTES, plan_s + min(kernel_s, mult_s)
+
+
+def exact_seconds(num_heads: int, q_len: int, k_len: int, head_dim: int, causal: bool) -> float:
+    """The cost model's time for exact attention over the same call (every query-key pair once, ``ENTRY_COST`` per
+    score entry at ``d = 64``, scaled by ``head_dim / 64``): the yardstick of the up-front size check."""
+    pairs = float(q_len) * k_len
+    if causal:
+        pairs -= q_len * (q_len - 1) / 2.0
+    return num_heads * pairs * ENTRY_COST * max(1.0, head_dim / 64.0) * 1e-9

@@ -1,0 +1,346 @@
+"""The engine (ops/_engine/engine.py): the table of backends, the decision of what runs a call, and every backend
+through the one interface (ops/_engine/backend.py) against float64 dense references.
+
+* the table: every (method, kernel) row gives the backend computing that method with that kernel; other pairs are
+  refused;
+* the decision: ``dispatch`` (from the arguments) and ``decide`` (from the partitions) for backend × method ×
+  device × dtype, CUDA calls checked without a GPU (a stand-in ``q`` for ``dispatch``, torch's device capability
+  replaced for ``decide``, ``engine.triton_device`` replaced end to end), the flash → math fallback decided up front;
+* the interface: ``plan`` → ``forward`` → ``backward(dist_grad=True)`` of each backend against the dense estimator
+  (``conftest.naive_estimator`` of ``conftest.naive_mean_mask``) and autograd through the dense surrogate
+  ``softmax(s + log Mbar - (m - m.detach()) |i - j|) v`` (its ``q, k, v`` gradients are the estimator's, its slope
+  gradient ``-dist``). The Triton row runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest) on
+  small blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from positional_lsh import plsh_attention, sample_partitions
+from positional_lsh.ops._engine import engine
+from positional_lsh.ops._engine import per_sample as per_sample_module
+from positional_lsh.ops._engine.backend import Saved
+from positional_lsh.ops._engine.multiplicity import MultiplicityBackend, MultiplicityPlan
+from positional_lsh.ops._engine.per_sample import PerSampleBackend, SamplesPlan
+from positional_lsh.ops.options import KERNELS, METHODS
+
+from conftest import naive_estimator, naive_mean_mask
+
+F64 = torch.float64
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TORCH_ROWS = [("samples", "flash"), ("samples", "math"), ("multiplicity", "flash"), ("multiplicity", "math")]
+
+
+def _has_triton() -> bool:
+    return engine.triton_installed()
+
+
+# ----------------------------------------------------------------------------------------------------- the table
+
+
+@pytest.mark.parametrize(("method", "kernel"), TORCH_ROWS)
+def test_every_torch_row_reaches_its_backend(method, kernel):
+    backend = engine.backend_for(method, kernel)
+    assert (backend.method, backend.kernel) == (method, kernel)
+    assert isinstance(backend, PerSampleBackend if method == "samples" else MultiplicityBackend)
+    assert engine.backend_for(method, kernel) is backend  # one object per row
+
+
+@pytest.mark.skipif(not _has_triton(), reason="the Triton row imports triton")
+def test_the_triton_row_reaches_the_triton_backend():
+    from positional_lsh.ops._engine.triton.host import TRITON, TritonBackend
+
+    backend = engine.backend_for("multiplicity", "triton")
+    assert backend is TRITON and isinstance(backend, TritonBackend)
+    assert (backend.method, backend.kernel) == ("multiplicity", "triton")
+
+
+def test_the_table_has_one_row_per_pair_and_refuses_the_others():
+    assert sorted(engine.BACKEND_TABLE) == sorted([*TORCH_ROWS, ("multiplicity", "triton")])
+    computed = {m for m in METHODS if m != "auto"}
+    for method in (*METHODS, "dense"):
+        for kernel in (*KERNELS, "cuda"):
+            if (method, kernel) in engine.BACKEND_TABLE:
+                assert method in computed and kernel in KERNELS
+                continue
+            with pytest.raises(ValueError, match=f"method={method!r} with kernel={kernel!r}"):
+                engine.backend_for(method, kernel)
+
+
+def test_decide_refuses_a_route_without_a_backend():
+    parts = sample_partitions(16, [0.5], 2, generator=0)
+    for method in ("samples", "multiplicity"):
+        with pytest.raises(ValueError, match=f"method='{method}' with kernel='cuda'"):
+            engine.decide(engine.Route(method, "cuda", False, True, 0.5), parts, 1, 16, CPU)
+    # (dispatch refuses backend="triton" with method="samples"; a "triton" route's per-sample path, which
+    # method="auto" may choose, runs on the device's torch kernel)
+    d = engine.decide(engine.Route("samples", "triton", False, True, 0.5), parts, 1, 16, CPU)
+    assert (d.method, d.kernel) == ("samples", "flash")
+
+
+# -------------------------------------------------------------------------------------------------- the decision
+
+
+def _route(q, backend="auto", method="auto", causal=True):
+    return engine.dispatch(q, causal=causal, scale=None, backend=backend, method=method)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["auto", "flash", "math"])
+def test_cpu_decisions(backend, dtype):
+    n = 1024
+    q = torch.zeros(1, 4, n, 64, dtype=dtype)
+    slopes = [0.5, 0.25, 0.125, 0.0625]
+    kernel = "math" if backend == "math" else "flash"  # the CPU flash op takes every dtype and masks: no fallback
+    route = _route(q, backend)
+    assert (route.method, route.kernel, route.dtype, route.head_dim) == ("auto", kernel, dtype, 64)
+    one = sample_partitions(n, slopes, 1, generator=0)
+    many = sample_partitions(n, slopes, 64, generator=0)
+    d = engine.decide(route, one, 4, n, CPU)  # one sample: always the per-sample path, without estimating
+    assert (d.method, d.kernel, d.layout) == ("samples", kernel, kernel)
+    assert d.backend is engine.backend_for("samples", kernel) and isinstance(d.prepared, SamplesPlan)
+    d = engine.decide(route, many, 4, n, CPU)  # T = 64: the multiplicity form, with the tiling it estimated
+    assert (d.method, d.kernel) == ("multiplicity", kernel) and isinstance(d.prepared, MultiplicityPlan)
+    for method in ("samples", "multiplicity"):  # forced methods are kept, and nothing is prepared
+        for parts in (one, many):
+            d = engine.decide(_route(q, backend, method), parts, 4, n, CPU)
+            assert (d.method, d.kernel, d.prepared) == (method, kernel, None)
+            assert d.backend is engine.backend_for(method, kernel)
+
+
+def test_plan_keeps_what_decide_chose():
+    q = torch.zeros(1, 2, 64, 16)
+    parts = sample_partitions(64, [0.5, 0.1], 40, generator=1)
+    for method in ("auto", "samples", "multiplicity"):
+        route = _route(q, "math", method)
+        p = engine.plan(route, parts, 1, 64, CPU)
+        d = engine.decide(route, parts, 1, 64, CPU)
+        assert (p.route, p.method, p.kernel, p.layout, p.partitions) == (route, d.method, d.kernel, d.layout, parts)
+        assert p.backend is d.backend
+        want = SamplesPlan if p.method == "samples" else MultiplicityPlan
+        assert isinstance(p.backend_plan, want) and p.backend_plan.causal
+
+
+def cuda_like(d: int = 64, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:
+    """What ``dispatch`` reads of a CUDA tensor ``(1, 4, 64, d)``."""
+    return SimpleNamespace(shape=torch.Size((1, 4, 64, d)), dtype=dtype, device=CUDA)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """``decide`` on a CUDA device without one: torch's flash op of an sm_90 GPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+@pytest.mark.parametrize(
+    ("backend", "method", "dtype", "d", "t", "want"),
+    [
+        # the per-sample path: torch's CUDA flash op for half inputs, the math kernel (flash layout) for the rest
+        ("auto", "samples", torch.bfloat16, 64, 8, ("samples", "flash", "flash")),
+        ("flash", "samples", torch.float16, 128, 8, ("samples", "flash", "flash")),
+        ("auto", "samples", torch.float32, 64, 8, ("samples", "math", "flash")),
+        ("auto", "samples", torch.bfloat16, 60, 8, ("samples", "math", "flash")),  # head dim not a multiple of 8
+        ("auto", "auto", torch.float64, 64, 1, ("samples", "math", "flash")),  # float64: no Triton, no CUDA flash
+        ("math", "samples", torch.bfloat16, 64, 8, ("samples", "math", "math")),
+        # the multiplicity form on torch kernels: every call carries the mask log c, which the CUDA op never takes
+        ("flash", "multiplicity", torch.bfloat16, 64, 8, ("multiplicity", "math", "flash")),
+        ("auto", "auto", torch.float64, 64, 64, ("multiplicity", "math", "flash")),
+        ("math", "multiplicity", torch.float32, 64, 8, ("multiplicity", "math", "math")),
+    ],
+)
+def test_cuda_decisions_of_the_torch_kernels(sm90, monkeypatch, backend, method, dtype, d, t, want):
+    monkeypatch.setattr(engine, "triton_installed", lambda: False)  # the torch path whatever is installed
+    route = _route(cuda_like(d, dtype), backend, method)
+    parts = sample_partitions(64, [0.5, 0.25, 0.125, 0.0625], t, generator=0)
+    decision = engine.decide(route, parts, 4, 64, CUDA)
+    assert (decision.method, decision.kernel, decision.layout) == want
+    assert decision.backend is engine.backend_for(*want[:2])
+    # A route rebuilt from its first five fields (inside the custom ops) does not know the dtype: the per-sample
+    # path keeps "flash" (attend then takes the math formula call by call: the same numbers, the same layout).
+    rebuilt = engine.Route(route.method, route.kernel, False, True, route.scale)
+    again = engine.decide(rebuilt, parts, 4, 64, CUDA)
+    assert again.method == want[0] and again.layout == want[2]
+    assert again.kernel == (want[1] if want[0] == "multiplicity" or backend == "math" else "flash")
+
+
+@pytest.mark.skipif(not _has_triton(), reason="the Triton route needs triton installed")
+@pytest.mark.parametrize(
+    ("backend", "method", "dtype", "t", "want"),
+    [
+        ("auto", "auto", torch.bfloat16, 64, ("multiplicity", "triton", "triton")),
+        ("auto", "auto", torch.bfloat16, 1, ("samples", "flash", "flash")),  # per sample: the device's torch kernel
+        ("auto", "auto", torch.float32, 1, ("samples", "math", "flash")),  # ... which refuses float32 up front
+        ("auto", "multiplicity", torch.float16, 1, ("multiplicity", "triton", "triton")),  # forced: even T = 1
+        ("triton", "auto", torch.float32, 64, ("multiplicity", "triton", "triton")),
+    ],
+)
+def test_cuda_decisions_of_the_triton_route(sm90, backend, method, dtype, t, want):
+    route = _route(cuda_like(64, dtype), backend, method)
+    assert route.kernel == "triton"
+    parts = sample_partitions(64, [0.5, 0.25, 0.125, 0.0625], t, generator=0)
+    decision = engine.decide(route, parts, 4, 64, CUDA)
+    assert (decision.method, decision.kernel, decision.layout) == want
+    assert decision.backend is engine.backend_for(*want[:2])
+
+
+def test_the_flash_fallback_is_decided_up_front(monkeypatch):
+    # Where torch's flash op refuses a call (here: made to refuse on the CPU), decide runs the math kernel and the
+    # kernel calls never see "flash"; the inputs keep the flash layout; the numbers are the math kernel's.
+    monkeypatch.setattr(engine, "flash_refusal", lambda device, dtype, head_dim, masked: "refused")
+    kernels = []
+    real = per_sample_module.attend
+
+    def spy(*args, **kwargs):
+        kernels.append(kwargs["kernel"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(per_sample_module, "attend", spy)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 8, generator=g) for _ in range(3))
+    route = _route(q, "auto", "samples")
+    parts = sample_partitions(24, [0.3, 0.1], 3, generator=0)
+    p = engine.plan(route, parts, 2, 24, CPU)
+    assert (p.route.kernel, p.kernel, p.layout) == ("flash", "math", "flash")
+    out, _, _ = engine.forward(p, q, k, v)
+    assert kernels and set(kernels) == {"math"}
+    monkeypatch.undo()
+    torch.testing.assert_close(out, plsh_attention(q, k, v, partitions=parts, method="samples", backend="math"),
+                               rtol=0, atol=0)  # fmt: skip
+
+
+@pytest.mark.skipif(not (_has_triton() and INTERPRET), reason="the Triton route on CPU needs the interpreter")
+def test_cuda_routing_end_to_end(monkeypatch):
+    # engine.triton_device replaced: the CPU counts as a CUDA device; the defaults reach the Triton backend when the
+    # cost model picks the multiplicity form, and the per-sample path on the device's torch kernel otherwise.
+    from positional_lsh.ops._engine.triton import host as tm
+    from positional_lsh.ops._engine.triton.plan import BlockConfig, TritonPlan
+
+    monkeypatch.setattr(engine, "triton_device", lambda device: True)
+    monkeypatch.setattr(tm, "config_for", lambda q: BlockConfig(16, 16, 16))
+    q = torch.zeros(1, 2, 40, 16)
+    route = _route(q)
+    assert (route.method, route.kernel) == ("auto", "triton")
+    p = engine.plan(route, sample_partitions(40, [0.2, 0.05], 40, generator=0), 2, 40, CPU)
+    assert (p.method, p.kernel, p.layout) == ("multiplicity", "triton", "triton")
+    assert isinstance(p.backend_plan, TritonPlan)
+    p = engine.plan(route, sample_partitions(40, [0.2, 0.05], 1, generator=0), 2, 40, CPU)
+    assert (p.method, p.kernel) == ("samples", "flash") and isinstance(p.backend_plan, SamplesPlan)
+    assert _route(q, method="samples").kernel == "flash"  # the per-sample path never routes to Triton
+
+
+# ------------------------------------------------------------------------------- every backend against the oracle
+
+
+def _dense_surrogate(q, k, v, dout, mbar, *, causal, scale):
+    """float64 ``(out, dq, dk, dv, dist)`` by autograd through ``softmax(s + log Mbar - (m - m.detach()) |i - j|) v``
+    (``Mbar (Hq, Lk, Lk)``; queries the last ``Lq`` positions): the estimator and its gradients, ``dist = -dm``."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    hq, hkv, lq, lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    pos = torch.arange(lk - lq, lk)
+    dist = (pos[:, None] - torch.arange(lk)[None, :]).abs().double()
+    log_mbar = torch.log(mbar[:, lk - lq :, :])
+    if causal:
+        log_mbar = log_mbar.masked_fill(torch.arange(lk)[None, :] > pos[:, None], -math.inf)
+    m = torch.zeros(hq, dtype=F64, requires_grad=True)
+    kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    s = q @ kk.transpose(-1, -2) * scale + log_mbar - (m - m.detach())[:, None, None] * dist
+    out = torch.softmax(s, -1) @ vv
+    dq, dk, dv, dm = torch.autograd.grad(out, (q, k, v, m), dout.double())
+    return out.detach(), dq, dk, dv, -dm
+
+
+# (hq, hkv, lq, lk, T, scheme, causal)
+_CASES = [
+    (4, 2, 24, 24, 5, "discrete", True),
+    (4, 2, 24, 24, 5, "gamma", False),
+    (2, 1, 10, 30, 3, "gamma", True),  # Lq < Lk, MQA
+    (2, 2, 1, 20, 4, "discrete", False),  # one query (decoding)
+]
+
+
+def _inputs(hq, hkv, lq, lk, t, scheme, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((2, hq, lq, 16), (2, hkv, lk, 16), (2, hkv, lk, 16), (2, hq, lq, 16))
+    q, k, v, dout = (torch.randn(s, generator=g, dtype=F64).to(dtype) for s in shapes)
+    parts = sample_partitions(lk, [0.5, 0.1, 0.03, 0.0][:hq], t, scheme=scheme, generator=seed + 3)
+    return q, k, v, dout, parts
+
+
+def _through_the_interface(backend, q, k, v, dout, parts, causal, scale):
+    """The backend's plan → forward → backward(dist_grad=True), as the engine calls them."""
+    qi, ki, vi, bad = engine.kernel_inputs(q, k, v, backend.kernel)
+    assert bad is None
+    plan = backend.plan(parts, k.shape[1], q.shape[2], causal, q.device)
+    assert plan.causal == causal
+    out, lse = backend.forward(plan, qi, ki, vi, scale)
+    grads = backend.backward(plan, Saved(qi, ki, vi, out, lse), dout.contiguous(), scale, True)
+    plain = backend.backward(plan, Saved(qi, ki, vi, out, lse), dout.contiguous(), scale, False)
+    assert plain[3] is None and all(torch.equal(a, b) for a, b in zip(plain[:3], grads[:3], strict=True))
+    return out, lse, grads
+
+
+def _check(out, lse, grads, q, k, v, dout, parts, causal, scale, tol):
+    mbar = naive_mean_mask(parts.pitch, parts.shift, parts.seq_len)
+    want = _dense_surrogate(q, k, v, dout, mbar, causal=causal, scale=scale)
+    oracle = naive_estimator(q, k, v, mbar, causal=causal, scale=scale)
+    assert out.dtype == q.dtype and lse.shape == q.shape[:3]
+    torch.testing.assert_close(out.double(), oracle, rtol=0, atol=tol)
+    torch.testing.assert_close(want[0], oracle, rtol=0, atol=1e-12)  # the surrogate's value is the estimator
+    dq, dk, dv, dist = grads
+    assert (dq.dtype, dk.dtype, dv.dtype) == (q.dtype, k.dtype, v.dtype) and dist.shape == (q.shape[1],)
+    for got, ref in zip((dq, dk, dv), want[1:4], strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=tol * max(1.0, float(ref.abs().max())))
+    torch.testing.assert_close(dist.double(), want[4], rtol=tol, atol=tol * max(1.0, float(want[4].abs().max())))
+
+
+@pytest.mark.parametrize(("hq", "hkv", "lq", "lk", "t", "scheme", "causal"), _CASES)
+@pytest.mark.parametrize(("method", "kernel"), TORCH_ROWS)
+def test_every_torch_backend_equals_the_oracle(method, kernel, hq, hkv, lq, lk, t, scheme, causal):
+    backend = engine.backend_for(method, kernel)
+    q, k, v, dout, parts = _inputs(hq, hkv, lq, lk, t, scheme, F64)
+    scale = 16**-0.5
+    out, lse, grads = _through_the_interface(backend, q, k, v, dout, parts, causal, scale)
+    assert lse.dtype == F64 and grads[3].dtype == F64
+    _check(out, lse, grads, q, k, v, dout, parts, causal, scale, 1e-10)
+
+
+@pytest.mark.skipif(not (_has_triton() and INTERPRET), reason="CPU tensors need Triton's interpreter")
+@pytest.mark.parametrize(("hq", "hkv", "lq", "lk", "t", "scheme", "causal"), _CASES)
+def test_the_triton_backend_equals_the_oracle(monkeypatch, hq, hkv, lq, lk, t, scheme, causal):
+    from positional_lsh.ops._engine.triton import host as tm
+    from positional_lsh.ops._engine.triton.plan import BlockConfig
+
+    monkeypatch.setattr(tm, "config_for", lambda q: BlockConfig(16, 16, 16))  # small tiles: near and far blocks
+    backend = engine.backend_for("multiplicity", "triton")
+    q, k, v, dout, parts = _inputs(hq, hkv, lq, lk, t, scheme, torch.float32)
+    scale = 16**-0.5
+    out, lse, grads = _through_the_interface(backend, q, k, v, dout, parts, causal, scale)
+    assert lse.dtype == torch.float32 and grads[3].dtype == torch.float32
+    _check(out, lse, grads, q, k, v, dout, parts, causal, scale, 2e-5)
+
+
+@pytest.mark.parametrize("method", ["samples", "multiplicity"])
+def test_the_engine_adds_the_nonfinite_key_rule_and_the_same_numbers(method):
+    # engine.forward/backward = kernel_inputs + the backend's steps + the rows that keep a NaN key set to NaN.
+    q, k, v, dout, parts = _inputs(4, 2, 24, 24, 5, "gamma", F64)
+    route = _route(q, "math", method)
+    p = engine.plan(route, parts, 2, 24, CPU)
+    out, lse, inputs = engine.forward(p, q, k, v)
+    direct = p.backend.forward(p.backend_plan, *inputs, route.scale)
+    assert torch.equal(out, direct[0]) and torch.equal(lse, direct[1])
+    grads = engine.backward(p, (*inputs, out, lse), dout, dist_grad=True)
+    direct_grads = p.backend.backward(p.backend_plan, Saved(*inputs, out, lse), dout, route.scale, True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, direct_grads, strict=True))
+    k = k.clone()
+    k[1, 0, 3, 2] = float("nan")
+    out, _, _ = engine.forward(p, q, k, v)
+    rows = engine.rows_reaching(torch.isnan(k).any(-1), parts, 24, True)
+    assert bool(rows.any()) and torch.equal(out.isnan().any(-1), rows)
