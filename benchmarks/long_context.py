@@ -54,7 +54,7 @@ import torch
 from positional_lsh.lm.checkpoint import is_checkpoint, read_checkpoint_config
 from positional_lsh.lm.config import ModelConfig
 from positional_lsh.lm.model import TransformerLM
-from positional_lsh.ops._engine.multiplicity import sample_bounds
+from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.partition import sample_partitions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +86,7 @@ def union_entries(seq_len: int, n_head: int, num_samples: int, draws: int = 4) -
     for seed in range(draws):
         parts = sample_partitions(seq_len, slopes, num_samples, generator=torch.Generator().manual_seed(seed))
         for h in range(n_head):
-            lo, _ = sample_bounds(parts.pitch[:, h], parts.shift[:, h], seq_len, pos)
+            lo, _ = block_bounds(parts.pitch[:, h], parts.shift[:, h], seq_len, pos)
             total += float((pos[:, 0] - lo.amin(1) + 1).sum())
     return total / (draws * n_head * seq_len)
 

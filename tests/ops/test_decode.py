@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from positional_lsh import plsh_attention, sample_partitions
-from positional_lsh.ops.decode import block_bounds, key_reach, plsh_decode
+from positional_lsh.ops.decode import key_reach, plsh_decode
+from positional_lsh.ops.partitions.bounds import block_bounds
 
 from conftest import naive_estimator, naive_mean_mask
 
@@ -61,7 +62,7 @@ def test_dropped_keys_and_key_reach(scheme):
     live = n - lq - reach  # the first key a query of this call (or a later one) can reach
     out = plsh_decode(q, k[:, :, live:], v[:, :, live:], parts, key_offset=live)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
-    first = int(block_bounds(parts, torch.tensor([n - lq]))[0].min())  # the exact first key needed
+    first = int(block_bounds(parts.pitch, parts.shift, n, torch.tensor(n - lq))[0].min())  # the first key needed
     assert live <= first
     out = plsh_decode(q, k[:, :, first:], v[:, :, first:], parts, key_offset=first)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
@@ -70,19 +71,6 @@ def test_dropped_keys_and_key_reach(scheme):
     assert key_reach(sample_partitions(n, SLOPES, 2, generator=0)) is None  # slope 0: every key stays reachable
     capped = sample_partitions(n, torch.tensor([1e-3] * 4), 4, generator=0, max_block=16)
     assert key_reach(capped) <= 15
-
-
-def test_block_bounds_are_the_blocks_of_labels():
-    n = 57
-    for scheme, slopes in (("gamma", SLOPES), ("discrete", torch.tensor([3.0, 0.7, 0.01, 0.0]))):
-        parts = sample_partitions(n, slopes, 7, scheme=scheme, generator=11)
-        starts, ends = block_bounds(parts, torch.arange(n))
-        labels = parts.labels()
-        for t in range(parts.num_samples):
-            for h in range(parts.num_heads):
-                for p in range(n):
-                    block = torch.nonzero(labels[t, h] == labels[t, h, p]).flatten()
-                    assert (int(starts[t, h, p]), int(ends[t, h, p])) == (int(block.min()), int(block.max()) + 1)
 
 
 def test_gradients_half_types_and_nonfinite_keys():
@@ -131,9 +119,5 @@ def test_bad_input():
         plsh_decode(q, k, v, parts, causal=1)
     with pytest.raises(TypeError, match="dtype"):
         plsh_decode(q.float(), k, v, parts)
-    with pytest.raises(ValueError, match="positions"):
-        block_bounds(parts, torch.tensor([n]))
-    with pytest.raises(TypeError, match="positions"):
-        block_bounds(parts, torch.tensor([1.0]))
     with pytest.raises(TypeError, match="partitions"):
         key_reach(None)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from positional_lsh.ops import alibi_attention, alibi_bias, plsh_attention, sample_partitions
-from positional_lsh.ops._engine.multiplicity import sample_bounds
+from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
@@ -145,7 +145,7 @@ class Method:
 def _bound_rows(partitions: Partitions, head: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(start, end)`` of the blocks holding ``rows`` in every sample of ``head``: int64 ``(T, len(rows))``."""
     pitch, shift = partitions.pitch[:, head, None], partitions.shift[:, head, None]
-    return sample_bounds(pitch, shift, partitions.seq_len, rows[None, :])
+    return block_bounds(pitch, shift, partitions.seq_len, rows[None, :])
 
 
 def sample_pairs(partitions: Partitions, *, causal: bool, chunk: int = 4096) -> int:

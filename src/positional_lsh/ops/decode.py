@@ -10,8 +10,8 @@ about the largest of its blocks — not the ``n`` keys of the sequence, and not 
   ``O(T H)`` numbers, the kernel work ``O(H * Lq * span * d)``; neither depends on the sequence length. It equals
   :func:`~positional_lsh.plsh_attention` (tests: the dense float64 oracle) and takes keys that start at
   ``key_offset``, so a cache may drop the keys no later query can reach.
-* :func:`block_bounds` gives the block ``[start, end)`` holding each position in every sample (the floor formula of
-  :meth:`~positional_lsh.Partitions.labels`, exactly), and :func:`key_reach` the farthest any query reaches back:
+* The blocks of the queries come from :func:`~positional_lsh.ops.partitions.bounds.block_bounds` (the floor formula
+  of :meth:`~positional_lsh.Partitions.labels`, exactly). :func:`key_reach` is the farthest any query reaches back:
   keys more than ``key_reach(partitions)`` positions before a query are dead for it and for every later query
   (block starts never decrease with the position). ``positional_lsh.integrations.hf.cache`` drops them.
 
@@ -24,68 +24,13 @@ import torch
 
 from positional_lsh.ops._checks import as_scale, check_bool, check_int, check_qkv, positive_int
 from positional_lsh.ops._engine.kernels import acc_dtype, nonfinite_keys
+from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.partition import Partitions
-from positional_lsh.ops.partitions.schemes import get_scheme
 
-__all__ = ["DECODE_QUERY_CHUNK", "block_bounds", "key_reach", "plsh_decode"]
+__all__ = ["DECODE_QUERY_CHUNK", "key_reach", "plsh_decode"]
 
 #: Queries per dense step of :func:`plsh_decode`: a chunk of ``c`` queries attends to at most ``c + span`` keys.
 DECODE_QUERY_CHUNK = 64
-
-
-def _bounds(partitions: Partitions, pos: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 ``(starts, ends)`` ``(T, H, P)`` of the blocks holding the positions ``pos (P,)`` (float64), clipped to
-    ``[0, n)``. Integer schemes: exact integer arithmetic; real pitches: the floor formula, then moved until the
-    labels agree with it."""
-    pitch = partitions.pitch[:, :, None]  # (T, H, 1) float64 CPU
-    shift = partitions.shift[:, :, None]
-    finite = torch.isfinite(pitch)
-    b = torch.where(finite, pitch, 1.0)
-    s = torch.where(finite, shift, 0.0)
-    pos = pos[None, None, :]
-    lab = torch.floor((pos - s) / b)
-    if get_scheme(partitions.scheme).integer:
-        # Integer pitch b and shift s: blocks [0, s), then [s + c b, s + (c + 1) b); the quotient of two integers
-        # rounds to floor exactly. (Pitch 1: every position its own block.)
-        lo = (s + lab * b).clamp_min(0.0)
-        hi = (s + (lab + 1.0) * b).clamp_max(float(n))
-    else:
-
-        def label(x: torch.Tensor) -> torch.Tensor:
-            return torch.floor((x - s) / b)
-
-        lo = torch.ceil(s + lab * b).clamp_min(0.0).minimum(pos)
-        hi = torch.ceil(s + (lab + 1.0) * b).maximum(pos + 1.0).clamp_max(float(n))
-        for _ in range(2):  # exact: move the bounds until the labels agree with the floor formula
-            lo = torch.where((lo > 0) & (label(lo - 1.0) >= lab), lo - 1.0, lo)
-            lo = torch.where(label(lo) < lab, lo + 1.0, lo)
-            hi = torch.where((hi < n) & (label(hi) <= lab), hi + 1.0, hi)
-            hi = torch.where(label(hi - 1.0) > lab, hi - 1.0, hi)
-        single = b <= 1.0  # boundaries less than one position apart: every position its own block
-        lo = torch.where(single, pos, lo)
-        hi = torch.where(single, pos + 1.0, hi)
-    lo = torch.where(finite, lo, 0.0)  # pitch inf: one block holding the whole sequence
-    hi = torch.where(finite, hi, float(n))
-    return lo, hi
-
-
-def block_bounds(partitions: Partitions, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block of every sample holding each position: ``(starts, ends)``, int64 ``(T, H, P)``.
-
-    ``positions`` is a 1-D int64 tensor of positions in ``[0, partitions.seq_len)``; block ``[start, end)`` is
-    clipped to the sequence. The blocks are those of :meth:`Partitions.labels` (position ``p`` is in block
-    ``floor((p - shift) / pitch)``) exactly.
-    """
-    if not isinstance(partitions, Partitions):
-        raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
-    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point():
-        raise TypeError("positions must be a 1-D integer tensor")
-    n = partitions.seq_len
-    pos = positions.detach().to("cpu", torch.float64)
-    if pos.numel() and (float(pos.min()) < 0 or float(pos.max()) >= n):
-        raise ValueError(f"positions must lie in [0, {n}), got {positions.min().item()}..{positions.max().item()}")
-    lo, hi = _bounds(partitions, pos, n)
-    return lo.long(), hi.long()
 
 
 def key_reach(partitions: Partitions) -> int | None:
@@ -117,7 +62,7 @@ def _rows(
     rows: slice,
     scale: float,
 ) -> torch.Tensor:
-    """Rows ``rows`` of the estimator; ``starts, ends`` (float64 ``(T, H, P)``) are the (causally clipped) blocks of
+    """Rows ``rows`` of the estimator; ``starts, ends`` (int64 ``(T, H, P)``) are the (causally clipped) blocks of
     those rows' queries and ``k, v`` the keys from position ``key_offset``."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
@@ -201,10 +146,10 @@ def plsh_decode(
             f"{shape.q_heads} heads and the keys cover positions {key_offset}..{n - 1} (at least seq_len={n})"
         )
     lq = shape.q_len
-    pos = torch.arange(n - lq, n, dtype=torch.float64)
-    starts, ends = _bounds(partitions, pos, n)  # (T, H, Lq) float64
+    pos = torch.arange(n - lq, n)
+    starts, ends = block_bounds(partitions.pitch[..., None], partitions.shift[..., None], n, pos)  # (T, H, Lq)
     if causal:
-        ends = torch.minimum(ends, pos + 1.0)
+        ends = torch.minimum(ends, pos + 1)
     if lq <= query_chunk and shape.batch * shape.q_heads * lq * (n - float(starts[..., 0].min())) <= _STEP_ELEMENTS:
         return _rows(q, k, v, starts, ends, key_offset, slice(0, lq), sc)
     first_key = starts.amin((0, 1)).tolist()  # per query, non-decreasing

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from positional_lsh import alibi_slopes, dense_plsh_attention, plsh_attention, sample_partitions
-from positional_lsh.ops._engine.multiplicity import exact_ceil, exact_floor, multiplicity_plan, sample_bounds
+from positional_lsh.ops._engine.multiplicity import multiplicity_plan
 from positional_lsh.ops.partitions.schemes import scheme_names
 
 from conftest import naive_estimator, naive_mean_mask
@@ -128,19 +128,6 @@ def test_nan_keys_reach_the_same_rows():
     torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=0, atol=1e-12)
 
 
-def test_bounds_and_floor_are_exact():
-    x = torch.cat([torch.randn(10000, dtype=torch.float64) * 1e6, torch.arange(-50, 50, dtype=torch.float64) / 7])
-    assert torch.equal(exact_floor(x), torch.floor(x)) and torch.equal(exact_ceil(x), torch.ceil(x))
-    parts = sample_partitions(500, SLOPES, 9, scheme="gamma", generator=4)
-    lab = parts.labels()  # (T, H, n)
-    pos = torch.arange(500)
-    start, end = sample_bounds(parts.pitch[..., None], parts.shift[..., None], 500, pos)
-    same = lab[..., None, :] == lab[..., :, None]  # (T, H, n, n)
-    first = torch.where(same, pos, 10**9).amin(-1)
-    last = torch.where(same, pos, -1).amax(-1) + 1
-    assert torch.equal(start, first) and torch.equal(end, last)
-
-
 def test_plan_is_a_few_calls_and_bad_method():
     parts = sample_partitions(4096, alibi_slopes(8), 64, generator=0)
     plan = multiplicity_plan(parts, list(range(8)), 8, 4096, True)
@@ -162,9 +149,9 @@ def test_integer_row_bounds_equal_the_general_ones(causal, monkeypatch):
     for g in plan.groups:
         rows, _ = mult.tile_rows(g, lq)
         pos = rows + (n - lq)
-        assert mult.integer_pitch_shift(g) is not None
+        assert mult.integer_pitch_shift(g.pitch, g.shift) is not None
         fast = mult.row_bounds(g, pos, n, True)
         with monkeypatch.context() as m:
-            m.setattr(mult, "integer_pitch_shift", lambda g: None)
+            m.setattr(mult, "integer_pitch_shift", lambda pitch, shift: None)
             slow = mult.row_bounds(g, pos, n, True)
         assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from positional_lsh import sample_partitions
-from positional_lsh.ops._engine.multiplicity import sample_bounds
 from positional_lsh.ops._engine.triton.plan import (
     BLOCK_TABLE,
     BlockConfig,
@@ -21,6 +20,7 @@ from positional_lsh.ops._engine.triton.plan import (
     head_bounds,
     near_dtype,
 )
+from positional_lsh.ops.partitions.bounds import block_bounds
 
 SLOPES = torch.tensor([0.5, 0.1, 0.0, 0.03, 0.2])
 
@@ -106,12 +106,12 @@ def test_plan_against_dense_counts(scheme, causal, heads, lq, lk, t, cfg):
 
 
 @pytest.mark.parametrize("scheme", ["discrete", "gamma", "fixed"])
-def test_head_bounds_equal_sample_bounds(scheme):
+def test_head_bounds_equal_block_bounds(scheme):
     parts = sample_partitions(300, SLOPES, 9, scheme=scheme, generator=2)
     pos = torch.arange(300)
     for h in range(parts.num_heads):
         got = head_bounds(parts.pitch[:, h], parts.shift[:, h], 300, pos)
-        want = sample_bounds(parts.pitch[:, h, None], parts.shift[:, h, None], 300, pos.expand(9, -1))
+        want = block_bounds(parts.pitch[:, h, None], parts.shift[:, h, None], 300, pos.expand(9, -1))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -50,6 +50,7 @@ import torch
 from positional_lsh.ops._engine.backend import Gradients, Saved, accumulators
 from positional_lsh.ops._engine.cost import TILE_HEIGHTS, tiling_estimate
 from positional_lsh.ops._engine.kernels import acc_dtype, attend, attend_backward, attend_bias_grad
+from positional_lsh.ops.partitions.bounds import block_bounds, exact_floor, integer_pitch_shift
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
@@ -58,12 +59,8 @@ __all__ = [
     "MultiplicityBackend",
     "MultiplicityPlan",
     "Tiling",
-    "exact_ceil",
-    "exact_floor",
-    "integer_pitch_shift",
     "multiplicity_plan",
     "row_bounds",
-    "sample_bounds",
     "tile_rows",
     "tilings",
 ]
@@ -74,56 +71,6 @@ _STEPS_PER_OCTAVE = 4
 _BOUNDS_ELEMENTS = 2**18
 # One kernel call materializes about this many elements (gathered keys/values, mask, per-row bounds).
 _CHUNK_ELEMENTS = 2**23
-
-
-_ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds a float64 |x| < 2**51 to an integer
-
-
-def exact_floor(x: torch.Tensor) -> torch.Tensor:
-    """``torch.floor`` for float64 ``|x| < 2**51`` (and +-inf), exact, with vectorized adds only.
-
-    torch's CPU ``floor``/``ceil`` on float64 runs at about 60 ns per element on the measured machine (against
-    0.5 ns for float32); this is the bottleneck of the bounds otherwise.
-    """
-    r = (x + _ROUND) - _ROUND  # round to nearest integer
-    return r - (r > x).to(x.dtype)
-
-
-def exact_ceil(x: torch.Tensor) -> torch.Tensor:
-    """``torch.ceil`` for float64 ``|x| < 2**51`` (and +-inf), exact: ``-exact_floor(-x)``."""
-    return -exact_floor(-x)
-
-
-def sample_bounds(
-    pitch: torch.Tensor, shift: torch.Tensor, seq_len: int, pos: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """First position and one past the last of the block holding ``pos`` in each partition: int64 ``(start, end)``.
-
-    ``pitch``/``shift`` (float64, any shape broadcastable with ``pos``) describe partitions as in
-    :class:`~positional_lsh.Partitions`: position ``i`` is in block ``floor((i - shift) / pitch)``. Exact: the
-    bounds are moved until the labels agree with that floor formula (the one ``Partitions.labels`` uses), so
-    generic (non-integer) pitches give the same blocks as the dense masks. ``pitch = inf`` is one block,
-    ``pitch <= 1`` single positions.
-    """
-    p = pos.to(torch.float64)
-    n = float(seq_len)
-
-    def label(i: torch.Tensor) -> torch.Tensor:
-        return exact_floor((i - shift) / pitch)
-
-    lab = label(p)
-    lo = exact_ceil(shift + lab * pitch).clamp_min(0.0).minimum(p)
-    hi = exact_ceil(shift + (lab + 1.0) * pitch).maximum(p + 1.0).clamp_max(n)
-    for _ in range(2):
-        lo = torch.where((lo > 0) & (label(lo - 1.0) >= lab), lo - 1.0, lo)
-        lo = torch.where(label(lo) < lab, lo + 1.0, lo)
-        hi = torch.where((hi < n) & (label(hi) <= lab), hi + 1.0, hi)
-        hi = torch.where(label(hi - 1.0) > lab, hi - 1.0, hi)
-    one_block = torch.isinf(pitch)
-    single = pitch <= 1.0
-    lo = torch.where(one_block, 0.0, torch.where(single, p, lo))
-    hi = torch.where(one_block, n, torch.where(single, p + 1.0, hi))
-    return lo.long(), hi.long()
 
 
 @dataclass(frozen=True)
@@ -201,9 +148,9 @@ def tilings(partitions: Partitions, heads: list[int], q_len: int, causal: bool) 
     ``head -> (estimated ns, (q_start, k_start, k_len), tile)``.
 
     For each candidate tile height the bounds of every head's tile rows come from one vectorized
-    :func:`sample_bounds` over ``(tiles, T, heads)`` (a per-head loop costs ~30 % of a short call's forward in
-    planning overhead). A tile's key window covers the union of its rows' intervals; both ends are monotone
-    in the row, so the first and last row fix it.
+    :func:`~positional_lsh.ops.partitions.bounds.block_bounds` over ``(tiles, T, heads)`` (a per-head loop costs
+    ~30 % of a short call's forward in planning overhead). A tile's key window covers the union of its rows'
+    intervals; both ends are monotone in the row, so the first and last row fix it.
     """
     n = partitions.seq_len
     q0 = n - q_len
@@ -214,7 +161,7 @@ def tilings(partitions: Partitions, heads: list[int], q_len: int, causal: bool) 
     unit = TILE_HEIGHTS[0]
     fine = torch.arange(0, q_len, unit, dtype=torch.long)
     fine_last = torch.clamp(fine + unit, max=q_len) - 1 + q0
-    # (fine tiles, T, heads) bounds, a few heads at a time: sample_bounds holds ~10 float64 temporaries of that
+    # (fine tiles, T, heads) bounds, a few heads at a time: block_bounds holds ~10 float64 temporaries of that
     # shape, which for all heads at once would dominate the call's peak memory at large n and T.
     # At very large T one head alone is too many: then a head's samples are taken a slice at a time as well.
     num_t = pitch.shape[0]
@@ -226,10 +173,10 @@ def tilings(partitions: Partitions, heads: list[int], q_len: int, causal: bool) 
         end_h: torch.Tensor | None = None
         for b in range(0, num_t, t_chunk):
             p, sh = pitch[b : b + t_chunk, a : a + chunk], shift[b : b + t_chunk, a : a + chunk]
-            lo = sample_bounds(p, sh, n, (fine + q0)[:, None, None])[0].amin(1)
+            lo = block_bounds(p, sh, n, (fine + q0)[:, None, None])[0].amin(1)
             lo_h = lo if lo_h is None else torch.minimum(lo_h, lo)
             if not causal:
-                end = sample_bounds(p, sh, n, fine_last[:, None, None])[1].amax(1)
+                end = block_bounds(p, sh, n, fine_last[:, None, None])[1].amax(1)
                 end_h = end if end_h is None else torch.maximum(end_h, end)
         assert lo_h is not None
         lo_cols.append(lo_h)
@@ -308,44 +255,33 @@ def tile_rows(g: _Group, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return r.clamp(max=q_len - 1), r < q_len
 
 
-def integer_pitch_shift(g: _Group) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The ``(pitch, shift)`` of ``g``'s tiles as int64 ``(N, 1, T)`` when every pitch is an integer in
-    ``[1, 2**51)`` and every shift an integer (the integer schemes, e.g. ``discrete`` and ``fixed``, without slope-0
-    heads or pitches of tiny slopes, whose int64 block ends could overflow); else ``None``."""
-    pitch, shift = g.pitch, g.shift
-    ok = (pitch >= 1) & (pitch < 2.0**51) & (exact_floor(pitch) == pitch) & (exact_floor(shift) == shift)
-    if not bool(ok.all()):
-        return None
-    return pitch.long()[:, None, :], shift.long()[:, None, :]
-
-
 def row_bounds(g: _Group, pos: torch.Tensor, n: int, need_end: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``start_t``/``end_t`` of the block of every tile row in every sample: int64 ``(N, tile, T)``.
 
     ``pos`` (int64 ``(N, tile)``) are the rows' key positions in a sequence of ``n``; ``end`` is ``None`` unless
     ``need_end``.
 
-    Integer pitches and shifts: block ``floor((i - shift) / pitch)`` starts at ``i - ((i - shift) mod pitch)``
-    and ends ``pitch`` later, clamped to ``[0, n]`` — a few integer passes. Otherwise exact bounds
-    (:func:`sample_bounds`) are computed for the first (and last) row of each tile only; inside a tile the rows
-    are consecutive positions, so a block starts wherever the label ``floor((i - shift) / pitch)`` changes:
-    ``start`` is a running maximum of those positions, ``end`` a reversed running minimum.
+    Integer pitches and shifts (the one rule, :func:`~positional_lsh.ops.partitions.bounds.integer_pitch_shift`):
+    :func:`~positional_lsh.ops.partitions.bounds.block_bounds` of every row, a few integer passes. Otherwise
+    ``block_bounds`` of the first (and last) row of each tile only; inside a tile the rows are consecutive
+    positions, so a block starts wherever the label ``floor((i - shift) / pitch)`` changes: ``start`` is a running
+    maximum of those positions, ``end`` a reversed running minimum.
     """
     p = pos[..., None]  # (N, tile, 1)
-    whole = integer_pitch_shift(g)  # a module-level lookup (tests replace it to exercise the general path)
-    if whole is not None:  # integer pitches >= 1 and shifts: the block start is i - ((i - shift) mod pitch)
-        b, sh = whole
-        start = p - torch.remainder(p - sh, b)  # before clamping: the end below is start + pitch
-        end = (start + b).clamp_(max=n) if need_end else None
-        return start.clamp_(min=0), end
-    pitch, shift = g.pitch[:, None, :], g.shift[:, None, :]
+    if integer_pitch_shift(g.pitch, g.shift) is not None:  # a module-level lookup (tests replace it)
+        start, end = block_bounds(g.pitch[:, None, :], g.shift[:, None, :], n, p)
+        return start, end if need_end else None
+    # Pitches <= 1 (every position its own block) as 0.5: their labels stay below 2**51, where exact_floor is exact.
+    single = g.pitch <= 1.0
+    pitch = torch.where(single, 0.5, g.pitch)[:, None, :]
+    shift = torch.where(single, 0.0, g.shift)[:, None, :]
     lab = exact_floor((p.to(torch.float64) - shift) / pitch)  # (N, tile, T)
     change = lab[:, 1:] != lab[:, :-1]  # label of row r+1 differs from row r: a block starts at row r+1
-    lo0, _ = sample_bounds(g.pitch, g.shift, n, pos[:, :1])  # (N, T)
+    lo0, _ = block_bounds(g.pitch, g.shift, n, pos[:, :1])  # (N, T)
     start = torch.cat([lo0[:, None], torch.where(change, p[:, 1:], lo0[:, None])], 1).cummax(1).values
     if not need_end:
         return start, None
-    _, hi1 = sample_bounds(g.pitch, g.shift, n, pos[:, -1:])
+    _, hi1 = block_bounds(g.pitch, g.shift, n, pos[:, -1:])
     cand = torch.cat([torch.where(change, p[:, 1:], hi1[:, None]), hi1[:, None]], 1)
     end = cand.flip(1).cummin(1).values.flip(1)
     return start, end

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
+from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.decays import DecayLike
 from positional_lsh.ops.partitions.schemes import get_scheme
 
@@ -194,30 +195,11 @@ class Partitions:
         """For each position ``j``, the union over samples of the blocks holding ``j``: ``[lo, hi)`` int64.
 
         ``positions`` is a 1-D int64 CPU tensor; ``lo``/``hi`` have its shape. Positions outside that span never
-        share a block with ``j`` (``Mbar[i, j] = 0``), so they never see key ``j``.
+        share a block with ``j`` (``Mbar[i, j] = 0``), so they never see key ``j``. The blocks are those of
+        :func:`~positional_lsh.ops.partitions.bounds.block_bounds`.
         """
-        pitch = self.pitch[:, head, None]  # (T, 1)
-        shift = self.shift[:, head, None]
-        pos = positions.to(torch.float64)[None, :]  # (1, J)
-        n = self.seq_len
-
-        def label(i: torch.Tensor) -> torch.Tensor:  # the block label of positions(s) i, as labels() computes it
-            return torch.floor((i - shift) / pitch)
-
-        lab = label(pos)
-        # First position of the block and one past its last, up to rounding.
-        lo = torch.ceil(shift + lab * pitch).clamp_min(0.0).minimum(pos)
-        hi = torch.ceil(shift + (lab + 1.0) * pitch).maximum(pos + 1.0).clamp_max(float(n))
-        for _ in range(2):  # exact: move the bounds until the labels agree with the floor formula
-            lo = torch.where((lo > 0) & (label(lo - 1.0) >= lab), lo - 1.0, lo)
-            lo = torch.where(label(lo) < lab, lo + 1.0, lo)
-            hi = torch.where((hi < n) & (label(hi) <= lab), hi + 1.0, hi)
-            hi = torch.where(label(hi - 1.0) > lab, hi - 1.0, hi)
-        one_block = torch.isinf(pitch).expand_as(lo)
-        single = (pitch <= 1.0).expand_as(lo)
-        lo = torch.where(one_block, 0.0, torch.where(single, pos.expand_as(lo), lo))
-        hi = torch.where(one_block, float(n), torch.where(single, pos.expand_as(hi) + 1.0, hi))
-        return lo.amin(0).long(), hi.amax(0).long()
+        lo, hi = block_bounds(self.pitch[:, head, None], self.shift[:, head, None], self.seq_len, positions[None, :])
+        return lo.amin(0), hi.amax(0)
 
     def _check_dense(self, what: str, elements: int) -> None:
         if elements > MAX_DENSE_ELEMENTS:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from positional_lsh.ops._engine.multiplicity import sample_bounds
+from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
@@ -166,22 +166,14 @@ def near_dtype(num_samples: int) -> torch.dtype:
     return torch.int16 if num_samples <= 32767 else torch.int32
 
 
-def _integer(pitch: torch.Tensor, shift: torch.Tensor) -> bool:
-    return bool((torch.isfinite(pitch) & (pitch >= 1) & (pitch == pitch.floor()) & (shift == shift.floor())).all())
-
-
 def head_bounds(
     pitch: torch.Tensor, shift: torch.Tensor, seq_len: int, pos: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(start, end)`` int64 ``(T, P)``: the block of each position ``pos (P,)`` in each of a head's ``T`` partitions
-    (``pitch, shift (T,)`` float64, on ``pos``'s device). Integer pitches and shifts: ``i - ((i - shift) mod pitch)``
-    and ``pitch`` later, clamped to ``[0, n]``; otherwise exact bounds (``ops._engine.multiplicity.sample_bounds``)."""
-    p = pos[None, :]
-    if _integer(pitch, shift):
-        b, s = pitch.long()[:, None], shift.long()[:, None]
-        start = p - torch.remainder(p - s, b)
-        return start.clamp(min=0), (start + b).clamp(max=seq_len)
-    return sample_bounds(pitch[:, None], shift[:, None], seq_len, p.expand(pitch.shape[0], -1))
+    (``pitch, shift (T,)`` float64, on ``pos``'s device): :func:`~positional_lsh.ops.partitions.bounds.block_bounds`,
+    integer arithmetic under its one rule. Only these bounds reach the kernels (int32 events and counts, clipped to
+    ``[0, Lk]``), never a pitch or a shift, so every pitch the rule takes is fine for them."""
+    return block_bounds(pitch[:, None], shift[:, None], seq_len, pos[None, :])
 
 
 @dataclass(frozen=True)
