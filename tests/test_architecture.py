@@ -56,8 +56,8 @@ ROOM_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "distributed": (
         ("theory", "lm", "integrations", "cli"),
         ("theory", "lm", "integrations", "cli"),
-        "distributed imports ops only, not even inside a function (lm loads it inside functions; it reaches the "
-        "language model's layers through their attributes)",
+        "distributed imports ops only, not even inside a function (lm loads it inside functions; the language "
+        "model's attention calls it through the op layer's ShardedAttention protocol, as its context= argument)",
     ),
     "cli": ((), (), "cli may import everything"),
 }

@@ -168,7 +168,7 @@ def test_lm_hook_passes_the_model_backend_and_method(monkeypatch):
     """Under context parallelism the language model's ``attn_backend`` and ``plsh_method`` reach the attention."""
     import positional_lsh.distributed.attention as cp_attention
     from positional_lsh import ModelConfig, TransformerLM
-    from positional_lsh.distributed import set_context_group
+    from positional_lsh.distributed import ContextShards
 
     cfg = ModelConfig(vocab_size=61, seq_len=32, n_layer=2, n_head=2, d_model=16, position="plsh", sigma=8.0,
                       attn_backend="math", plsh_method="samples")  # fmt: skip
@@ -178,8 +178,7 @@ def test_lm_hook_passes_the_model_backend_and_method(monkeypatch):
     ref = model(idx)
     seen: list = []
     monkeypatch.setattr(cp_attention, "plsh_attention", _recording(cp_attention, seen))
-    set_context_group(model, object(), shard_lengths=[32])  # no process group: one rank, plsh_attention
-    out = model(idx)
+    out = model(idx, context=ContextShards(object(), shard_lengths=[32]))  # no process group: one rank, plsh_attention
     assert seen == [("math", "samples")] * cfg.n_layer
     assert torch.equal(out, ref)
 
@@ -394,7 +393,7 @@ def _cases_lm(rank: int) -> dict[str, object]:
     import torch.nn.functional as F
 
     from positional_lsh import ModelConfig, TransformerLM
-    from positional_lsh.distributed import set_context_group, shard_sequence
+    from positional_lsh.distributed import ContextShards, shard_sequence
 
     # sigma = 40 on 96 tokens over 2 ranks: blocks cross the shard boundary.
     cfg = ModelConfig(vocab_size=97, seq_len=96, n_layer=2, n_head=4, d_model=32, position="plsh", sigma=40.0)
@@ -408,8 +407,7 @@ def _cases_lm(rank: int) -> dict[str, object]:
     loss_ref.backward()
     torch.manual_seed(0)
     model = TransformerLM(cfg).double().train()
-    set_context_group(model, dist.group.WORLD)
-    logits = model(shard_sequence(idx))
+    logits = model(shard_sequence(idx), context=ContextShards(dist.group.WORLD))
     local = shard_sequence(tgt)
     loss = F.cross_entropy(logits.flatten(0, 1), local.flatten(), reduction="sum") / tgt.numel()
     loss.backward()

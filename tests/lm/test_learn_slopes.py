@@ -329,10 +329,11 @@ def test_compiled_plsh_checks_the_slopes_against_the_partitions_inside_the_op() 
 
 
 def test_context_parallel_layer_refuses_learned_slopes() -> None:
+    from positional_lsh.distributed import ContextShards
+
     model = tiny("plsh", learn_slopes=True)
-    model.blocks[0].attn.context_group = object()  # what distributed.set_context_group sets
     with pytest.raises(ValueError, match=r"learn_slopes.*context parallelism"):
-        model(ids())
+        model(ids(), context=ContextShards(None, shard_lengths=[24]))
 
 
 def test_checkpoint_round_trip_keeps_the_slopes(tmp_path: Path) -> None:

@@ -381,6 +381,74 @@ def test_layer_partitions_follow_the_one_policy() -> None:
         model.set_rng_state([0, "x"] + [0] * (len(model.blocks) - 2))
 
 
+def test_plsh_layer_is_the_library_module() -> None:
+    # Each plsh layer's attention is a PositionalLSHAttention with the layer's seeds, kept out of the state dict;
+    # set_position rebuilds it in the layer's train/eval mode, keeping its step while the layer stays plsh.
+    from positional_lsh import PositionalLSHAttention
+    from positional_lsh.distributed import ContextShards
+    from positional_lsh.ops.partitions.sampling import layer_seed
+
+    model = tiny("plsh", num_samples=3, seed=5, eval_seed=9).train()
+    x = ids()
+    for i, block in enumerate(model.blocks):
+        attn = block.attn.plsh
+        assert isinstance(attn, PositionalLSHAttention) and not attn.persistent
+        assert (attn.num_samples, attn.sampler.seed, attn.sampler.eval_seed) == (3, layer_seed(5, i), layer_seed(9, i))
+    model(x), model(x)
+    assert model.rng_state() == [2, 2]
+    model.eval()
+    model.set_position("plsh", num_samples=4)
+    assert model.rng_state() == [2, 2] and not any(b.attn.plsh.training for b in model.blocks)
+    fresh = tiny("plsh", num_samples=4, seed=5, eval_seed=9).eval()  # the same weights
+    torch.testing.assert_close(model(x), fresh(x), rtol=0, atol=0)  # eval partitions, not training draws
+    model.train().set_position("alibi")
+    assert all(b.attn.plsh is None for b in model.blocks) and model.rng_state() == [0, 0]
+    model.set_rng_state([0, 0])
+    with pytest.raises(ValueError, match="layer 0, which has no positional-LSH attention"):
+        model.set_rng_state([3, 0])
+    with pytest.raises(ValueError, match="context parallelism supports position='plsh' only, got 'alibi'"):
+        model(x, context=ContextShards(None, shard_lengths=[24]))
+
+
+LAYER_WEIGHTS = ("norm1.weight", "attn.qkv.weight", "attn.proj.weight", "norm2.weight", "mlp.fc.weight",
+                 "mlp.proj.weight")  # fmt: skip
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_state_dict_layout_is_unchanged(position: str) -> None:
+    # The layout every earlier version wrote: the weights (and learned log-slopes) only; the attention module's
+    # step and slopes are not in it (the step is in the run directory's rng state, the slopes in the config).
+    keys = ["embed.weight"] + [f"blocks.{i}.{n}" for i in range(2) for n in LAYER_WEIGHTS] + ["norm.weight"]
+    assert list(tiny(position, num_samples=2).state_dict()) == [*keys, "head.weight"]
+    if position in ("alibi", "window-alibi", "plsh"):
+        learned = tiny(position, num_samples=2, learn_slopes=True).state_dict()
+        assert set(learned) == {*keys, "head.weight", "blocks.0.attn.log_slopes", "blocks.1.attn.log_slopes"}
+
+
+# Logits [0, -1, :3] of the shipped model on randint(0, 8192, (1, 300), seed 0), computed with the language model's
+# attention before it became PositionalLSHAttention (same checkpoint files): eval plsh T=2, then two training calls.
+SHIPPED_PLSH = [-4.199948310852051, 1.8793147802352905, 0.5406042337417603]
+SHIPPED_TRAIN = ([-4.207526683807373, 0.41001853346824646, -0.04191581904888153],
+                 [-3.864935874938965, 1.1733335256576538, -0.23710787296295166])  # fmt: skip
+
+
+@pytest.mark.skipif(not (shipped_checkpoint_path() / "model.safetensors").is_file(), reason="no shipped model")
+def test_shipped_checkpoint_loads_unchanged_to_the_same_logits() -> None:
+    from safetensors.torch import load_file
+
+    stored = load_file(str(shipped_checkpoint_path() / "model.safetensors"))
+    cfg = json.loads((shipped_checkpoint_path() / "config.json").read_text())["model"]
+    model = TransformerLM(ModelConfig(**{**cfg, "position": "plsh", "num_samples": 2}))
+    model.load_state_dict({**stored, "head.weight": stored["embed.weight"]}, strict=True)  # the files as shipped
+    x = torch.randint(0, 8192, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x)[0, -1, :3].tolist(), SHIPPED_PLSH, rtol=0, atol=1e-5)
+        model.train()
+        for want in SHIPPED_TRAIN:
+            torch.testing.assert_close(model(x)[0, -1, :3].tolist(), want, rtol=0, atol=1e-5)
+    assert model.rng_state() == [2] * 4
+
+
 @pytest.mark.parametrize("position", ["plsh", "alibi"])
 def test_model_compiles_fullgraph_for_eval_and_a_training_step(position: str) -> None:
     torch._dynamo.reset()

@@ -6,25 +6,23 @@ computed exactly from the partitions: see ``docs/distributed.md``.
 
 * :func:`context_parallel_plsh_attention`: this rank's shard of :func:`positional_lsh.plsh_attention` on the
   whole sequence, with exact gradients (halo gradients are sent back to their owners).
+* :class:`ContextShards`: the same for a :class:`~positional_lsh.TransformerLM` or a
+  :class:`~positional_lsh.PositionalLSHAttention`, as the ``context=`` argument of a call;
+  :func:`init_context_groups` and :func:`shard_sequence` set up the groups and the shards.
 * :func:`halo_plan`, :func:`bytes_per_rank`, :func:`ring_attention_bytes`, :func:`allgather_bytes`: exact byte
   accounting, no process group needed; :func:`comm_stats` counts what actually went through ``isend``.
 
-This room imports only the op layer (the public ``positional_lsh`` names, ``ops.options``, ``ops.partitions.partition``
-and
-the validators of ``ops._checks``), not even inside a function: the op layer never imports it, and the language
-model loads it only inside functions (the attention hook, context-parallel training).
+This room imports only the op layer (the public ``positional_lsh`` names, ``ops.options``,
+``ops.partitions.partition`` and the validators of ``ops._checks``), not even inside a function: the op layer never
+imports it, and the language model loads it only inside functions (context-parallel training). Context parallelism
+is an argument: :class:`ContextShards` is passed as ``context=`` to the model or module, which draws the
+partitions and calls it through the op layer's :class:`~positional_lsh.ops.module.ShardedAttention` protocol.
 """
 
 from __future__ import annotations
 
 from positional_lsh.distributed.attention import context_parallel_plsh_attention
-from positional_lsh.distributed.context import (
-    context_parallel_attend,
-    init_context_groups,
-    set_context_group,
-    shard_lengths,
-    shard_sequence,
-)
+from positional_lsh.distributed.context import ContextShards, init_context_groups, shard_lengths, shard_sequence
 from positional_lsh.distributed.exchange import comm_stats, halo_exchange, reset_comm_stats
 from positional_lsh.distributed.halo import (
     HaloPlan,
@@ -39,13 +37,13 @@ from positional_lsh.distributed.halo import (
 )
 
 __all__ = [
+    "ContextShards",
     "HaloPlan",
     "Transfer",
     "allgather_bytes",
     "block_extents",
     "bytes_per_rank",
     "comm_stats",
-    "context_parallel_attend",
     "context_parallel_plsh_attention",
     "crop_partitions",
     "halo_exchange",
@@ -53,7 +51,6 @@ __all__ = [
     "init_context_groups",
     "reset_comm_stats",
     "ring_attention_bytes",
-    "set_context_group",
     "shard_bounds",
     "shard_lengths",
     "shard_sequence",

@@ -2,26 +2,27 @@
 
 World layout (``world = data x context``): consecutive ranks form one context group, so rank ``r`` is context
 rank ``r % C`` of data replica ``r // C``. :func:`init_context_groups` builds both kinds of group;
-:func:`shard_sequence` gives a rank its contiguous piece of ``(B, L, ...)`` tokens; :func:`set_context_group`
-makes every positional-LSH attention layer of a :class:`~positional_lsh.TransformerLM` call
-:func:`~positional_lsh.distributed.context_parallel_plsh_attention` (the hook in ``lm/model.py`` calls
-:func:`context_parallel_attend`). Gradients of the parameters must then be summed over the whole world (each rank
-holds the loss of its tokens only, divided by the total token count).
+:func:`shard_sequence` gives a rank its contiguous piece of ``(B, L, ...)`` tokens; a :class:`ContextShards` passed
+as ``context=`` to a :class:`~positional_lsh.TransformerLM` (or a :class:`~positional_lsh.PositionalLSHAttention`)
+makes its positional-LSH attention run as
+:func:`~positional_lsh.distributed.context_parallel_plsh_attention` on that call: context parallelism is an
+argument, nothing is set on the model. Gradients of the parameters must then be summed over the whole world (each
+rank holds the loss of its tokens only, divided by the total token count).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from positional_lsh import Partitions
 from positional_lsh.distributed.attention import context_parallel_plsh_attention
 
-__all__ = ["context_parallel_attend", "init_context_groups", "set_context_group", "shard_lengths", "shard_sequence"]
+__all__ = ["ContextShards", "init_context_groups", "shard_lengths", "shard_sequence"]
 
 
 def shard_lengths(seq_len: int, world_size: int) -> list[int]:
@@ -67,58 +68,62 @@ def init_context_groups(context_parallel: int) -> tuple[Any, Any]:
     return data_group, ctx_group
 
 
-def set_context_group(
-    model: nn.Module, group: Any, shard_lengths: Sequence[int] | None = None, head_chunk: int | None = None
-) -> None:
-    """Make the positional-LSH attention layers of ``model`` context-parallel over ``group`` (``None``: off).
+@dataclass
+class ContextShards:
+    """This rank's shard of sequences split over a context group: the ``context=`` of a context-parallel call.
 
-    ``shard_lengths`` (optional) are the per-rank sequence lengths; by default every rank holds ``L / P``.
-    ``head_chunk``: see :func:`~positional_lsh.distributed.context_parallel_plsh_attention` (heads in chunks,
-    recomputed in the backward: less memory per layer, one more attention forward).
+    ``model(shard, context=ContextShards(group))`` (a :class:`~positional_lsh.TransformerLM`, or a
+    :class:`~positional_lsh.PositionalLSHAttention`) runs every positional-LSH attention as
+    :func:`~positional_lsh.distributed.context_parallel_plsh_attention` over ``group``: the module draws the
+    partitions of the whole sequence with its own seeds and step (identically on every rank; a checksum verifies
+    it), and its ``backend`` and ``method`` (the model's ``attn_backend`` and ``plsh_method``) are passed on, so the
+    result equals the single-process rows. It implements :class:`~positional_lsh.ops.module.ShardedAttention`.
+
+    Attributes:
+        group: the context group (``None``: the default group; without a process group the call is
+            ``plsh_attention``).
+        shard_lengths: the per-rank sequence lengths (optional); by default every rank holds ``L / P``.
+        head_chunk: see :func:`~positional_lsh.distributed.context_parallel_plsh_attention` (heads in chunks,
+            recomputed in the backward: less memory per layer, one more attention forward).
     """
-    for module in model.modules():
-        if hasattr(module, "attend") and hasattr(module, "partitions"):
-            if group is not None and getattr(module, "position", "plsh") != "plsh":
-                raise ValueError(f"context parallelism supports position='plsh' only, got {module.position!r}")
-            # nn.Module.__setattr__ is typed for tensors and modules only; it stores any value at runtime.
-            module.context_group = group
-            lengths = None if shard_lengths is None else list(shard_lengths)  # one list per layer
-            module.context_shard_lengths = lengths  # type: ignore[assignment]
-            module.context_head_chunk = head_chunk  # type: ignore[assignment]
 
+    group: Any = None
+    shard_lengths: Sequence[int] | None = None
+    head_chunk: int | None = None
 
-class _ContextLayer(Protocol):
-    """What :func:`context_parallel_attend` reads of a language-model attention layer (``distributed`` does not
-    import ``lm``): the settings :func:`set_context_group` stored, its config and its partition draw."""
+    def seq_len(self, local_len: int) -> int:
+        """The whole sequence's length: the sum of ``shard_lengths``, or ``local_len`` times the group's size
+        (``local_len`` without a process group)."""
+        if self.shard_lengths is not None:
+            return sum(self.shard_lengths)
+        if not (dist.is_available() and dist.is_initialized()):
+            return local_len
+        return local_len * dist.get_world_size(self.group)
 
-    context_group: Any
-    context_shard_lengths: list[int] | None
-    cfg: Any  # positional_lsh.lm.ModelConfig
-
-    def partitions(self, seq_len: int) -> Partitions: ...
-
-
-def context_parallel_attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The hook of ``CausalSelfAttention.attend``: ``q, k, v (B, H, L_local, d)`` are this rank's shard.
-
-    ``attn`` is the language model's attention layer: ``attn.partitions(seq_len)`` gives its next partitions of
-    the whole sequence (every rank draws them identically; a checksum verifies it), and its ``ModelConfig``
-    (``attn.cfg``) gives the kernel backend (``attn_backend``) and the estimator's method (``plsh_method``), so
-    the result equals the single-process layer's rows.
-    """
-    layer = cast(_ContextLayer, attn)
-    group = layer.context_group
-    lengths = layer.context_shard_lengths
-    total = sum(lengths) if lengths is not None else k.shape[2] * dist.get_world_size(group)
-    return context_parallel_plsh_attention(
-        q,
-        k,
-        v,
-        partitions=layer.partitions(total),
-        causal=True,
-        group=group,
-        shard_lengths=lengths,
-        head_chunk=getattr(layer, "context_head_chunk", None),
-        backend=layer.cfg.attn_backend,
-        method=layer.cfg.plsh_method,
-    )
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        partitions: Partitions,
+        causal: bool,
+        scale: float | None,
+        backend: str,
+        method: str,
+    ) -> torch.Tensor:
+        """This rank's rows of positional-LSH attention on the whole sequence: ``q, k, v (B, H, L_local, d)`` are its
+        shard, ``partitions`` those of the whole sequence."""
+        return context_parallel_plsh_attention(
+            q,
+            k,
+            v,
+            partitions=partitions,
+            causal=causal,
+            scale=scale,
+            group=self.group,
+            shard_lengths=None if self.shard_lengths is None else list(self.shard_lengths),
+            head_chunk=self.head_chunk,
+            backend=backend,
+            method=method,
+        )

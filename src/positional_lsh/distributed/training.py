@@ -14,7 +14,10 @@ loss is simply the mean over its tokens. The partitions of every positional-LSH 
 ``ops.partitions.sampling.PartitionSampler`` (seeded per layer by ``ops.partitions.sampling.layer_seed``; training step
 ``c`` draws from
 ``layer_seed(seed, c)``), whose step counter every rank advances identically; the attention verifies it by a
-checksum. The layer's ``attn_backend`` and ``plsh_method`` reach the sharded attention (``context_parallel_attend``).
+checksum. The layer's ``attn_backend`` and ``plsh_method`` reach the sharded attention. Context parallelism is an
+argument: :attr:`ContextParallel.shards` (a :class:`~positional_lsh.distributed.ContextShards`) is passed as
+``model(x, y, context=...)`` by :class:`ContextParallelLoss` in training and by the caller in validation; the model
+itself is never changed.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from positional_lsh.distributed.context import init_context_groups, set_context_group, shard_lengths
+from positional_lsh.distributed.context import ContextShards, init_context_groups, shard_lengths
 
 __all__ = ["ContextParallel", "ContextParallelLoss", "check_context_parallel", "setup_context_parallel"]
 
@@ -58,6 +61,9 @@ class ContextParallel:
         data_group, context_group: this rank's process groups (from :func:`init_context_groups`).
         data_rank, data_world: this rank's data replica and the number of replicas (``world / C``).
         context_rank: this rank's place in its context group.
+        head_chunk: see :class:`~positional_lsh.distributed.ContextShards` (``None``: one attention call per layer).
+        shards: the ``context=`` argument of this rank's model calls (the context group, the shard lengths and
+            ``head_chunk``).
     """
 
     size: int
@@ -67,10 +73,13 @@ class ContextParallel:
     data_rank: int
     data_world: int
     context_rank: int
+    head_chunk: int | None = None
     lengths: list[int] = field(init=False)
+    shards: ContextShards = field(init=False)
 
     def __post_init__(self) -> None:
         self.lengths = shard_lengths(self.seq_len, self.size)
+        self.shards = ContextShards(self.context_group, self.lengths, self.head_chunk)
 
     @property
     def start(self) -> int:
@@ -107,32 +116,36 @@ class ContextParallel:
 
 
 class ContextParallelLoss(nn.Module):
-    """``model(x, y) -> (logits, loss * factor)``: a rank's loss as its token sum / global count x world size.
+    """``model(x, y, context=shards) -> (logits, loss * factor)``: a rank's loss as its token sum / global count x
+    world size, its attention context-parallel over ``shards``.
 
     Wrapped in ``DistributedDataParallel`` over the whole world (which averages gradients over ``world``), the
     gradients are those of the global mean loss. ``factor`` is :attr:`ContextParallel.loss_factor` (1 for equal
-    shards, in which case the loss is returned untouched).
+    shards, in which case the loss is returned untouched); ``shards`` is :attr:`ContextParallel.shards`.
     """
 
-    def __init__(self, model: nn.Module, factor: float) -> None:
+    def __init__(self, model: nn.Module, factor: float, shards: ContextShards) -> None:
         super().__init__()
         self.model = model
         self.factor = float(factor)
+        self.shards = shards
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, loss = self.model(idx, targets)
+        logits, loss = self.model(idx, targets, context=self.shards)
         return logits, loss if self.factor == 1.0 else loss * self.factor
 
 
 def setup_context_parallel(
     context_parallel: int, model: nn.Module, seq_len: int, device: torch.device, head_chunk: int | None = None
 ) -> tuple[ContextParallel, nn.Module]:
-    """Build the groups, make ``model``'s attention context-parallel and wrap it for training (collective call).
+    """Build the groups and wrap ``model`` for context-parallel training (collective call).
 
-    Returns ``(cp, ddp_model)``: ``ddp_model(x, y)`` on this rank's piece (``cp.local``) returns
-    ``(logits, loss)`` whose backward leaves the gradients of the global mean loss in ``model``'s parameters,
-    identical on every rank. ``model`` itself (for saving, evaluation) is unchanged except for its context group.
-    ``head_chunk`` goes to :func:`set_context_group` (``None``: the attention's default, one call per layer).
+    Returns ``(cp, ddp_model)``: ``ddp_model(x, y)`` on this rank's piece (``cp.local``) calls
+    ``model(x, y, context=cp.shards)`` and returns ``(logits, loss)`` whose backward leaves the gradients of the
+    global mean loss in ``model``'s parameters, identical on every rank. ``model`` itself is unchanged (a call
+    without ``context=`` is the single-process model; validation passes ``context=cp.shards`` itself).
+    ``head_chunk`` goes to :class:`~positional_lsh.distributed.ContextShards` (``None``: the attention's default,
+    one call per layer).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if seq_len < context_parallel:
@@ -146,8 +159,8 @@ def setup_context_parallel(
         data_rank=rank // context_parallel,
         data_world=world // context_parallel,
         context_rank=rank % context_parallel,
+        head_chunk=head_chunk,
     )
-    set_context_group(model, ctx_group, cp.lengths, head_chunk=head_chunk)
-    wrapped = ContextParallelLoss(model, cp.loss_factor)
+    wrapped = ContextParallelLoss(model, cp.loss_factor, cp.shards)
     ddp = nn.parallel.DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
     return cp, ddp

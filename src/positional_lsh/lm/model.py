@@ -9,27 +9,31 @@ or torch's own attention, never a second implementation:
   ``scaled_dot_product_attention`` with the bias built by :func:`~positional_lsh.alibi_bias` (fastest for
   training at short lengths); long ones use :func:`~positional_lsh.alibi_attention` (``O(n)`` memory).
   ``alibi_impl`` forces one or the other; both compute the same function.
-* ``"plsh"`` — positional-LSH attention (:func:`~positional_lsh.plsh_attention`) with ``num_samples``
-  partitions of a ``scheme``, for the standard per-head ALiBi slopes or one constant ``sigma`` for every head
-  (as the paper did). Each layer samples with the package's one policy
+* ``"plsh"`` — positional-LSH attention: each layer's attention is the library's module,
+  :class:`~positional_lsh.PositionalLSHAttention` (around :func:`~positional_lsh.plsh_attention`), with
+  ``num_samples`` partitions of a ``scheme``, for the standard per-head ALiBi slopes or one constant ``sigma`` for
+  every head (as the paper did). It samples with the package's one policy
   (:class:`~positional_lsh.ops.partitions.sampling.PartitionSampler`): training call ``c`` of layer ``l`` draws from
   ``layer_seed(layer_seed(seed, l), c)`` (fresh partitions every call; the per-layer call counters are the
   model's :meth:`~TransformerLM.rng_state`, saved for exact resume); eval mode uses the partitions seeded by
   ``layer_seed(eval_seed, l)``, the same at every call and every length (the law of a partition does not depend
   on the length), so evaluation is deterministic and decoding with a KV cache equals a full recomputation.
   The draw and the estimator are compile-safe: the model compiles with ``torch.compile(fullgraph=True)``.
+  Context parallelism is an argument: ``model(shard, context=ContextShards(group))``
+  (:class:`positional_lsh.distributed.ContextShards`, a :class:`~positional_lsh.ops.module.ShardedAttention`).
 * ``"window-alibi"`` — exact ALiBi restricted to keys with ``|i - j| <= window_h``: ``window`` tokens for
   every head, or ``window_factor * sigma_h`` per head.
 * ``"rope"`` — rotary position embedding (GPT-NeoX half-split layout) and causal attention.
 * ``"nope"`` — no position information: causal attention only.
 
 Learned slopes (``ModelConfig.learn_slopes``): each layer's slopes are ``exp`` of a parameter ``log_slopes``
-``(n_head,)``. ``alibi`` gets their exact gradient (SDPA with a bias built from them every call by
+``(n_head,)`` of the layer, one for every ALiBi-type mode (so they survive :meth:`TransformerLM.set_position`).
+``alibi`` gets their exact gradient (SDPA with a bias built from them every call by
 :func:`~positional_lsh.alibi_bias`, which keeps the slopes' graph, or ``alibi_attention``'s slope gradient),
 ``window-alibi`` too (inside a window ``window_factor / m_h`` that follows the current slopes, detached), and
-``plsh`` draws its partitions from the
-current slopes (detached) and gets the surrogate gradient of ``plsh_attention`` (eager and compiled alike). Without
-``learn_slopes`` there is no such parameter and nothing changes.
+``plsh`` passes them to its module per call, which draws its partitions from the current slopes (detached) and
+gives them the surrogate gradient of ``plsh_attention`` (eager and compiled alike). Without ``learn_slopes``
+there is no such parameter and nothing changes.
 
 The mode can be changed after training without touching the weights (:meth:`TransformerLM.set_position`),
 e.g. to evaluate an ALiBi-trained model with positional-LSH attention at several ``T``.
@@ -52,11 +56,11 @@ from torch import nn
 
 from positional_lsh.lm.config import ModelConfig, check_float
 from positional_lsh.ops._checks import nonnegative_int, positive_int
-from positional_lsh.ops.attention import plsh_attention
 from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.exact.bias import alibi_bias
+from positional_lsh.ops.module import PositionalLSHAttention, ShardedAttention, log_slopes_parameter
 from positional_lsh.ops.partitions.partition import Partitions
-from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
+from positional_lsh.ops.partitions.sampling import layer_seed
 
 __all__ = ["MLP", "Block", "CausalSelfAttention", "TransformerLM", "apply_rope", "rope_cos_sin"]
 
@@ -88,11 +92,15 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention; the position mode is set by :meth:`configure`.
 
     Its parameters are the projections ``qkv`` and ``proj``, and with ``cfg.learn_slopes`` the log-slopes
-    ``log_slopes (n_head,)`` float32 (initialised to ``log cfg.slopes()``; the slopes used are their ``exp``).
+    ``log_slopes (n_head,)`` float32 (:func:`~positional_lsh.ops.module.log_slopes_parameter` of ``cfg.slopes()``;
+    the slopes used are their ``exp``), the one slopes state of every ALiBi-type mode. In ``plsh`` mode the attention
+    is the library's module, ``plsh`` (a :class:`~positional_lsh.PositionalLSHAttention` with this layer's seeds and
+    ``persistent=False``: its step is in :meth:`TransformerLM.rng_state`, its slopes in the config, so the state
+    dict holds the weights only); ``alibi`` and ``window-alibi`` call the exact ops.
     """
 
-    calls: torch.Tensor  # the int64 buffer registered in __init__ (typed here for the checker)
     log_slopes: nn.Parameter | None
+    plsh: PositionalLSHAttention | None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -102,18 +110,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
-        # Training calls of this layer so far: the step key of its partition draws (an int64 buffer, so that a
-        # compiled model advances it in place; not in the state dict: rng_state() carries it for resume).
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long), persistent=False)
         # Learned slopes: a parameter only when asked for (without it the state dict is what it always was).
-        if cfg.learn_slopes:
-            self.log_slopes = nn.Parameter(cfg.slopes().log().float())
-        else:
-            self.log_slopes = None
+        self.log_slopes = log_slopes_parameter(cfg.slopes()) if cfg.learn_slopes else None
+        self.plsh = None
         self.configure(cfg)
 
     def configure(self, cfg: ModelConfig) -> None:
-        """Set the position mode and its settings from ``cfg`` (weights, learned slopes included, untouched)."""
+        """Set the position mode and its settings from ``cfg`` (weights, learned slopes included, untouched; a
+        ``plsh`` layer that stays ``plsh`` keeps its training step)."""
         if cfg.learn_slopes != (self.log_slopes is not None):
             raise ValueError(
                 f"learn_slopes={cfg.learn_slopes} cannot change on a built model (the log_slopes parameter is "
@@ -122,21 +126,30 @@ class CausalSelfAttention(nn.Module):
         self.cfg = cfg
         self.position = cfg.position
         self.slopes = cfg.slopes()
-        # A fixed window stays fixed; window-alibi's window_factor / m_h follows learned slopes (see _window).
+        # A fixed window stays fixed; window-alibi's window_factor / m_h follows learned slopes (see current_window).
         self.window = cfg.windows() if cfg.position == "window-alibi" else None
-        self.sampler = (
-            PartitionSampler(
-                cfg.n_head,
-                self.slopes,
-                num_samples=cfg.num_samples,
-                scheme=cfg.scheme,
-                seed=layer_seed(cfg.seed, self.layer_idx),
-                eval_seed=layer_seed(cfg.eval_seed, self.layer_idx),
-            )
-            if cfg.position == "plsh"
-            else None
-        )
+        self.plsh = self._plsh_module(cfg) if cfg.position == "plsh" else None
         self._bias_cache: tuple[tuple[Any, ...], torch.Tensor] | None = None
+
+    def _plsh_module(self, cfg: ModelConfig) -> PositionalLSHAttention:
+        """This layer's positional-LSH attention for ``cfg``, on the layer's device and in its mode, continuing the
+        step of the one it replaces (if any)."""
+        module = PositionalLSHAttention(
+            cfg.n_head,
+            self.slopes,
+            num_samples=cfg.num_samples,
+            scheme=cfg.scheme,
+            causal=True,
+            seed=layer_seed(cfg.seed, self.layer_idx),
+            eval_seed=layer_seed(cfg.eval_seed, self.layer_idx),
+            backend=cfg.attn_backend,
+            method=cfg.plsh_method,
+            persistent=False,
+        ).to(self.qkv.weight.device)
+        module.train(self.training)  # a layer rebuilt by set_position on an eval-mode model stays in eval mode
+        if self.plsh is not None:
+            module.calls.copy_(self.plsh.calls)
+        return module
 
     def extra_repr(self) -> str:
         return f"position={self.cfg.describe()!r}"
@@ -154,6 +167,10 @@ class CausalSelfAttention(nn.Module):
             return self.log_slopes.exp()
         return self.slopes
 
+    def learned_slopes(self) -> torch.Tensor | None:
+        """``log_slopes.exp()`` (differentiable) with learned slopes, else ``None``."""
+        return None if self.log_slopes is None else self.log_slopes.exp()
+
     def current_window(self) -> torch.Tensor | None:
         """``window-alibi``'s ``(n_head,)`` float64 window now (``None`` in other modes): the fixed ``cfg.window``, or
         ``window_factor / m_h`` of the current (learned, detached) slopes."""
@@ -163,19 +180,27 @@ class CausalSelfAttention(nn.Module):
         return (self.cfg.window_factor / m).clamp(max=2.0**40)
 
     def partitions(self, seq_len: int) -> Partitions:
-        """The positional-LSH partitions of this call (in training, advances the layer's call counter); with
+        """The positional-LSH partitions the next call at ``seq_len`` keys draws (does not advance the step); with
         learned slopes, drawn from the current slopes (detached)."""
-        if self.sampler is None:
+        if self.plsh is None:
             raise ValueError(f"partitions exist only in position mode 'plsh', this layer is {self.position!r}")
-        if self.log_slopes is not None:
-            parts = self.sampler.draw(
-                seq_len, training=self.training, step=self.calls, slopes=self.log_slopes.detach().exp()
+        return self.plsh.sample(seq_len, self.learned_slopes())
+
+    @property
+    def step(self) -> int:
+        """Training calls of this layer's positional-LSH attention so far (the step key of its draws); 0 in other
+        modes."""
+        return 0 if self.plsh is None else int(self.plsh.calls)
+
+    def set_step(self, step: int) -> None:
+        """Restore :attr:`step` (only 0 for a layer without positional-LSH attention: it draws nothing)."""
+        if self.plsh is not None:
+            self.plsh.calls.fill_(step)
+        elif step:
+            raise ValueError(
+                f"a training step of {step} for layer {self.layer_idx}, which has no positional-LSH attention "
+                f"(position={self.position!r}); only 0"
             )
-        else:
-            parts = self.sampler.draw(seq_len, training=self.training, step=self.calls)
-        if self.training:
-            self.calls.add_(1)
-        return parts
 
     def _sdpa_bias(self, lq: int, lk: int, window: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         if self.log_slopes is not None:  # a bias that depends on a parameter: built every call, never cached
@@ -199,32 +224,29 @@ class CausalSelfAttention(nn.Module):
         slopes = self.current_slopes()  # learned: a tensor requiring grad, alibi_attention returns its gradient
         return alibi_attention(q, k, v, slopes, causal=True, window=window, backend=self.cfg.attn_backend)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention of ``q (B, H, Lq, d)`` to ``k, v (B, H, Lk, d)``; queries are the last ``Lq`` positions."""
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ShardedAttention | None = None
+    ) -> torch.Tensor:
+        """Attention of ``q (B, H, Lq, d)`` to ``k, v (B, H, Lk, d)``; queries are the last ``Lq`` positions.
+
+        ``context``: this rank's shard of a context-parallel sequence (``plsh`` only; see
+        :meth:`TransformerLM.forward`).
+        """
         lq, lk = q.shape[2], k.shape[2]
+        if context is not None and self.plsh is None:
+            raise ValueError(f"context parallelism supports position='plsh' only, got {self.position!r}")
         if self.position == "alibi":
             return self._alibi(q, k, v, None)
         if self.position == "window-alibi":
             return self._alibi(q, k, v, self.current_window())
-        if self.position == "plsh":
-            if getattr(self, "context_group", None) is not None:  # set by positional_lsh.distributed.set_context_group
-                if self.log_slopes is not None:
-                    raise ValueError(
-                        "learn_slopes=True with context parallelism: the sharded attention carries no gradient for "
-                        "the slopes; train learned slopes without --context-parallel"
-                    )
-                from positional_lsh.distributed.context import context_parallel_attend
-
-                return context_parallel_attend(self, q, k, v)
-            parts = self.partitions(lk)
-            if self.log_slopes is not None:  # the slopes tensor carries the surrogate gradient (ops.attention)
-                return plsh_attention(
-                    q, k, v, self.current_slopes(), partitions=parts, causal=True, backend=self.cfg.attn_backend,
-                    method=self.cfg.plsh_method,
-                )  # fmt: skip
-            return plsh_attention(
-                q, k, v, partitions=parts, causal=True, backend=self.cfg.attn_backend, method=self.cfg.plsh_method
-            )
+        if self.plsh is not None:
+            if context is not None and self.log_slopes is not None:
+                raise ValueError(
+                    "learn_slopes=True with context parallelism: the sharded attention carries no gradient for "
+                    "the slopes; train learned slopes without --context-parallel"
+                )
+            # Learned slopes: the tensor carries plsh_attention's surrogate gradient; the partitions follow it.
+            return self.plsh(q, k, v, self.learned_slopes(), context=context)
         # rope / nope: plain causal attention (rotation already applied for rope).
         if lq == lk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -234,9 +256,13 @@ class CausalSelfAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def forward(
-        self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        context: ShardedAttention | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """``x (B, L, d_model)`` -> ``(y (B, L, d_model), (k, v))``; ``cache`` holds earlier keys/values."""
+        """``x (B, L, d_model)`` -> ``(y (B, L, d_model), (k, v))``; ``cache`` holds earlier keys/values,
+        ``context`` a context-parallel shard (:meth:`attend`)."""
         b, l, c = x.shape
         q, k, v = self.qkv(x).view(b, l, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         past = 0 if cache is None else cache[0].shape[2]
@@ -249,9 +275,9 @@ class CausalSelfAttention(nn.Module):
             v = torch.cat((cache[1], v), dim=2)
         if self.cfg.attn_fp32 and q.dtype in (torch.float16, torch.bfloat16):
             with torch.autocast(x.device.type, enabled=False):
-                y = self.attend(q.float(), k.float(), v.float()).to(q.dtype)
+                y = self.attend(q.float(), k.float(), v.float(), context).to(q.dtype)
         else:
-            y = self.attend(q, k, v)
+            y = self.attend(q, k, v, context)
         y = y.transpose(1, 2).reshape(b, l, c)
         y = F.dropout(self.proj(y), self.dropout, self.training)
         return y, (k, v)
@@ -281,9 +307,12 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        context: ShardedAttention | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        a, kv = self.attn(self.norm1(x), cache)
+        a, kv = self.attn(self.norm1(x), cache, context)
         x = x + a
         x = x + self.mlp(self.norm2(x))
         return x, kv
@@ -386,8 +415,9 @@ class TransformerLM(nn.Module):
         return cast("list[Block]", list(self.blocks))
 
     def rng_state(self) -> list[int]:
-        """The per-layer training call counters, which key the partition draws (for exact resume)."""
-        return [int(block.attn.calls) for block in self._layers()]
+        """The per-layer training call counters, which key the partition draws (for exact resume; 0 for a layer
+        without positional-LSH attention)."""
+        return [block.attn.step for block in self._layers()]
 
     def set_rng_state(self, states: list[int]) -> None:
         """Restore :meth:`rng_state`: one non-negative int per layer."""
@@ -397,8 +427,13 @@ class TransformerLM(nn.Module):
                 f"got {str(states)[:80]}"
             )
         counts = [nonnegative_int("states", s) for s in states]
-        for block, c in zip(self._layers(), counts, strict=True):
-            block.attn.calls.fill_(c)
+        layers = [block.attn for block in self._layers()]
+        for attn, c in zip(layers, counts, strict=True):
+            if attn.plsh is None:
+                attn.set_step(c)  # refuses a count other than 0 before any layer changes
+        for attn, c in zip(layers, counts, strict=True):
+            if attn.plsh is not None:
+                attn.set_step(c)
 
     def _check_idx(self, idx: object, name: str = "idx") -> torch.Tensor:
         if not isinstance(idx, torch.Tensor):
@@ -430,19 +465,31 @@ class TransformerLM(nn.Module):
         return logits, new_cache
 
     @overload
-    def forward(self, idx: torch.Tensor, targets: None = None) -> torch.Tensor: ...
+    def forward(
+        self, idx: torch.Tensor, targets: None = None, *, context: ShardedAttention | None = None
+    ) -> torch.Tensor: ...
 
     @overload
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor, *, context: ShardedAttention | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, context: ShardedAttention | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``idx (B, L)`` -> logits ``(B, L, V)``; with ``targets (B, L)`` -> ``(logits, loss)``."""
+        """``idx (B, L)`` -> logits ``(B, L, V)``; with ``targets (B, L)`` -> ``(logits, loss)``.
+
+        ``context``: context parallelism, as an argument. ``idx`` is then this rank's contiguous shard of longer
+        sequences and ``context`` says how the ranks share them (a
+        :class:`~positional_lsh.ops.module.ShardedAttention`, e.g.
+        :class:`positional_lsh.distributed.ContextShards`); every ``plsh`` layer draws the whole sequence's
+        partitions (with its own seeds and step, so every rank draws the same) and returns this rank's rows, equal
+        to the single-process model's. ``plsh`` only, and not with learned slopes.
+        """
         idx = self._check_idx(idx)
         x = F.dropout(self.embed(idx), self.cfg.dropout, self.training)
         for block in self.blocks:
-            x, _ = block(x)
+            x, _ = block(x, None, context)
         logits = self.head(self.norm(x)).float()
         if targets is None:
             return logits

@@ -116,6 +116,17 @@ def _lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.
     return loss
 
 
+def _context_loss(shards: Any) -> L.LossFn:
+    """:func:`_lm_loss` of this rank's shard of a context-parallel run (``shards``: its
+    ``positional_lsh.distributed.ContextShards``, passed as the model's ``context=``)."""
+
+    def loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _, value = model(x, y, context=shards)
+        return cast(torch.Tensor, value)
+
+    return loss
+
+
 def _save_state(run: _Run) -> None:
     """Export the checkpoint (config + weights + tokenizer) and the exact resume state."""
     cfg, info = run.cfg, run.info
@@ -322,7 +333,8 @@ def _loop(run: _Run) -> TrainResult:
         run.cfg,
         prog="plsh train",
         step=lambda: L.optimizer_step(run, run.cfg, _lm_loss, run.model.parameters(), non_blocking=True, lr_flag="lr"),
-        validate=lambda: L.validation_loss(run.model, run.val_batches, run.info, run.device, run.amp, _lm_loss,
+        validate=lambda: L.validation_loss(run.model, run.val_batches, run.info, run.device, run.amp,
+                                           _lm_loss if run.cp is None else _context_loss(run.cp.shards),
                                            None if run.cp is None else run.cp.local),
         save=lambda: _save_state(run),
         val_ppl=math.exp,

@@ -1,7 +1,11 @@
 """The positional-LSH attention module: :class:`PositionalLSHAttention` (slopes, sample count, scheme and a
-sampling policy around :func:`~positional_lsh.ops.attention.plsh_attention`)."""
+sampling policy around :func:`~positional_lsh.ops.attention.plsh_attention`), the learned log-slopes parameter it
+shares with the language model (:func:`log_slopes_parameter`), and :class:`ShardedAttention`, what a call over a
+sequence split across ranks (context parallelism) is given."""
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -23,40 +27,85 @@ from positional_lsh.ops.options import (
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler
 
-__all__ = ["PositionalLSHAttention"]
+__all__ = ["PositionalLSHAttention", "ShardedAttention", "log_slopes_parameter"]
+
+_EXTRA_STATE = "_extra_state"  # torch's state-dict key of get_extra_state (nn.modules.module._EXTRA_STATE_KEY_SUFFIX)
+
+
+class ShardedAttention(Protocol):
+    """How a :class:`PositionalLSHAttention` call runs when ``q, k, v`` are this rank's contiguous shard of a longer
+    sequence (context parallelism): pass one as ``context=``. The module draws the partitions of the *whole*
+    sequence (``seq_len``), with its own policy and step, and hands them to ``attend``.
+    :class:`positional_lsh.distributed.ContextShards` is the implementation over ``torch.distributed``.
+    """
+
+    def seq_len(self, local_len: int) -> int:
+        """The whole sequence's length, given this rank's ``local_len`` keys."""
+        ...
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        partitions: Partitions,
+        causal: bool,
+        scale: float | None,
+        backend: str,
+        method: str,
+    ) -> torch.Tensor:
+        """This rank's rows of ``plsh_attention`` on the whole sequence with ``partitions`` (of the whole sequence)."""
+        ...
+
+
+def log_slopes_parameter(slopes: torch.Tensor) -> nn.Parameter:
+    """The learned log-slopes of ``(H,)`` ``slopes``: a float32 parameter ``log(slopes)`` (the slopes used are its
+    ``exp``, positive by construction). Every slope must be ``> 0`` (a slope of 0 has no log and cannot be learned).
+
+    The one way both :class:`PositionalLSHAttention` (``learn_slopes=True``) and the language model's layers
+    (:class:`~positional_lsh.lm.TransformerLM` with ``ModelConfig.learn_slopes``) make their parameter.
+    """
+    if not bool((slopes > 0).all()):
+        raise ValueError(
+            "learn_slopes=True learns log-slopes, so every slope must be > 0 (a slope of 0 cannot be "
+            f"learned); got slopes={slopes.tolist()}"
+        )
+    return nn.Parameter(slopes.log().to(torch.float32))
 
 
 class PositionalLSHAttention(nn.Module):
     """Positional-LSH attention as a module holding slopes, sample count, scheme and a sampling policy.
 
     The sampling policy is the package's one (:class:`~positional_lsh.ops.partitions.sampling.PartitionSampler`): in
-    eval
-    mode every call uses the partitions drawn from ``eval_seed``, so evaluation is deterministic; training call
-    ``c`` (``c = 0, 1, ...``, counted by the int64 buffer ``calls``, advanced by every training call and kept in
-    the state dict, so a reloaded module continues the sequence) draws from ``layer_seed(seed, c)``: fresh
+    eval mode every call uses the partitions drawn from ``eval_seed``, so evaluation is deterministic; training call
+    ``c`` (``c = 0, 1, ...``, counted by the int64 buffer ``calls``, advanced in place by every training call and kept
+    in the state dict, so a reloaded module continues the sequence) draws from ``layer_seed(seed, c)``: fresh
     partitions every call, the same sequence for the same ``seed``. ``seed=None`` draws from torch's global RNG.
     Call with ``q (B, Hq, Lq, d)``, ``k, v (B, Hkv, Lk, d)``; see :func:`plsh_attention`.
 
     Under ``torch.compile`` (``fullgraph=True`` included) the draw is the custom op
-    ``positional_lsh::sample_partitions`` and the estimator the op ``positional_lsh::plsh_forward``
-    (:mod:`positional_lsh.ops._engine.op`); the module's Python generator is not used:
+    ``positional_lsh::sample_partitions``, which reads the step from ``calls`` inside the op, and the estimator is
+    :func:`plsh_attention`'s compiled op. Compiled and eager calls draw the same partitions: eval mode from
+    ``eval_seed``, training call ``c`` from ``layer_seed(seed, c)``, ``seed=None`` from torch's global RNG (the same
+    numbers as an eager call after the same ``torch.manual_seed``); so they give the same outputs, up to float
+    rounding of the estimator.
 
-    * eval mode draws from ``eval_seed`` exactly as eager mode does: the same partitions, the same output;
-    * training mode with an int ``seed``: compiled training call ``c`` (``c = 0, 1, ...``, counted by the int64
-      buffer ``_calls``, advanced in place by each compiled training call, not saved in the state dict) draws
-      from a generator seeded with ``layer_seed(seed, c)`` (:mod:`positional_lsh.ops.partitions.sampling`). Every call
-      gets
-      fresh partitions and a new module with the same ``seed`` repeats the sequence, but it is not the sequence
-      of eager training calls (which draw from one generator stream);
-    * training mode with ``seed=None`` draws from torch's global RNG inside the op, as eager training does.
+    Learned slopes (``learn_slopes=True``): the module holds the float32 parameter ``log_slopes (H,)``
+    (:func:`log_slopes_parameter`: the log of ``slopes``, every slope ``> 0``) and uses ``slopes = log_slopes.exp()``:
+    every call draws its partitions from the current detached slopes (same seeds as above) and passes the slopes
+    tensor to :func:`plsh_attention`, whose backward gives it the surrogate gradient (``slope_grad="surrogate"``;
+    ``"none"``: no gradient, the slopes only drive the draws). ``log_slopes`` is in the state dict (and follows the
+    module's casts, like any parameter). Without ``learn_slopes`` (the default) there is no parameter: state dict
+    and outputs are those of a fixed-slope module. An owner that keeps the slopes itself (the language model's
+    layers) passes them per call instead: ``module(q, k, v, slopes)`` (see :meth:`forward`).
 
-    Learned slopes (``learn_slopes=True``): the module holds the float32 parameter ``log_slopes (H,)``, initialised to
-    the log of ``slopes`` (every slope must be ``> 0``: a slope of 0 has no log and cannot be learned), and uses
-    ``slopes = log_slopes.exp()`` (positive by construction): every call draws its partitions from the current
-    detached slopes (same seeds as above) and passes the slopes tensor to :func:`plsh_attention`, whose backward
-    gives it the surrogate gradient (``slope_grad="surrogate"``; ``"none"``: no gradient, the slopes only drive the
-    draws). ``log_slopes`` is in the state dict (and follows the module's casts, like any parameter). Without
-    ``learn_slopes`` (the default) there is no parameter: state dict and outputs are those of a fixed-slope module.
+    ``persistent=False`` keeps the module's own state (the step ``calls`` and the slopes) out of the state dict, for
+    an owner that records both elsewhere (:class:`~positional_lsh.lm.TransformerLM`: its config and
+    :meth:`~positional_lsh.lm.TransformerLM.rng_state`); the module behaves the same.
+
+    Context parallelism is an argument: ``module(q, k, v, context=shards)`` with a :class:`ShardedAttention`
+    (``positional_lsh.distributed.ContextShards``), ``q, k, v`` this rank's shard.
 
     Example:
         >>> import torch
@@ -90,6 +139,7 @@ class PositionalLSHAttention(nn.Module):
         method: str = DEFAULT_METHOD,
         learn_slopes: bool = False,
         slope_grad: str = DEFAULT_SLOPE_GRAD,
+        persistent: bool = True,
     ) -> None:
         super().__init__()
         self.sampler = PartitionSampler(
@@ -101,16 +151,11 @@ class PositionalLSHAttention(nn.Module):
         self.method = check_method(method)
         self.learn_slopes = check_bool("learn_slopes", learn_slopes)
         self.slope_grad = check_slope_grad(slope_grad)
+        self.persistent = check_bool("persistent", persistent)
         if self.learn_slopes:
-            init = self.sampler.slopes
-            if not bool((init > 0).all()):
-                raise ValueError(
-                    "learn_slopes=True learns log-slopes, so every slope must be > 0 (a slope of 0 cannot be "
-                    f"learned); got slopes={init.tolist()}"
-                )
-            self.log_slopes = nn.Parameter(init.log().to(torch.float32))
+            self.log_slopes = log_slopes_parameter(self.sampler.slopes)
         # Training calls so far: the key of their draws (see the class docstring).
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long), persistent=self.persistent)
 
     @property
     def num_heads(self) -> int:
@@ -147,30 +192,97 @@ class PositionalLSHAttention(nn.Module):
             s.num_heads, state["slopes"], num_samples=s.num_samples, scheme=s.scheme, seed=s.seed, eval_seed=s.eval_seed
         )
 
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.persistent:  # the slopes (extra state) stay out too, like the non-persistent buffer calls
+            destination.pop(prefix + _EXTRA_STATE, None)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if not self.persistent and prefix + _EXTRA_STATE in missing_keys:
+            missing_keys.remove(prefix + _EXTRA_STATE)
+
     def extra_repr(self) -> str:
         learn = f", learn_slopes=True, slope_grad={self.slope_grad!r}" if self.learn_slopes else ""
         return f"num_heads={self.num_heads}, num_samples={self.num_samples}, scheme={self.scheme!r}{learn}"
 
-    def sample(self, seq_len: int) -> Partitions:
+    def sample(self, seq_len: int, slopes: torch.Tensor | None = None) -> Partitions:
         """The partitions the next call at ``seq_len`` keys will use (does not advance the step); with
-        ``learn_slopes``, drawn from the current slopes."""
-        return self._draw(seq_len, self.learned_slopes())
+        ``learn_slopes``, or ``slopes`` given as in :meth:`forward`, drawn from those slopes."""
+        return self._draw(seq_len, self._call_slopes(slopes))
+
+    def _call_slopes(self, slopes: torch.Tensor | None) -> torch.Tensor | None:
+        """The slopes tensor of a call: the learned ones, the caller's, or ``None`` (the sampler's fixed slopes)."""
+        if slopes is None:
+            return self.learned_slopes()
+        if self.learn_slopes:
+            raise ValueError(
+                "slopes= is for a module without learn_slopes (this one uses its own log_slopes parameter)"
+            )
+        if not isinstance(slopes, torch.Tensor):
+            raise TypeError(f"slopes must be a (num_heads,) tensor or None, got {type(slopes).__name__}")
+        return slopes
 
     def _draw(self, seq_len: int, slopes: torch.Tensor | None) -> Partitions:
         values = None if slopes is None else slopes.detach()
         return self.sampler.draw(seq_len, training=self.training, step=self.calls, slopes=values)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slopes: torch.Tensor | None = None,
+        *,
+        context: ShardedAttention | None = None,
+    ) -> torch.Tensor:
+        """Positional-LSH attention of ``q (B, Hq, Lq, d)`` to ``k, v (B, Hkv, Lk, d)`` with this call's partitions.
+
+        ``slopes``: ``None`` (the module's slopes), or an ``(H,)`` tensor of slopes that an owner keeps (a module
+        without ``learn_slopes``): the partitions are drawn from their detached values and the tensor is passed to
+        :func:`plsh_attention` (so learned slopes get its surrogate gradient). ``context``: a
+        :class:`ShardedAttention` when ``q, k, v`` are this rank's shard of a longer sequence; the partitions are then
+        those of the whole sequence, and the result is this rank's rows (no slope gradient: slopes that require grad
+        are refused).
+        """
         shape = check_qkv(q, k, v)
-        slopes = self.learned_slopes()
-        partitions = self._draw(shape.k_len, slopes)
+        values = self._call_slopes(slopes)
+        seq_len = shape.k_len
+        if context is not None:
+            if not (callable(getattr(context, "seq_len", None)) and callable(getattr(context, "attend", None))):
+                raise TypeError(
+                    f"context must be a ShardedAttention (with seq_len and attend methods) or None, "
+                    f"got {type(context).__name__}"
+                )
+            if values is not None and values.requires_grad:
+                raise ValueError(
+                    "slopes that require grad with context=: the sharded attention carries no gradient for the slopes"
+                )
+            seq_len = context.seq_len(shape.k_len)
+        partitions = self._draw(seq_len, values)
         if self.training:
             self.calls.add_(1)
+        if context is not None:
+            return context.attend(
+                q, k, v, partitions=partitions, causal=self.causal, scale=self.scale, backend=self.backend,
+                method=self.method,
+            )  # fmt: skip
         return plsh_attention(
             q,
             k,
             v,
-            slopes,
+            values,
             partitions=partitions,
             causal=self.causal,
             scale=self.scale,

@@ -148,8 +148,8 @@ def test_transformers_swap_reaches_triton(pretend_cuda):
 
 @interpreter
 def test_context_parallel_op_and_model_config_reach_triton(pretend_cuda):
-    from positional_lsh.distributed import context_parallel_plsh_attention
-    from positional_lsh.distributed.context import context_parallel_attend
+    from positional_lsh import PositionalLSHAttention
+    from positional_lsh.distributed import ContextShards, context_parallel_plsh_attention
     from positional_lsh.lm import ModelConfig, TransformerLM
 
     g = torch.Generator().manual_seed(0)
@@ -159,13 +159,11 @@ def test_context_parallel_op_and_model_config_reach_triton(pretend_cuda):
     assert pretend_cuda["routes"] == [("auto", "triton")]
     ref = plsh_attention(q, k, v, partitions=parts, backend="math", method="multiplicity")
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
-    # ModelConfig's attn_backend / plsh_method reach the context-parallel op through the layer's cfg.
+    # The module's backend / method (a language-model layer's attn_backend / plsh_method) reach the context-parallel
+    # op through its context= argument.
     for backend, method, want in [("auto", "auto", ("auto", "triton")), ("math", "samples", ("samples", "math"))]:
-        layer = SimpleNamespace(
-            context_group=None, context_shard_lengths=[32], context_head_chunk=None,
-            partitions=lambda n: parts, cfg=SimpleNamespace(attn_backend=backend, plsh_method=method),
-        )  # fmt: skip
-        context_parallel_attend(layer, q, k, v)
+        layer = PositionalLSHAttention(2, num_samples=12, eval_seed=2, backend=backend, method=method).eval()
+        layer(q, k, v, context=ContextShards(None, shard_lengths=[32]))
         assert pretend_cuda["routes"][-1] == want
     # And the language model's own layers: the defaults, and plsh_method="multiplicity" (then two launches).
     tokens = torch.randint(0, 40, (1, 32), generator=g)

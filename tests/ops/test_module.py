@@ -1,0 +1,126 @@
+"""PositionalLSHAttention as the language model uses it: ``persistent=False``, per-call ``slopes=`` kept by an owner,
+and context parallelism as the ``context=`` argument (the :class:`ShardedAttention` protocol).
+
+The expected partitions are computed here from the seed formula (``layer_seed``), not by the module, and every output
+is compared with :func:`plsh_attention` on those partitions and with the float64 dense estimator of conftest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from positional_lsh import PositionalLSHAttention, plsh_attention, sample_partitions
+from positional_lsh.ops.module import log_slopes_parameter
+
+from conftest import naive_estimator, naive_mean_mask
+
+SLOPES4 = torch.tensor([0.5, 0.1, 0.2, 0.03], dtype=torch.float64)
+N = 40
+
+
+def formula(seed: int, key: int) -> int:
+    return (seed * 1_000_003 + key * 7_919 + 1) % 2**62
+
+
+def qkv(n: int = N, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64) for _ in range(3))
+
+
+def test_not_persistent_keeps_only_parameters_in_the_state_dict() -> None:
+    fixed = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=5, persistent=False)
+    assert fixed.state_dict() == {}
+    learned = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=5, learn_slopes=True, persistent=False)
+    assert list(learned.state_dict()) == ["log_slopes"]
+    assert set(PositionalLSHAttention(4, SLOPES4, learn_slopes=True).state_dict()) == {
+        "calls", "_extra_state", "log_slopes"
+    }  # fmt: skip
+    fixed.load_state_dict({}, strict=True)  # nothing missing
+    # The module behaves as a persistent one: the same draws, the same step.
+    twin = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=5)
+    q, k, v = qkv()
+    for c in range(2):
+        out = fixed(q, k, v)
+        assert torch.equal(out, twin(q, k, v))
+        parts = sample_partitions(N, SLOPES4, 3, generator=formula(5, c))
+        torch.testing.assert_close(out, plsh_attention(q, k, v, partitions=parts), rtol=0, atol=0)
+    assert int(fixed.calls) == 2
+    with pytest.raises(TypeError, match="persistent must be a bool"):
+        PositionalLSHAttention(4, persistent=1)
+
+
+def test_slopes_of_an_owner_drive_the_draw_and_get_the_gradient() -> None:
+    # An owner keeps learned slopes (as the language model does) and passes them per call: the result and the
+    # gradient are those of a module that learns the same slopes itself.
+    mine = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=2)
+    own = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=2, learn_slopes=True)
+    log_m = log_slopes_parameter(SLOPES4)
+    assert log_m.dtype == torch.float32 and torch.equal(log_m, own.log_slopes)
+    with torch.no_grad():
+        log_m.add_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
+        own.log_slopes.copy_(log_m)
+    q, k, v = (t.float() for t in qkv())
+    m = log_m.exp()
+    out = mine(q, k, v, m)
+    torch.testing.assert_close(out, own(q, k, v), rtol=0, atol=0)
+    parts = sample_partitions(N, m.detach(), 3, generator=formula(2, 0))
+    torch.testing.assert_close(parts.slopes, mine.sample(N, m).slopes)
+    dense = naive_estimator(q.double(), k.double(), v.double(), naive_mean_mask(parts.pitch, parts.shift, N),
+                            causal=True)  # fmt: skip
+    torch.testing.assert_close(out.double(), dense, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    ref = log_m.detach().clone().requires_grad_()
+    plsh_attention(q, k, v, ref.exp(), partitions=parts).sum().backward()
+    torch.testing.assert_close(log_m.grad, ref.grad, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="slopes= is for a module without learn_slopes"):
+        own(q, k, v, m)
+    with pytest.raises(TypeError, match="slopes must be a"):
+        mine(q, k, v, [0.5, 0.1, 0.2, 0.03])
+    with pytest.raises(ValueError, match="slope of 0 cannot be"):
+        log_slopes_parameter(torch.tensor([0.5, 0.0]))
+
+
+class Recording:
+    """A ShardedAttention that says the whole sequence is ``factor`` times this rank's shard and records each call."""
+
+    def __init__(self, factor: int) -> None:
+        self.factor = factor
+        self.calls: list[dict] = []
+
+    def seq_len(self, local_len: int) -> int:
+        return self.factor * local_len
+
+    def attend(self, q, k, v, **kw):
+        self.calls.append(kw)
+        return torch.zeros_like(q)
+
+
+def test_context_draws_the_whole_sequence_and_passes_the_options() -> None:
+    mod = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=7, scale=0.25, backend="math", method="samples")
+    q, k, v = qkv(10)
+    ctx = Recording(4)
+    for c in range(2):
+        mod(q, k, v, context=ctx)
+        got = ctx.calls[-1]
+        assert {key: got[key] for key in ("causal", "scale", "backend", "method")} == {
+            "causal": True, "scale": 0.25, "backend": "math", "method": "samples"
+        }  # fmt: skip
+        want = sample_partitions(40, SLOPES4, 3, generator=formula(7, c))
+        assert got["partitions"].seq_len == 40
+        assert torch.equal(got["partitions"].pitch, want.pitch) and torch.equal(got["partitions"].shift, want.shift)
+    assert int(mod.calls) == 2
+    with pytest.raises(TypeError, match="context must be a ShardedAttention"):
+        mod(q, k, v, context=object())
+    learned = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=7, learn_slopes=True)
+    with pytest.raises(ValueError, match="slopes that require grad with context="):
+        learned(q, k, v, context=ctx)
+
+
+def test_context_shards_of_one_process_is_the_plain_call() -> None:
+    from positional_lsh.distributed import ContextShards
+
+    mod = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=1).eval()
+    q, k, v = qkv()
+    for shards in (ContextShards(None, shard_lengths=[N]), ContextShards()):  # no process group: plsh_attention
+        torch.testing.assert_close(mod(q, k, v, context=shards), mod(q, k, v), rtol=0, atol=0)
