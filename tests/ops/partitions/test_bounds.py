@@ -270,7 +270,7 @@ def test_every_caller_uses_block_bounds(scheme, monkeypatch):
         decode.plsh_decode(q, k, k, parts), plsh_attention(q, k, k, partitions=parts), rtol=0, atol=1e-12
     )
     config = triton_plan.block_config(torch.float32, 64)
-    triton_plan.build_triton_plan(parts, lq, False, config, torch.device("cpu"))
+    triton_plan.build_layout(parts, lq, False, config, torch.device("cpu"))
     for h in range(parts.num_heads):
         got = triton_plan.head_bounds(parts.pitch[:, h], parts.shift[:, h], n, torch.arange(n))
         assert torch.equal(got[0], start[:, h]) and torch.equal(got[1], end[:, h])
