@@ -14,6 +14,11 @@ returned in natural log). Offsets into ``q, k, v``, the outputs, ``lse``/``delta
 * ``bwd_dkdv_kernel``: grid ``(key blocks, B * Hkv)``; loops over the ``Hq / Hkv`` query heads of the group and the
   query tiles ``[kb_first, kb_last)`` that visit the block. Each output block has one owner: no atomics.
 
+The forward and ``dq`` kernels share their tile (``_query_tile``, ``_tile_events``) and their loop body
+(``_key_block``: a key block's loads, counts and scores); all three share the scores (``_scores``) and weights
+(``_weights``), the backward kernels ``_row_stats`` and ``_dscores``. Triton inlines these helpers: the compile checks
+(registers, spills) are those of the kernels.
+
 ``import triton`` is optional: without it this module defines nothing but ``triton = None``.
 """
 
@@ -31,9 +36,13 @@ __all__ = ["KERNEL_NAMES", "LN2", "LOG2E", "block_count", "bwd_dkdv_kernel", "bw
 KERNEL_NAMES = ("fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel")
 """The kernels of this module (the compile checks of :mod:`positional_lsh.ops._tools.triton_compile` cover each)."""
 LOG2E = 1.4426950408889634
+"""``log2(e)``: the kernels work in base 2 (the host passes ``scale * LOG2E``; the backward takes ``lse`` to base 2)."""
 LN2 = 0.6931471805599453
+"""``ln(2)``: the forward returns its base-2 ``lse`` in natural log."""
 
 if triton is not None:
+    _LOG2E = tl.constexpr(LOG2E)  # the kernels' copies (a jit function reads only constexpr globals)
+    _LN2 = tl.constexpr(LN2)
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
@@ -119,6 +128,99 @@ if triton is not None:
         return cnt, cnt > 0
 
     @triton.jit
+    def _scores(q, k, keep, scale2, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        """Base-2 scores ``q.k * scale2`` of one block, ``-inf`` where its count is 0 (not ``keep``)."""
+        return tl.where(keep, _dot(q, tl.trans(k), IEEE, UPCAST) * scale2, float("-inf"))
+
+    @triton.jit
+    def _tile_events(tile, T, LU, LV, LNS, LC, RU, RV, RNS, RC, CutBase):
+        """The plan's state of query tile ``tile`` (``h * num_tiles + m``) as :func:`block_count` takes it:
+        ``(LU, LV, lns, LC, RU, RV, rns, RC)`` moved to the tile's events and key-block boundary counts."""
+        ev = tile * T
+        lns = tl.load(LNS + tile)
+        rns = tl.load(RNS + tile)
+        cut = 2 * tl.load(CutBase + tile)  # LC + cut + 2 * kb: the counts at key-block boundary kb
+        return LU + ev, LV + ev, lns, LC + cut, RU + ev, RV + ev, rns, RC + cut
+
+    @triton.jit
+    def _query_tile(Hq, GROUP, Lq, Lk, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The query tile of a program of the grid ``(query tiles, B * Hq)``: ``(pid_m, pid_bh, b, h, hk, offs_m,
+        offs_d, mask_m, mask_d, i0, pos)``, ``pos = i0 + [0, BLOCK_M)`` the rows' key positions (the queries are the
+        last ``Lq`` of the ``Lk`` positions)."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // Hq
+        h = pid_bh % Hq
+        hk = h // GROUP
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_m = offs_m < Lq
+        mask_d = offs_d < HEAD_DIM
+        i0 = (Lk - Lq) + pid_m * BLOCK_M
+        return pid_m, pid_bh, b, h, hk, offs_m, offs_d, mask_m, mask_d, i0, i0 + tl.arange(0, BLOCK_M)
+
+    @triton.jit
+    def _key_block(
+        q,
+        kb,
+        k_base,
+        skn,
+        v_base,
+        svn,
+        offs_d,
+        mask_d,
+        Lk,
+        grid0,
+        i0,
+        tb0,
+        pos,
+        mask_m,
+        near_ptrs,
+        events,
+        scale2,
+        CAUSAL: tl.constexpr,
+        IEEE: tl.constexpr,
+        UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NEAR: tl.constexpr,
+    ):
+        """The loop body of ``fwd_kernel`` and ``bwd_dq_kernel``: key block ``kb`` against the ``BLOCK_M`` rows of a
+        query tile (from :func:`_query_tile`; ``events`` from :func:`_tile_events`): ``(k, v, s, cnt)``, the block's
+        keys and values, base-2 scores (``-inf`` where excluded) and counts."""
+        k0 = grid0 + kb * BLOCK_N
+        offs_n = k0 + tl.arange(0, BLOCK_N)
+        mask_kv = ((offs_n >= 0) & (offs_n < Lk))[:, None] & mask_d[None, :]
+        rows_n = offs_n.to(tl.int64)[:, None]
+        k = tl.load(k_base + rows_n * skn + offs_d[None, :], mask=mask_kv, other=0.0)
+        v = tl.load(v_base + rows_n * svn + offs_d[None, :], mask=mask_kv, other=0.0)
+        lu, lv, lns, lc, ru, rv, rns, rc = events
+        cnt, keep = block_count(
+            kb, tb0, k0 - i0 + NEAR, offs_n, pos, mask_m, near_ptrs, lu, lv, lns, lc, ru, rv, rns, rc, CAUSAL,
+            BLOCK_M, BLOCK_N, NEAR, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        return k, v, _scores(q, k, keep, scale2, IEEE, UPCAST), cnt
+
+    @triton.jit
+    def _row_stats(Lse, Delta, bh, Lq, offs_m, mask_m):
+        """``(lse2, delta)`` of rows ``offs_m`` of query head ``bh = b * Hq + h``: the forward's ``lse`` in base 2 and
+        ``delta = rowsum(dO * O)``."""
+        row_stat = bh.to(tl.int64) * Lq + offs_m
+        lse2 = tl.load(Lse + row_stat, mask=mask_m, other=0.0) * _LOG2E
+        return lse2, tl.load(Delta + row_stat, mask=mask_m, other=0.0)
+
+    @triton.jit
+    def _weights(s, cnt, m):
+        """The weights ``c 2^(s - m)`` of one block's base-2 scores against a per-row ``m`` (the running maximum in the
+        forward, ``lse`` in base 2 in the backward): 0 where excluded."""
+        return tl.exp2(s - m[:, None]) * cnt.to(tl.float32)
+
+    @triton.jit
+    def _dscores(p, do, v, delta, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        """The score gradient ``dS = p (dO.v - delta)`` of one block (without ``scale``)."""
+        return p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None])
+
+    @triton.jit
     def fwd_kernel(
         Q,
         K,
@@ -167,27 +269,16 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         NEAR: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = pid_bh // Hq
-        h = pid_bh % Hq
-        hk = h // GROUP
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_m = offs_m < Lq
-        mask_d = offs_d < HEAD_DIM
-        i0 = (Lk - Lq) + pid_m * BLOCK_M
-        pos = i0 + tl.arange(0, BLOCK_M)
+        pid_m, pid_bh, b, h, hk, offs_m, offs_d, mask_m, mask_d, i0, pos = _query_tile(
+            Hq, GROUP, Lq, Lk, HEAD_DIM, BLOCK_M, BLOCK_D
+        )
+        mask_q = mask_m[:, None] & mask_d[None, :]
+        rows_m = offs_m.to(tl.int64)[:, None]
         q = tl.load(
-            Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m.to(tl.int64)[:, None] * sqm + offs_d[None, :],
-            mask=mask_m[:, None] & mask_d[None, :],
-            other=0.0,
+            Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows_m * sqm + offs_d[None, :], mask=mask_q, other=0.0
         )
         tile = h.to(tl.int64) * num_tiles + pid_m
-        ev = tile * T
-        lns = tl.load(LNS + tile)
-        rns = tl.load(RNS + tile)
-        cut = 2 * tl.load(CutBase + tile)  # LC + cut + 2 * kb: the counts at key-block boundary kb
+        events = _tile_events(tile, T, LU, LV, LNS, LC, RU, RV, RNS, RC, CutBase)
         tb0 = (i0 - grid0) // BLOCK_N
         near_ptrs = Near + (h.to(tl.int64) * Lq + offs_m) * width
         k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
@@ -196,20 +287,13 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for kb in range(tl.load(TileFirst + tile), tl.load(TileLast + tile)):
-            k0 = grid0 + kb * BLOCK_N
-            offs_n = k0 + tl.arange(0, BLOCK_N)
-            mask_kv = ((offs_n >= 0) & (offs_n < Lk))[:, None] & mask_d[None, :]
-            rows_n = offs_n.to(tl.int64)[:, None]
-            k = tl.load(k_base + rows_n * skn + offs_d[None, :], mask=mask_kv, other=0.0)
-            v = tl.load(v_base + rows_n * svn + offs_d[None, :], mask=mask_kv, other=0.0)
-            cnt, keep = block_count(
-                kb, tb0, k0 - i0 + NEAR, offs_n, pos, mask_m, near_ptrs, LU + ev, LV + ev, lns, LC + cut, RU + ev,
-                RV + ev, rns, RC + cut, CAUSAL, BLOCK_M, BLOCK_N, NEAR, BLOCK_M, BLOCK_N,
+            _, v, s, cnt = _key_block(
+                q, kb, k_base, skn, v_base, svn, offs_d, mask_d, Lk, grid0, i0, tb0, pos, mask_m, near_ptrs, events,
+                scale2, CAUSAL, IEEE, UPCAST, BLOCK_M, BLOCK_N, NEAR,
             )  # fmt: skip
-            s = tl.where(keep, _dot(q, tl.trans(k), IEEE, UPCAST) * scale2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-            p = tl.exp2(s - m_safe[:, None]) * cnt.to(tl.float32)
+            p = _weights(s, cnt, m_safe)
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
@@ -217,11 +301,11 @@ if triton is not None:
         # Every real row keeps its own key (c[i,i] = T), so l_i > 0 there; padding rows are not stored.
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         tl.store(
-            Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m.to(tl.int64)[:, None] * som + offs_d[None, :],
+            Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows_m * som + offs_d[None, :],
             (acc / l_safe[:, None]).to(Out.dtype.element_ty),
-            mask=mask_m[:, None] & mask_d[None, :],
+            mask=mask_q,
         )
-        tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=mask_m)
+        tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, (m_i + tl.log2(l_safe)) * _LN2, mask=mask_m)
 
     @triton.jit
     def bwd_dq_kernel(
@@ -277,31 +361,20 @@ if triton is not None:
         NEAR: tl.constexpr,
         DIST_GRAD: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = pid_bh // Hq
-        h = pid_bh % Hq
-        hk = h // GROUP
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_m = offs_m < Lq
-        mask_d = offs_d < HEAD_DIM
+        pid_m, pid_bh, b, h, hk, offs_m, offs_d, mask_m, mask_d, i0, pos = _query_tile(
+            Hq, GROUP, Lq, Lk, HEAD_DIM, BLOCK_M, BLOCK_D
+        )
         mask_q = mask_m[:, None] & mask_d[None, :]
-        i0 = (Lk - Lq) + pid_m * BLOCK_M
-        pos = i0 + tl.arange(0, BLOCK_M)
         rows_m = offs_m.to(tl.int64)[:, None]
-        q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows_m * sqm + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=mask_q, other=0.0)
-        do_ptrs = DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + rows_m * sdm + offs_d[None, :]
-        do = tl.load(do_ptrs, mask=mask_q, other=0.0)
-        row_stat = pid_bh.to(tl.int64) * Lq + offs_m
-        lse2 = tl.load(Lse + row_stat, mask=mask_m, other=0.0) * 1.4426950408889634
-        delta = tl.load(Delta + row_stat, mask=mask_m, other=0.0)
+        q = tl.load(
+            Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows_m * sqm + offs_d[None, :], mask=mask_q, other=0.0
+        )
+        do = tl.load(
+            DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + rows_m * sdm + offs_d[None, :], mask=mask_q, other=0.0
+        )
+        lse2, delta = _row_stats(Lse, Delta, pid_bh, Lq, offs_m, mask_m)
         tile = h.to(tl.int64) * num_tiles + pid_m
-        ev = tile * T
-        lns = tl.load(LNS + tile)
-        rns = tl.load(RNS + tile)
-        cut = 2 * tl.load(CutBase + tile)  # LC + cut + 2 * kb: the counts at key-block boundary kb
+        events = _tile_events(tile, T, LU, LV, LNS, LC, RU, RV, RNS, RC, CutBase)
         tb0 = (i0 - grid0) // BLOCK_N
         near_ptrs = Near + (h.to(tl.int64) * Lq + offs_m) * width
         k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
@@ -310,23 +383,14 @@ if triton is not None:
         if DIST_GRAD:  # sum_j dS_ij |i - j| per row, in tile-relative float coordinates (exact below 2^24)
             dist = tl.zeros([BLOCK_M], dtype=tl.float32)
         for kb in range(tl.load(TileFirst + tile), tl.load(TileLast + tile)):
-            k0 = grid0 + kb * BLOCK_N
-            offs_n = k0 + tl.arange(0, BLOCK_N)
-            mask_kv = ((offs_n >= 0) & (offs_n < Lk))[:, None] & mask_d[None, :]
-            rows_n = offs_n.to(tl.int64)[:, None]
-            k = tl.load(k_base + rows_n * skn + offs_d[None, :], mask=mask_kv, other=0.0)
-            v = tl.load(v_base + rows_n * svn + offs_d[None, :], mask=mask_kv, other=0.0)
-            cnt, keep = block_count(
-                kb, tb0, k0 - i0 + NEAR, offs_n, pos, mask_m, near_ptrs, LU + ev, LV + ev, lns, LC + cut, RU + ev,
-                RV + ev, rns, RC + cut, CAUSAL, BLOCK_M, BLOCK_N, NEAR, BLOCK_M, BLOCK_N,
+            k, v, s, cnt = _key_block(
+                q, kb, k_base, skn, v_base, svn, offs_d, mask_d, Lk, grid0, i0, tb0, pos, mask_m, near_ptrs, events,
+                scale2, CAUSAL, IEEE, UPCAST, BLOCK_M, BLOCK_N, NEAR,
             )  # fmt: skip
-            s = tl.where(keep, _dot(q, tl.trans(k), IEEE, UPCAST) * scale2, float("-inf"))
-            p = tl.exp2(s - lse2[:, None]) * cnt.to(tl.float32)
-            dp = _dot(do, tl.trans(v), IEEE, UPCAST)
-            ds = p * (dp - delta[:, None])
+            ds = _dscores(_weights(s, cnt, lse2), do, v, delta, IEEE, UPCAST)
             dq += _dot(ds.to(k.dtype), k, IEEE, UPCAST)
             if DIST_GRAD:  # ds is 0 where p is (c = 0, keys outside [0, Lk)) and on padding rows (do = delta = 0)
-                col = (k0 - i0 + tl.arange(0, BLOCK_N)).to(tl.float32)  # key minus the tile's first row
+                col = (grid0 + kb * BLOCK_N - i0 + tl.arange(0, BLOCK_N)).to(tl.float32)  # key minus the first row
                 dist += tl.sum(ds * tl.abs(tl.arange(0, BLOCK_M).to(tl.float32)[:, None] - col[None, :]), 1)
         tl.store(
             DQ + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows_m * sqm + offs_d[None, :],
@@ -420,10 +484,6 @@ if triton is not None:
                 i0 = (Lk - Lq) + m * BLOCK_M
                 tb0 = (i0 - grid0) // BLOCK_N
                 tile = h.to(tl.int64) * num_tiles + m
-                ev = tile * T
-                cut = 2 * tl.load(CutBase + tile)
-                lns = tl.load(LNS + tile)
-                rns = tl.load(RNS + tile)
                 for mm in range(0, tl.minimum(BLOCK_M, Lq - m * BLOCK_M), SUB_M):
                     offs_m = m * BLOCK_M + mm + tl.arange(0, SUB_M)
                     mask_m = offs_m < Lq
@@ -431,20 +491,16 @@ if triton is not None:
                     rows_m = offs_m.to(tl.int64)[:, None]
                     q = tl.load(q_base + rows_m * sqm + offs_d[None, :], mask=mask_q, other=0.0)
                     do = tl.load(do_base + rows_m * sdm + offs_d[None, :], mask=mask_q, other=0.0)
-                    row_stat = bh.to(tl.int64) * Lq + offs_m
-                    lse2 = tl.load(Lse + row_stat, mask=mask_m, other=0.0) * 1.4426950408889634
-                    delta = tl.load(Delta + row_stat, mask=mask_m, other=0.0)
+                    lse2, delta = _row_stats(Lse, Delta, bh, Lq, offs_m, mask_m)
+                    lu, lv, lns, lc, ru, rv, rns, rc = _tile_events(tile, T, LU, LV, LNS, LC, RU, RV, RNS, RC, CutBase)
                     cnt, keep = block_count(
                         kb, tb0, k_sub - i0 + NEAR, offs_n, i0 + mm + tl.arange(0, SUB_M), mask_m,
-                        Near + (h.to(tl.int64) * Lq + offs_m) * width,
-                        LU + ev, LV + ev, lns, LC + cut, RU + ev, RV + ev, rns, RC + cut,
+                        Near + (h.to(tl.int64) * Lq + offs_m) * width, lu, lv, lns, lc, ru, rv, rns, rc,
                         CAUSAL, BLOCK_M, BLOCK_N, NEAR, SUB_M, SUB_N,
                     )  # fmt: skip
-                    s = tl.where(keep, _dot(q, tl.trans(k), IEEE, UPCAST) * scale2, float("-inf"))
-                    p = tl.exp2(s - lse2[:, None]) * cnt.to(tl.float32)  # (SUB_M, SUB_N), 0 where excluded
+                    p = _weights(_scores(q, k, keep, scale2, IEEE, UPCAST), cnt, lse2)  # (SUB_M, SUB_N)
                     dv += _dot(tl.trans(p).to(do.dtype), do, IEEE, UPCAST)
-                    dp = _dot(do, tl.trans(v), IEEE, UPCAST)
-                    ds = p * (dp - delta[:, None])
+                    ds = _dscores(p, do, v, delta, IEEE, UPCAST)
                     dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE, UPCAST)
         # dk/dv are allocated like k and v (contiguous): same strides.
         tl.store(
