@@ -1,15 +1,13 @@
 """Compile the Triton kernels for sm_80 and sm_90 without a GPU; print registers, spills, shared memory and SASS mix.
 
     python scripts/triton_resources.py                 # the block table's configurations, markdown table
-    python scripts/triton_resources.py --json out.json --no-sass --jobs 2    # what
-    tests/ops/engine/test_triton_compile.py runs
+    python scripts/triton_resources.py --json out.json --no-sass --jobs 2    # what the compile test runs
     python scripts/triton_resources.py --search --dims 64,128,256   # choose the configurations (BLOCK_TABLE rows)
 
 For every (architecture, dtype, head dim, causal) it compiles the three kernels at the configuration of
 ``positional_lsh.ops._engine.triton.plan.BLOCK_TABLE`` (``positional_lsh.ops._tools.triton_compile.compile_report``),
-and the
-``dq`` kernel again with its slope-gradient switch on (``DIST_GRAD``; column "slope grad"), and prints one row per
-kernel: registers, stack bytes, spill instructions (STL/LDL), dynamic shared memory, and the static
+and the ``dq`` kernel again with its slope-gradient switch on (``DIST_GRAD``; column "slope grad"), and prints one row
+per kernel: registers, stack bytes, spill instructions (STL/LDL), dynamic shared memory, and the static
 instruction mix of the kernel's main loop (the innermost loop with matrix instructions): ``mma`` (HMMA/HGMMA)
 against ``int`` (integer, compare, select), ``float``, ``mufu`` (exp2/log2/rcp), ``conv``, ``mem``, ``uniform``
 (per-warp scalar) and ``other``. Run it with TRITON_INTERPRET unset (the script sets it to 0 for itself).

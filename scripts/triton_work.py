@@ -6,8 +6,7 @@
 For each (arch's block configuration for bf16, d = 128; causal / bidirectional; T) it builds the kernels' layout on the
 CPU (``positional_lsh.ops._engine.triton.plan.build_layout``, scheme ``discrete``, seed 0) and prints
 ``positional_lsh.ops._tools.triton_work.count_work``: integer operations per computed score entry over all heads (total
-/
-total) for the forward (= the ``dq`` kernel) and the ``dk, dv`` kernel, the per-head mean and maximum, the share of
+/ total) for the forward (= the ``dq`` kernel) and the ``dk, dv`` kernel, the per-head mean and maximum, the share of
 near (table) pairs and the layout's bytes. The kernels before issue 17 spent ``2T`` per entry (128 at T = 64).
 """
 

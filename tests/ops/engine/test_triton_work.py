@@ -1,6 +1,5 @@
 """The work model of the kernels' count (ops/_tools/triton_work.py): exact against an instrumented interpreter run, and
-the
-targets of issue 17 (integer operations per computed score entry at T = 64; T = 256 against T = 8).
+the targets of issue 17 (integer operations per computed score entry at T = 64; T = 256 against T = 8).
 
 The instrumented run counts, while ``block_count`` runs, every elementwise integer operation Triton's interpreter
 executes on a vector or tile (adds, compares, selects, pointer adds; the interpreter's own int32 overflow checks

@@ -25,8 +25,7 @@ Partitions. Positional-LSH partitions are drawn per layer, **independently acros
 :class:`~positional_lsh.ops.partitions.sampling.PartitionSampler` per layer (the package's one sampling policy) seeded
 with
 ``layer_seed(seed, layer_idx)`` (:func:`positional_lsh.ops.partitions.sampling.layer_seed`, the formula the project's
-model
-uses); the law of a partition does not depend on the length, so one draw per layer serves every length
+model uses); the law of a partition does not depend on the length, so one draw per layer serves every length
 (:meth:`Partitions.with_seq_len`). In eval mode the partitions are therefore
 fixed: decoding with a KV cache (each new query attends within its own block in every sample) gives
 exactly the same attention as recomputing the whole sequence, and one seed reproduces every result. In

@@ -8,8 +8,7 @@ whole ``BLOCK_M x BLOCK_N`` tile, the ``dk, dv`` kernel on its ``dkdv_m x dkdv_n
 for a layout and a kernel, the elementwise integer operations (adds, compares, selects, pointer adds; on vectors and
 tiles, not on scalars; int casts excluded) that ``block_count`` executes — the same totals an instrumented run of the
 kernels in Triton's interpreter counts (``tests/ops/engine/test_triton_work.py`` checks that equality) — and the score
-entries
-computed. Per call over ``R x C`` entries:
+entries computed. Per call over ``R x C`` entries:
 
 * near (a table load): a pointer add and ``c > 0`` per entry, and one add per key;
 * far: per entry the final add and ``c > 0``, plus one select per *breaking* event inside the block; per row two

@@ -112,8 +112,7 @@ class Partitions:
         device: default device for :meth:`labels`, :meth:`dense_masks` and :meth:`mean_mask`.
         decays: for partitions drawn with ``sample_partitions(..., decay=...)``, one
             :class:`~positional_lsh.ops.partitions.decays.Decay` per head (then ``slopes`` is NaN: there is no ALiBi
-            slope);
-            ``None`` for ALiBi partitions.
+            slope); ``None`` for ALiBi partitions.
         decay_len: the length whose exact (truncated) pitch law the decay partitions were drawn from; they
             are exact samples for every length up to it and are not extended beyond it.
         max_block: the pitch cap the partitions were drawn with (``sample_partitions(max_block=...)``), or
@@ -323,8 +322,7 @@ def sample_partitions(
         num_heads: number of heads when ``slopes`` is ``None`` or a single float.
         decay: instead of ALiBi, a positional decay ``k(|i - j|)`` (convex, decreasing, ``k(0) = 1``): one
             :class:`~positional_lsh.ops.partitions.decays.Decay` (a callable on int64 distances, or tabulated values)
-            for
-            every head (with ``num_heads``), or a sequence of them, one per head. Needs ``slopes=None`` and
+            for every head (with ``num_heads``), or a sequence of them, one per head. Needs ``slopes=None`` and
             ``scheme="discrete"`` (its general form: ``P(B = b) = b (k(b-1) - 2 k(b) + k(b+1))``, truncated
             exactly at ``seq_len``; see :mod:`positional_lsh.ops.partitions.decays`).
         max_block: cap every pitch at this many positions (``inf`` pitches included): a capped pitch gets a
