@@ -8,8 +8,9 @@ with ``s[i,j] = scale * q_i . k_j`` (plus the causal mask). This is a ratio of a
 denominators, *not* the mean of the ``T`` per-sample attention outputs. Its exact gradients are the standard
 attention backward run against the merged output and log-sum-exp.
 
-This module only checks arguments, draws partitions and hands the call to the engine
-(:mod:`positional_lsh.ops._engine.engine`: one dispatch, the backends behind one interface, eager or compiled).
+This module only checks arguments, draws partitions and hands the call to the estimator's one custom operator
+(:mod:`positional_lsh.ops._engine.op`, eager and compiled alike), which runs the engine
+(:mod:`positional_lsh.ops._engine.engine`: one dispatch, the backends behind one interface).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from positional_lsh.ops._checks import (
     positive_int,
 )
 from positional_lsh.ops._engine import engine
-from positional_lsh.ops._engine import op as compiled
 from positional_lsh.ops._engine.cost import call_estimate, exact_seconds
+from positional_lsh.ops._engine.op import run
 from positional_lsh.ops.errors import check_memory, check_seconds, format_seconds
 from positional_lsh.ops.options import (
     DEFAULT_BACKEND,
@@ -34,6 +35,7 @@ from positional_lsh.ops.options import (
     DEFAULT_SLOPE_GRAD,
     check_slope_grad,
 )
+from positional_lsh.ops.padding import check_key_padding_mask
 from positional_lsh.ops.partitions.partition import Partitions, check_partitions, check_slopes_match, sample_partitions
 from positional_lsh.ops.partitions.sampling import sample_op, slopes_tensor
 
@@ -85,23 +87,6 @@ def _shape_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return q * 0 + (k.sum() + v.sum()) * 0
 
 
-def _execute(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    partitions: Partitions,
-    route: engine.Route,
-    slopes: torch.Tensor | None = None,
-    expected: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Eager or compiled execution of a routed call (``route.compiled`` is decided by ``engine.dispatch``); ``slopes``
-    (``(Hq,)``, from :func:`_grad_slopes`) gets the surrogate gradient; ``expected`` (compiled calls only, from
-    ``check_slopes_match``): the caller's slopes, compared with the partitions' inside the compiled op."""
-    if route.compiled:
-        return compiled.run(q, k, v, partitions, route, slopes, expected)
-    return compiled.run_eager(q, k, v, partitions, route, slopes)
-
-
 def _grad_slopes(slopes: object, slope_grad: str, num_heads: int) -> torch.Tensor | None:
     """The slopes tensor that gets the surrogate gradient, as ``(Hq,)`` (a 0-dim one expanded: its gradient is the
     sum over heads), or ``None``: when ``slope_grad="none"``, or ``slopes`` is not a tensor requiring grad (a float,
@@ -143,6 +128,7 @@ def plsh_attention(
     backend: str = DEFAULT_BACKEND,
     method: str = DEFAULT_METHOD,
     slope_grad: str = DEFAULT_SLOPE_GRAD,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Positional-LSH attention: the ALiBi estimator ``softmax(s + log Mbar) v`` in near-linear time.
 
@@ -188,6 +174,12 @@ def plsh_attention(
             more math pass over every kernel call's scores in the backward, only when the slopes require grad.
             ``"none"``: the slopes get no gradient from this call. Checked on every call; without a slopes tensor
             requiring grad it changes nothing (same outputs, same ``q, k, v`` gradients, no extra work).
+        key_padding_mask: ``None`` (every key valid) or a ``(B, Lk)`` bool tensor on ``q``'s device, ``True`` for a
+            valid key; each row's valid keys must be one contiguous run (left and/or right padding), else
+            ``ValueError`` naming ``key_padding_mask``. Each row is computed on its run alone: positions (and so the
+            partitions, which must still be for ``Lk`` keys) are counted from the row's first valid key, queries
+            stay aligned to the last ``Lq`` keys, and query rows at padded positions return zeros and get zero
+            gradients (:mod:`positional_lsh.ops.padding`). A mask of all ``True`` computes what no mask computes.
 
     Returns:
         ``(B, Hq, Lq, d)`` tensor in ``q``'s dtype. Differentiable w.r.t. ``q``, ``k``, ``v`` (exact gradients
@@ -222,6 +214,7 @@ def plsh_attention(
         True
     """
     shape = check_qkv(q, k, v)
+    mask = check_key_padding_mask(key_padding_mask, q, shape.k_len)
     route = engine.dispatch(q, causal=causal, scale=scale, backend=backend, method=method)
     grad_slopes = _grad_slopes(slopes, check_slope_grad(slope_grad), shape.q_heads)
     expected = None
@@ -240,4 +233,4 @@ def plsh_attention(
     check_partitions(partitions, shape.q_heads, shape.k_len)
     if q.device.type == "meta" and not route.compiled:
         return _shape_only(q, k, v)
-    return _execute(q, k, v, partitions, route, grad_slopes, expected)
+    return run(q, k, v, partitions, route, grad_slopes, expected, mask)

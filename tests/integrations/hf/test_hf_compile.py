@@ -1,6 +1,8 @@
 """``torch.compile(fullgraph=True)`` of a swapped model (issue 18, failure E): eval forward and training steps trace
 as one graph (no break inside the attention: before, ``key_valid.all()`` and the partition draw broke it), with and
-without a padding mask, and compute what eager mode computes. Speed: benchmarks/hf_compile.py."""
+without a padding mask, on the positional-LSH and the ALiBi paths (the public ops, with the padding as their
+``key_padding_mask``), and compute what eager mode computes. The ops' ``opcheck`` with a mask:
+tests/ops/test_padding.py. Speed: benchmarks/hf_compile.py."""
 
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ def _padding(batch: int = 2, length: int = 24) -> torch.Tensor:
         ("falcon", "plsh", None),
         ("llama", "alibi", "padded"),
         ("bloom", "window", None),
+        ("bloom", "alibi", "padded"),  # a native ALiBi model: the exact op with the padding as key_padding_mask
     ],
 )
 def test_fullgraph_compile_equals_eager(name, mode, mask):
@@ -92,36 +95,3 @@ def test_no_graph_break_and_packed_sequences_refused_when_the_graph_runs():
     with pytest.raises(ValueError, match="packed sequences"):
         model(x, position_ids=packed, use_cache=False)
     assert torch.isfinite(compiled(x, use_cache=False).logits).all()
-
-
-def test_custom_ops_pass_opcheck():
-    # Schema, fake (shape and stride) implementations, autograd registration and AOT dispatch of the swap's ops,
-    # on the transposed (non-contiguous) q, k, v a projection gives, with a padding mask.
-    from torch.library import opcheck
-
-    from positional_lsh import sample_partitions
-    from positional_lsh.integrations.hf import attention_swap as ops
-
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 10, 4, 8, generator=g).transpose(1, 2).requires_grad_()
-    k, v = (torch.randn(2, 10, 2, 8, generator=g).transpose(1, 2).requires_grad_() for _ in range(2))
-    valid = torch.ones(2, 10, dtype=torch.bool)
-    valid[1, :3] = False
-    parts = sample_partitions(10, torch.tensor([0.5, 0.2, 0.1, 0.05]), 4, generator=0)
-    plsh = (parts.pitch, parts.shift, parts.slopes, parts.scheme, None, 0.35, "flash", "auto")
-    out, lse = ops.swap_padded_forward(q, k, v, valid, *plsh)
-    dout = torch.randn(out.shape, generator=g)
-    window = torch.full((4,), 3.0, dtype=torch.float64)
-    qd, kd, vd = (x.detach() for x in (q, k, v))  # (the backward ops are not differentiated themselves)
-    fake_only = ("test_schema", "test_faketensor")  # (the full check, AOT dispatch included, takes seconds)
-    cases = [
-        (ops.swap_padded_forward, (q, k, v, valid, *plsh), None),
-        (ops.swap_padded_forward, (q, k, v, torch.ones_like(valid), *plsh), fake_only),  # every key valid
-        (ops.swap_padded_backward, (dout, qd, kd, vd, valid, out.detach(), lse, *plsh), fake_only),
-        (ops.swap_alibi_forward, (q, k, v, valid, parts.slopes, window, 0.35, "auto"), None),
-        (ops.swap_alibi_forward, (q, k, v, None, parts.slopes, None, 0.35, "auto"), fake_only),
-        (ops.swap_alibi_backward, (dout, qd, kd, vd, valid, parts.slopes, window, 0.35, "auto"), fake_only),
-    ]
-    for op, args, utils in cases:
-        result = opcheck(op, args) if utils is None else opcheck(op, args, test_utils=utils)
-        assert set(result.values()) == {"SUCCESS"}, (op, result)

@@ -15,15 +15,15 @@ How :meth:`AttentionSwap.attend` runs a call:
 * **decoding**: a call continuing a cache with at most :data:`DECODE_QUERIES` queries, or one whose cache dropped
   dead keys (:mod:`~positional_lsh.integrations.hf.cache`), runs :func:`positional_lsh.ops.decode.plsh_decode`:
   each query reads only the keys of its own blocks, with no per-call plan;
-* **padding**: each batch row is computed on its valid run of keys; under ``torch.compile`` this is the custom op
-  ``positional_lsh::swap_padded_forward`` (and its backward), so a padding mask never breaks the graph;
+* **padding**: the ``(B, Lk)`` key validity is the ops' ``key_padding_mask`` (each batch row computed on its valid
+  run of keys, inside the op: a padding mask never breaks a ``torch.compile`` graph); an eager call that continues
+  a cache goes row group by row group (:func:`split_rows`), each group decoding on its own;
 * **torch.compile**: the training step is an int64 tensor advanced in place and the partitions are drawn by the
   sampling op, so ``fullgraph=True`` traces the whole attention.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,25 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.masks import valid_runs
 from positional_lsh.ops import alibi_attention, plsh_attention
 from positional_lsh.ops._checks import nonnegative_int
-from positional_lsh.ops._engine.engine import Route, backward, dispatch, forward, kernel_inputs, plan
-from positional_lsh.ops._engine.kernels import acc_dtype
 from positional_lsh.ops.decode import key_reach, plsh_decode
+from positional_lsh.ops.padding import valid_runs
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
 
-__all__ = [
-    "DECODE_QUERIES",
-    "SWAP_ATTR",
-    "AttentionSwap",
-    "split_rows",
-    "swap_alibi_backward",
-    "swap_alibi_forward",
-    "swap_padded_backward",
-    "swap_padded_forward",
-]
+__all__ = ["DECODE_QUERIES", "SWAP_ATTR", "AttentionSwap", "split_rows"]
 
 #: Attribute under which the installed :class:`AttentionSwap` is attached to the model and to each of its
 #: attention modules (in the instance ``__dict__``; removed by :meth:`AttentionSwap.restore`).
@@ -211,9 +200,11 @@ class AttentionSwap:
         v: torch.Tensor,
         scale: float,
         key_offset: int = 0,
+        key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One row group's attention: keys ``k, v`` are positions ``key_offset ..`` of the row (``key_offset > 0``
-        when a cache dropped the keys before), the queries its last positions."""
+        """One call of the public ops: keys ``k, v`` are positions ``key_offset ..`` of the row (``key_offset > 0``
+        when a cache dropped the keys before; then no ``key_padding_mask``), the queries its last positions;
+        ``key_padding_mask``: ``None`` or the ``(B, Lk)`` key validity, passed to the op."""
         lq, lk = q.shape[-2], k.shape[-2]
         if self.mode == "alibi":
             if key_offset > 0:
@@ -224,19 +215,20 @@ class AttentionSwap:
                         f"the KV cache dropped keys before position {key_offset} that this ALiBi attention needs"
                     )
             return alibi_attention(
-                q, k, v, self.slopes, causal=True, window=self.window, scale=scale, backend=self.backend
-            )
+                q, k, v, self.slopes, causal=True, window=self.window, scale=scale, backend=self.backend,
+                key_padding_mask=key_padding_mask,
+            )  # fmt: skip
         assert self.method is not None
         n = key_offset + lk
-        if not torch.compiler.is_compiling() and (key_offset > 0 or lq < min(n, DECODE_QUERIES + 1)):
-            parts, _ = self._decode_partitions(layer_idx, n, training)
-            return plsh_decode(q, k, v, parts, key_offset=key_offset, scale=scale)
-        if key_offset > 0:
-            raise ValueError("a KV cache that drops keys (LiveKeyCache) is not supported under torch.compile")
+        if key_padding_mask is None and not torch.compiler.is_compiling():
+            if key_offset > 0 or lq < min(n, DECODE_QUERIES + 1):
+                parts, _ = self._decode_partitions(layer_idx, n, training)
+                return plsh_decode(q, k, v, parts, key_offset=key_offset, scale=scale)
         parts = self.partitions(layer_idx, n, training=training)
         return plsh_attention(
-            q, k, v, partitions=parts, causal=True, scale=scale, backend=self.backend, method=self.method
-        )
+            q, k, v, partitions=parts, causal=True, scale=scale, backend=self.backend, method=self.method,
+            key_padding_mask=key_padding_mask,
+        )  # fmt: skip
 
     def attend(
         self,
@@ -275,50 +267,20 @@ class AttentionSwap:
         key_valid: torch.Tensor | None,
         scale: float,
     ) -> torch.Tensor:
+        """The padding goes to the op as its ``key_padding_mask``; eager calls that continue a cache (positional LSH)
+        or whose cache dropped keys go row group by row group (:func:`split_rows`), so that each group may decode."""
+        lq, lk = q.shape[-2], k.shape[-2]
+        dropped = key_valid is not None and key_valid.shape[-1] != lk
         if torch.compiler.is_compiling():
-            return self._compiled(layer_idx, training, q, k, v, key_valid, scale)
+            if dropped:
+                raise ValueError("a KV cache that drops keys (LiveKeyCache) is not supported under torch.compile")
+        elif dropped or (self.mode == "plsh" and lq < lk):
 
-        def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_offset: int) -> torch.Tensor:
-            return self._kernel(layer_idx, training, q, k, v, scale, key_offset)
+            def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_offset: int) -> torch.Tensor:
+                return self._kernel(layer_idx, training, q, k, v, scale, key_offset)
 
-        return split_rows(q, k, v, key_valid, kernel)
-
-    def _compiled(
-        self,
-        layer_idx: int,
-        training: bool,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_valid: torch.Tensor | None,
-        scale: float,
-    ) -> torch.Tensor:
-        """A call under ``torch.compile``: the engine's compiled op without padding, else an opaque custom op
-        (``swap_padded_forward`` for positional LSH, ``swap_alibi_forward`` for exact or windowed ALiBi)."""
-        if key_valid is not None and key_valid.shape[-1] != k.shape[-2]:
-            raise ValueError("a KV cache that drops keys (LiveKeyCache) is not supported under torch.compile")
-        if self.mode == "alibi":
-            return swap_alibi_forward(q, k, v, key_valid, self.slopes, self.window, scale, self.backend)
-        if key_valid is None:
-            return self._kernel(layer_idx, training, q, k, v, scale)
-        assert self.method is not None
-        parts = self.partitions(layer_idx, k.shape[-2], training=training)
-        route = dispatch(q, causal=True, scale=scale, backend=self.backend, method=self.method)
-        out, _ = swap_padded_forward(
-            q,
-            k,
-            v,
-            key_valid,
-            parts.pitch,
-            parts.shift,
-            parts.slopes,
-            parts.scheme,
-            parts.max_block,
-            route.scale,
-            route.kernel,
-            route.method,
-        )
-        return out
+            return split_rows(q, k, v, key_valid, kernel)
+        return self._kernel(layer_idx, training, q, k, v, scale, key_padding_mask=key_valid)
 
     def restore(self) -> None:
         """Put the model's own attention back (idempotent)."""
@@ -362,7 +324,7 @@ def split_rows(
     if bool(key_valid.all()):
         return kernel(q, k, v, offset)
     groups: dict[tuple[int, int], list[int]] = {}
-    for row, run in enumerate(valid_runs(key_valid)):
+    for row, run in enumerate(valid_runs(key_valid, "attention_mask")):
         groups.setdefault(run, []).append(row)
     q0 = m - lq  # position of the first query
     out = q.new_zeros(q.shape)
@@ -380,258 +342,3 @@ def split_rows(
         )
         out[idx, :, qs - q0 : end - q0] = sub
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-# torch.compile: exact / windowed ALiBi as an opaque custom op (backward by recomputation)
-# --------------------------------------------------------------------------------------------------
-
-
-def _alibi_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_valid: torch.Tensor | None,
-    slopes: torch.Tensor,
-    window: torch.Tensor | None,
-    scale: float,
-    backend: str,
-) -> torch.Tensor:
-    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_offset: int) -> torch.Tensor:
-        return alibi_attention(q, k, v, slopes, causal=True, window=window, scale=scale, backend=backend)
-
-    return split_rows(q, k, v, key_valid, kernel)
-
-
-@torch.library.custom_op("positional_lsh::swap_alibi_forward", mutates_args=())
-def swap_alibi_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_valid: torch.Tensor | None,
-    slopes: torch.Tensor,
-    window: torch.Tensor | None,
-    scale: float,
-    backend: str,
-) -> torch.Tensor:
-    """The swap's causal exact (``window=None``) or windowed ALiBi attention, with an optional ``(B, Lk)`` padding
-    mask (:func:`split_rows` over :func:`~positional_lsh.alibi_attention`): the op ``torch.compile`` sees."""
-    with torch.no_grad():
-        return _alibi_rows(q, k, v, key_valid, slopes, window, scale, backend).contiguous()
-
-
-@swap_alibi_forward.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object) -> torch.Tensor:
-    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-@torch.library.custom_op("positional_lsh::swap_alibi_backward", mutates_args=())
-def swap_alibi_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_valid: torch.Tensor | None,
-    slopes: torch.Tensor,
-    window: torch.Tensor | None,
-    scale: float,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`swap_alibi_forward`: its forward recomputed with autograd, then differentiated.
-
-    A custom op's body runs with autograd off (``enable_grad`` has no effect there), so the recomputation runs in
-    a short-lived thread, whose autograd state is the default one."""
-    result: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            lq, lk, lv = (x.detach().requires_grad_() for x in (q, k, v))
-            leaves = [lq, lk, lv]
-            out = _alibi_rows(lq, lk, lv, key_valid, slopes, window, scale, backend)
-            grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
-            result["grads"] = tuple(
-                torch.zeros(x.shape, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
-                for x, g in zip(leaves, grads, strict=True)
-            )
-        except BaseException as exc:  # re-raised in the calling thread
-            result["error"] = exc
-
-    thread = threading.Thread(target=work, name="positional_lsh-alibi-backward")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["grads"]
-
-
-def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` left empty, shaped like ``q, k, v``: what a backward op's fake returns."""
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    return dq, dk, dv
-
-
-@swap_alibi_backward.register_fake
-def _(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    return _empty_grads(q, k, v)
-
-
-def _alibi_setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    q, k, v, key_valid, slopes, window, scale, backend = inputs
-    ctx.save_for_backward(q, k, v)
-    ctx.rest = (key_valid, slopes, window, scale, backend)
-
-
-def _alibi_backward_fn(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    q, k, v = ctx.saved_tensors
-    dq, dk, dv = swap_alibi_backward(dout, q, k, v, *ctx.rest)
-    return (dq, dk, dv) + (None,) * 5
-
-
-swap_alibi_forward.register_autograd(_alibi_backward_fn, setup_context=_alibi_setup_context)
-
-
-# --------------------------------------------------------------------------------------------------
-# torch.compile: positional LSH with padding, the row groups as opaque custom ops over the engine
-# --------------------------------------------------------------------------------------------------
-
-
-def _row_groups(key_valid: torch.Tensor, q_len: int, k_len: int) -> list[tuple[torch.Tensor | slice, int, int, int]]:
-    """``(rows, first key, first query, end)`` per group of batch rows with one valid run (``key_valid (B, Lk)``);
-    groups whose queries are all padding are left out. ``rows`` is ``slice(None)`` (every row, no copy) when every
-    key is valid, else an index tensor."""
-    q0 = k_len - q_len
-    if bool(key_valid.all()):
-        return [(slice(None), 0, q0, k_len)]
-    groups: dict[tuple[int, int], list[int]] = {}
-    for row, run in enumerate(valid_runs(key_valid)):
-        groups.setdefault(run, []).append(row)
-    out: list[tuple[torch.Tensor | slice, int, int, int]] = []
-    for (first, end), rows in groups.items():
-        qs = max(first, q0)
-        if end > qs:
-            out.append((torch.tensor(rows, device=key_valid.device), first, qs, end))
-    return out
-
-
-def _group_plan(
-    pitch: torch.Tensor,
-    shift: torch.Tensor,
-    slopes: torch.Tensor,
-    scheme: str,
-    max_block: int | None,
-    route: Route,
-    num_kv_heads: int,
-    first: int,
-    qs: int,
-    end: int,
-    device: torch.device,
-) -> Any:
-    parts = Partitions(end - first, slopes, pitch, shift, scheme, max_block=max_block)
-    return plan(route, parts, num_kv_heads, end - qs, device)
-
-
-@torch.library.custom_op("positional_lsh::swap_padded_forward", mutates_args=())
-def swap_padded_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_valid: torch.Tensor,
-    pitch: torch.Tensor,
-    shift: torch.Tensor,
-    slopes: torch.Tensor,
-    scheme: str,
-    max_block: int | None,
-    scale: float,
-    kernel: str,
-    method: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the swap's causal positional-LSH attention with a ``(B, Lk)`` padding mask: each group of
-    batch rows with one valid run goes through the engine (:func:`positional_lsh.ops._engine.engine.forward`) on that
-    run;
-    padded query rows get ``out = 0`` and ``lse = -inf``. The op ``torch.compile`` sees instead of the row split."""
-    route = Route(method, kernel, False, True, scale)
-    lq, lk = q.shape[2], k.shape[2]
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
-    q0 = lk - lq
-    for rows, first, qs, end in _row_groups(key_valid, lq, lk):
-        p = _group_plan(pitch, shift, slopes, scheme, max_block, route, k.shape[1], first, qs, end, q.device)
-        o, l, _ = forward(p, q[rows][:, :, qs - q0 : end - q0], k[rows][:, :, first:end], v[rows][:, :, first:end])
-        out[rows, :, qs - q0 : end - q0] = o
-        lse[rows, :, qs - q0 : end - q0] = l.to(lse.dtype)
-    return out, lse
-
-
-@swap_padded_forward.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
-    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return out, torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
-
-
-@torch.library.custom_op("positional_lsh::swap_padded_backward", mutates_args=())
-def swap_padded_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_valid: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    pitch: torch.Tensor,
-    shift: torch.Tensor,
-    slopes: torch.Tensor,
-    scheme: str,
-    max_block: int | None,
-    scale: float,
-    kernel: str,
-    method: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`swap_padded_forward`, group by group
-    (:func:`positional_lsh.ops._engine.engine.backward`
-    against the saved ``out`` and ``lse``); padded positions get zero gradients."""
-    route = Route(method, kernel, False, True, scale)
-    lq, lk = q.shape[2], k.shape[2]
-    dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))  # contiguous, as the fake
-    q0 = lk - lq
-    for rows, first, qs, end in _row_groups(key_valid, lq, lk):
-        p = _group_plan(pitch, shift, slopes, scheme, max_block, route, k.shape[1], first, qs, end, q.device)
-        qsl, ksl = slice(qs - q0, end - q0), slice(first, end)
-        qp, kp, vp, _ = kernel_inputs(q[rows][:, :, qsl], k[rows][:, :, ksl], v[rows][:, :, ksl], kernel)
-        saved = (qp, kp, vp, out[rows][:, :, qsl].contiguous(), lse[rows][:, :, qsl].contiguous())
-        gq, gk, gv, _ = backward(p, saved, dout[rows][:, :, qsl])
-        dq[rows, :, qsl] = gq
-        dk[rows, :, ksl] = gk
-        dv[rows, :, ksl] = gv
-    return dq, dk, dv
-
-
-@swap_padded_backward.register_fake
-def _(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    return _empty_grads(q, k, v)
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    q, k, v, key_valid, pitch, shift, slopes, *args = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, key_valid, out, lse, pitch, shift, slopes)
-    ctx.args = args
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward_fn(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    q, k, v, key_valid, out, lse, pitch, shift, slopes = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = swap_padded_backward(dout, q, k, v, key_valid, out, lse, pitch, shift, slopes, *ctx.args)
-    return (dq, dk, dv) + (None,) * 9
-
-
-swap_padded_forward.register_autograd(_backward_fn, setup_context=_setup_context)

@@ -2,10 +2,11 @@
 
 :func:`padding_mask_interface` is registered in transformers' ``AttentionMaskInterface`` under
 :data:`ATTN_IMPLEMENTATION` (by the package ``__init__``); the attention then receives only the padding (causality
-is applied by the attention itself), checks it with :func:`key_validity` and splits each batch row into its valid
-run with :func:`valid_runs`. The mask covers the whole sequence: a cache that dropped dead keys
-(:class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`) hands the attention fewer keys than mask positions, and
-the attention reads the position of its first key from the difference. This module imports nothing else from the
+is applied by the attention itself), checks it with :func:`key_validity` and hands it to the ops as their
+``key_padding_mask`` (:mod:`positional_lsh.ops.padding`: each batch row on its valid run). The mask covers the
+whole sequence: a cache that dropped dead keys (:class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`) hands
+the attention fewer keys than mask positions, and the attention reads the position of its first key from the
+difference. This module imports nothing else from the
 integration.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from transformers.masking_utils import causal_mask_function
 
-__all__ = ["ATTN_IMPLEMENTATION", "MASK_SUPPORT", "key_validity", "padding_mask_interface", "valid_runs"]
+__all__ = ["ATTN_IMPLEMENTATION", "MASK_SUPPORT", "key_validity", "padding_mask_interface"]
 
 #: Name under which the attention and mask functions are registered in transformers.
 ATTN_IMPLEMENTATION = "positional_lsh"
@@ -106,24 +107,3 @@ def key_validity(attention_mask: object, batch: int, k_len: int) -> torch.Tensor
         return attention_mask.to(torch.bool)
     shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
     raise ValueError(f"unsupported attention mask {shape} for {batch} sequences of {k_len} keys: {MASK_SUPPORT}")
-
-
-def valid_runs(key_valid: torch.Tensor) -> list[tuple[int, int]]:
-    """``(first, end)`` of the contiguous run of valid keys of every row of ``key_valid (B, Lk)`` (bool).
-
-    A row without valid keys gives ``(0, 0)``; padding between valid keys raises ``ValueError``.
-    """
-    n = key_valid.shape[-1]
-    pos = torch.arange(n, device=key_valid.device)
-    first = torch.where(key_valid, pos, n).amin(-1)
-    end = torch.where(key_valid, pos, -1).amax(-1) + 1
-    count = key_valid.sum(-1)
-    holes = (count > 0) & (end - first != count)
-    if bool(holes.any()):
-        rows = torch.nonzero(holes).flatten().tolist()
-        raise ValueError(
-            f"attention_mask has padding between valid tokens in batch row(s) {rows}; positional_lsh attention "
-            "supports left and/or right padding only (each row's valid tokens must be one contiguous run)"
-        )
-    runs = zip(first.tolist(), end.tolist(), count.tolist(), strict=True)
-    return [(int(f), int(e)) if c > 0 else (0, 0) for f, e, c in runs]

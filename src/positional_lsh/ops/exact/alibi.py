@@ -4,10 +4,18 @@
 ``|i - j| <= window[h]``. Chunked over queries, with one Toeplitz bias bank per head (every chunk's bias is a
 view of it) and a recomputing backward against the saved output and log-sum-exp: never an ``n x n`` tensor.
 A ``slopes`` tensor that requires grad gets ``dL/dm_h = -sum_{b,i,j} dS_ij |i - j|`` from one more pass of score
-recomputation per chunk in that backward (``ops._engine.kernels.attend_bias_grads`` with the weight ``d bias / dm = -|i
-- j|``,
-a view of a per-head Toeplitz distance bank). :func:`decay_attention` is the same op for the built-in decay families
-(:data:`~positional_lsh.ops.partitions.decays.DECAY_FAMILIES`, bias ``log k_theta(|i - j|)``), with ``params.grad``.
+recomputation per chunk in that backward (``ops._engine.kernels.attend_bias_grads`` with the weight
+``d bias / dm = -|i - j|``, a view of a per-head Toeplitz distance bank). :func:`decay_attention` is the same op for
+the built-in decay families (:data:`~positional_lsh.ops.partitions.decays.DECAY_FAMILIES`, bias
+``log k_theta(|i - j|)``), with ``params.grad``. Both take a ``key_padding_mask`` (:mod:`positional_lsh.ops.padding`).
+
+One custom-op registration serves both, eager and compiled: ``positional_lsh::exact_forward(q, k, v, theta,
+window, kind, causal, scale, backend, check=False, key_padding_mask=None) -> (out, lse)`` (``theta``: the slopes
+``(Hq,)``, or a decay family's parameters ``(Hq, P)``) and its backward ``positional_lsh::exact_backward``,
+connected by ``torch.library.register_autograd``, which gives ``theta`` its exact gradient when autograd needs it.
+``torch.compile(fullgraph=True)`` traces a call as that one opaque op; the values a trace cannot read (slopes,
+window, parameters) are then checked inside it (``check``).
+
 Runs the torch kernels of ``ops._engine.kernels`` only (``backend`` in :data:`ALIBI_BACKENDS`; exact ALiBi has no
 Triton path). Used by the language model (``alibi`` and ``window-alibi``), the transformers swap, and every benchmark
 and report as the exact/windowed peer. The dense conventions and oracles are in
@@ -16,6 +24,7 @@ and report as the exact/windowed peer. The dense conventions and oracles are in
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,7 +47,9 @@ from positional_lsh.ops._engine.kernels import (
 from positional_lsh.ops._engine.parallel import pool_size, run_all, work_items, workers_for
 from positional_lsh.ops.exact.bias import alibi_bias
 from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend
+from positional_lsh.ops.padding import check_key_padding_mask, row_groups
 from positional_lsh.ops.partitions.decays import decay_family
+from positional_lsh.ops.partitions.sampling import slopes_tensor
 
 __all__ = ["alibi_attention", "decay_attention"]
 """``backend=`` of :func:`alibi_attention`: the torch kernels only (exact ALiBi has no Triton path)."""
@@ -306,74 +317,228 @@ def _param_grad_share(
     return total
 
 
-class _ToeplitzFunction(torch.autograd.Function):
-    """Exact attention with a per-head Toeplitz bias; ``param`` (``None``, or the tensor whose values are
-    ``values``, requiring grad) receives ``sum dS * d bias / d theta`` in its own shape, dtype and device."""
+def _toeplitz_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: _Toeplitz, causal: bool, scale: float, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of exact attention with the Toeplitz bias ``spec``, chunk by chunk (non-finite keys zeroed,
+    the rows that keep one set to NaN)."""
+    q, k, v, bad = _kernel_inputs(q, k, v, backend)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
+    items = _head_items(q, k, spec.window)
+    run = partial(
+        _alibi_forward_item, q=q, k=k, v=v, out=out, lse=lse, spec=spec, causal=causal, scale=scale, backend=backend
+    )
+    run_all(run, items, pool_size(len(items), q.device))
+    if bad is not None:
+        poison_rows(out, lse, _alibi_rows_with_bad_keys(bad, q.shape[1], q.shape[2], spec.window, causal))
+    return out, lse
 
-    @staticmethod
-    def forward(
-        ctx: Any,  # torch's FunctionCtx, with this function's attributes set on it
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        param: torch.Tensor | None,
-        kind: str,
-        values: torch.Tensor,
-        window: torch.Tensor | None,
-        causal: bool,
-        scale: float,
-        backend: str,
-    ) -> torch.Tensor:
-        spec = _Toeplitz(kind, values, window)
-        q, k, v = (kernel_layout(x, backend) for x in (q, k, v))  # once per call; chunks are views
-        bad = nonfinite_keys(k, v)  # zeroed here, and the rows that keep them set to NaN below
-        if bad is not None:
-            k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
-        items = _head_items(q, k, spec.window)
-        run = partial(
-            _alibi_forward_item, q=q, k=k, v=v, out=out, lse=lse, spec=spec, causal=causal, scale=scale,
-            backend=backend,
-        )  # fmt: skip
-        run_all(run, items, pool_size(len(items), q.device))
-        if bad is not None:
-            poison_rows(out, lse, _alibi_rows_with_bad_keys(bad, q.shape[1], q.shape[2], spec.window, causal))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.causal, ctx.scale, ctx.backend = spec, causal, scale, backend
-        ctx.param_like = None if param is None else (param.shape, param.dtype, param.device)
-        return out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved = ctx.saved_tensors
-        q, k, v = saved[:3]
-        acc = acc_dtype(q.dtype)
-        want_qkv = any(ctx.needs_input_grad[:3])
-        want_param = ctx.param_like is not None and ctx.needs_input_grad[3]
-        grads = None
-        if want_qkv:
-            grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
-        spec = ctx.spec
-        # per (batch row, head): every (b, h) belongs to one work item, so the workers write disjoint entries
-        param_grad = None
-        if want_param:
-            param_grad = torch.zeros((q.shape[0], q.shape[1], spec.num_params), dtype=acc, device=q.device)
-        items = _head_items(q, k, spec.window)
-        run = partial(
-            _alibi_backward_item, saved=saved, dout=dout.contiguous(), grads=grads, param_grad=param_grad,
-            spec=spec, causal=ctx.causal, scale=ctx.scale,
-            backend=ctx.backend,
-        )  # fmt: skip
-        run_all(run, items, pool_size(len(items), q.device))
-        dq = dk = dv = dparam = None
-        if grads is not None:
-            dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
-        if param_grad is not None:
-            shape, dtype, device = ctx.param_like
-            dparam = param_grad.sum(0).reshape(shape).to(device=device, dtype=dtype)
-        return dq, dk, dv, dparam, None, None, None, None, None, None
+def _kernel_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``q, k, v`` in the kernel's layout (once per call; chunks are views) with non-finite keys zeroed, and those
+    keys; the forward and the backward read the same tensors."""
+    q, k, v = (kernel_layout(x, backend) for x in (q, k, v))
+    bad = nonfinite_keys(k, v)  # zeroed here, and the rows that keep them set to NaN by the forward
+    if bad is not None:
+        k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
+    return q, k, v, bad
+
+
+def _toeplitz_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    spec: _Toeplitz,
+    causal: bool,
+    scale: float,
+    backend: str,
+    qkv_grad: bool,
+    theta_grad: bool,
+) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor | None]:
+    """``((dq, dk, dv) or None, param_grad (B, Hq, P) or None)`` against the saved ``out`` and ``lse``: each part
+    only when asked for (the parameter part is one more math pass of every chunk's scores)."""
+    q, k, v, _ = _kernel_inputs(q, k, v, backend)
+    acc = acc_dtype(q.dtype)
+    grads = None
+    if qkv_grad:
+        grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+    # per (batch row, head): every (b, h) belongs to one work item, so the workers write disjoint entries
+    param_grad = None
+    if theta_grad:
+        param_grad = torch.zeros((q.shape[0], q.shape[1], spec.num_params), dtype=acc, device=q.device)
+    items = _head_items(q, k, spec.window)
+    run = partial(
+        _alibi_backward_item, saved=(q, k, v, out, lse), dout=dout.contiguous(), grads=grads, param_grad=param_grad,
+        spec=spec, causal=causal, scale=scale, backend=backend,
+    )  # fmt: skip
+    run_all(run, items, pool_size(len(items), q.device))
+    if grads is not None:
+        grads = tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
+    return grads, param_grad
+
+
+def _spec(kind: str, theta: torch.Tensor, window: torch.Tensor | None, check: bool) -> _Toeplitz:
+    """The call's :class:`_Toeplitz` from the op's ``theta`` (ALiBi: the slopes ``(Hq,)``; a decay family: its
+    parameters ``(Hq, P)``), read detached in float64 on the CPU. ``check``: validate the values first (compiled
+    calls, whose public function could not read them; ``ValueError`` naming ``slopes``, ``window`` or ``params``)."""
+    hq = theta.shape[0]
+    if kind == "alibi":
+        values = as_slopes(theta, hq) if check else theta.detach().to("cpu", torch.float64)
+        if check:
+            window = as_window(window, hq)
+        elif window is not None:
+            window = window.detach().to("cpu", torch.float64)
+        return _Toeplitz(kind, values[:, None], window)
+    fam = decay_family(kind)
+    values = fam.check_params(theta, hq)[1] if check else theta.detach().to("cpu", torch.float64)
+    return _Toeplitz(fam.name, values, None)
+
+
+def _exact_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    window: torch.Tensor | None,
+    kind: str,
+    causal: bool,
+    scale: float,
+    backend: str,
+    check: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of exact attention with the bias of ``kind`` (``"alibi"``: slopes ``theta (Hq,)``, optional
+    ``window (Hq,)``; a decay family's name: its parameters ``theta (Hq, P)``), row group by row group with a
+    ``key_padding_mask`` (padded query rows: ``out = 0``, ``lse = -inf``). ``check``: see :func:`_spec`."""
+    spec = _spec(kind, theta, window, check)
+    groups = row_groups(key_padding_mask, q.shape[2])
+    if groups is None:
+        return _toeplitz_forward(q, k, v, spec, causal, scale, backend)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    for g in groups:
+        qg, kg, vg = q[g.rows][:, :, g.queries], k[g.rows][:, :, g.keys], v[g.rows][:, :, g.keys]
+        o, lg = _toeplitz_forward(qg, kg, vg, spec, causal, scale, backend)
+        out[g.rows, :, g.queries] = o
+        lse[g.rows, :, g.queries] = lg
+    return out, lse
+
+
+#: The names of ``exact_forward``'s inputs, in order: ``setup_context`` and the backward read and return them by name.
+EXACT_INPUTS: tuple[str, ...] = tuple(inspect.signature(_exact_forward).parameters)
+
+exact_forward = torch.library.custom_op("positional_lsh::exact_forward", _exact_forward, mutates_args=())
+
+
+@exact_forward.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object, **__: object) -> tuple[torch.Tensor, torch.Tensor]:
+    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return out, torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
+
+
+@torch.library.custom_op("positional_lsh::exact_backward", mutates_args=())
+def exact_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    theta: torch.Tensor,
+    window: torch.Tensor | None,
+    kind: str,
+    causal: bool,
+    scale: float,
+    backend: str,
+    qkv_grad: bool,
+    theta_grad: bool,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dtheta)`` of :func:`exact_forward` by recomputation against the saved ``out`` and ``lse``,
+    row group by row group with a ``key_padding_mask`` (padded positions get zero gradients). ``dq, dk, dv`` when
+    ``qkv_grad`` (else zeros); ``dtheta`` (``sum dS * d bias / d theta``, accumulated in float32, float64 for
+    float64 inputs; in ``theta``'s shape, dtype and device) when ``theta_grad`` (else zeros, and no extra pass)."""
+    spec = _spec(kind, theta, window, False)  # the forward checked the values
+    groups = row_groups(key_padding_mask, q.shape[2])
+    args = (spec, causal, scale, backend, qkv_grad, theta_grad)
+    if groups is None:
+        grads, param_grad = _toeplitz_backward(dout, q, k, v, out, lse, *args)
+        dtheta = None if param_grad is None else param_grad.sum(0)
+    else:
+        grads = tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)) if qkv_grad else None
+        dtheta = torch.zeros((q.shape[1], spec.num_params), dtype=acc_dtype(q.dtype), device=q.device)
+        for g in groups:
+            gk, gq = g.keys, g.queries
+            part, pg = _toeplitz_backward(
+                dout[g.rows][:, :, gq], q[g.rows][:, :, gq], k[g.rows][:, :, gk], v[g.rows][:, :, gk],
+                out[g.rows][:, :, gq], lse[g.rows][:, :, gq], *args,
+            )  # fmt: skip
+            if grads is not None and part is not None:
+                for full, x, where in zip(grads, part, (gq, gk, gk), strict=True):
+                    full[g.rows, :, where] = x
+            if pg is not None:
+                dtheta += pg.sum(0)
+    zeros = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
+    dq, dk, dv = zeros if grads is None else grads
+    if not theta_grad or dtheta is None:
+        return dq, dk, dv, torch.zeros(theta.shape, dtype=theta.dtype, device=theta.device)
+    return dq, dk, dv, dtheta.reshape(theta.shape).to(device=theta.device, dtype=theta.dtype)
+
+
+@exact_backward.register_fake
+def _(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    theta: torch.Tensor,
+    *_: object,
+    **__: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
+    dq, dk, dv, dt = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, theta))
+    return dq, dk, dv, dt
+
+
+# The forward's settings the backward takes as they are (its other inputs are tensors saved for it).
+_SETTINGS = ("kind", "causal", "scale", "backend")
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    args = dict(zip(EXACT_INPUTS, inputs, strict=True))
+    out, lse = output
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["theta"], args["window"],
+                          args["key_padding_mask"])  # fmt: skip
+    ctx.settings = {n: args[n] for n in _SETTINGS}
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_fn(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, out, lse, theta, window, mask = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    # (the dispatcher drops trailing inputs left at their defaults from needs_input_grad: none of them is a grad's)
+    need = dict(zip(EXACT_INPUTS, ctx.needs_input_grad, strict=False))
+    qkv_grad = bool(need["q"] or need["k"] or need["v"])
+    theta_grad = bool(need["theta"])
+    dq, dk, dv, dtheta = exact_backward(
+        dout, q, k, v, out, lse, theta, window, **ctx.settings, qkv_grad=qkv_grad, theta_grad=theta_grad,
+        key_padding_mask=mask,
+    )  # fmt: skip
+    grads = {"q": dq, "k": dk, "v": dv, "theta": dtheta}
+    return tuple(grads[n] if n in grads and need[n] else None for n in EXACT_INPUTS)
+
+
+exact_forward.register_autograd(_backward_fn, setup_context=_setup_context)
 
 
 def _kernel_backend(backend: str, q: torch.Tensor, op: str) -> str:
@@ -396,10 +561,6 @@ def _kernel_backend(backend: str, q: torch.Tensor, op: str) -> str:
     return backend
 
 
-def _trainable(x: object) -> bool:
-    return isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
-
-
 def alibi_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -410,6 +571,7 @@ def alibi_attention(
     window: torch.Tensor | float | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact (optionally windowed) ALiBi attention with ``O(n)`` memory and a recomputing backward.
 
@@ -432,6 +594,11 @@ def alibi_attention(
             ``"flash"`` (CPU fused op, float32/float64) or ``"math"``. ``"auto"`` uses ``"math"`` (float32 scores)
             for half types, so that the bias is not rounded to 8 bits; an explicit ``"flash"`` with a half type
             is refused (``ValueError``), and so is ``"triton"`` (no Triton path for exact ALiBi).
+        key_padding_mask: ``None`` (every key valid) or a ``(B, Lk)`` bool tensor on ``q``'s device, ``True`` for a
+            valid key; each row's valid keys must be one contiguous run (left and/or right padding), else
+            ``ValueError`` naming ``key_padding_mask``. Each row is computed on its run alone (distances are
+            counted within it), queries stay aligned to the last ``Lq`` keys, and query rows at padded positions
+            return zeros and get zero gradients (:mod:`positional_lsh.ops.padding`).
 
     Returns:
         ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd (``q``, ``k``, ``v`` and a ``slopes`` tensor). A NaN
@@ -456,17 +623,19 @@ def alibi_attention(
         >>> m.grad.shape
         torch.Size([4])
     """
-    _, hq, _, _, _, d = check_qkv(q, k, v)
+    _, hq, _, _, lk, d = check_qkv(q, k, v)
     sc = as_scale(scale, d)
     check_bool("causal", causal)
     backend = _kernel_backend(backend, q, "alibi_attention")
-    m = as_slopes(slopes, hq)  # detached float64 values; the tensor itself stays the autograd input
-    win = as_window(window, hq)
-    param = None
-    if _trainable(slopes):
-        assert isinstance(slopes, torch.Tensor)
-        param = slopes.expand(hq) if slopes.dim() == 0 else slopes
-    return _ToeplitzFunction.apply(q, k, v, param, "alibi", m[:, None], win, causal, sc, backend)
+    mask = check_key_padding_mask(key_padding_mask, q, lk)
+    compiling = torch.compiler.is_compiling()  # then the op checks the values (they cannot be read when tracing)
+    if compiling:
+        theta, win = slopes_tensor(slopes, hq), None if window is None else slopes_tensor(window, hq)
+    else:
+        theta, win = as_slopes(slopes, hq), as_window(window, hq)  # detached float64 values, checked
+    if isinstance(slopes, torch.Tensor) and slopes.requires_grad:  # learnable: the tensor is the op's input
+        theta = slopes.expand(hq) if slopes.dim() == 0 else slopes
+    return _exact_call(q, k, v, theta, win, "alibi", causal, sc, backend, compiling, mask)
 
 
 def decay_attention(
@@ -479,6 +648,7 @@ def decay_attention(
     causal: bool = True,
     scale: float | None = None,
     backend: str = "auto",
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention with a built-in positional decay, ``O(n)`` memory, and gradients for its parameters.
 
@@ -507,6 +677,7 @@ def decay_attention(
         causal: causal masking.
         scale: score scale, default ``1/sqrt(d)``.
         backend: as :func:`alibi_attention`.
+        key_padding_mask: as :func:`alibi_attention`.
 
     Returns:
         ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd (``q``, ``k``, ``v``, ``params``). Non-finite keys
@@ -522,11 +693,37 @@ def decay_attention(
         >>> theta.grad.shape
         torch.Size([2, 2])
     """
-    _, hq, _, _, _, d = check_qkv(q, k, v)
+    _, hq, _, _, lk, d = check_qkv(q, k, v)
     sc = as_scale(scale, d)
     check_bool("causal", causal)
     fam = decay_family(family)
-    theta, values = fam.check_params(params, hq)
+    compiling = torch.compiler.is_compiling()  # then the op checks the parameters (shape and values)
+    if compiling:
+        theta = params if isinstance(params, torch.Tensor) else torch.as_tensor(params, dtype=torch.float64)
+        if theta.dim() == 1 and theta.shape[0] == fam.num_params:
+            theta = theta[None].expand(hq, fam.num_params)
+    else:
+        theta, _ = fam.check_params(params, hq)
     backend = _kernel_backend(backend, q, "decay_attention")
-    param = theta if _trainable(theta) else None
-    return _ToeplitzFunction.apply(q, k, v, param, fam.name, values, None, causal, sc, backend)
+    mask = check_key_padding_mask(key_padding_mask, q, lk)
+    return _exact_call(q, k, v, theta, None, fam.name, causal, sc, backend, compiling, mask)
+
+
+def _exact_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    window: torch.Tensor | None,
+    kind: str,
+    causal: bool,
+    scale: float,
+    backend: str,
+    check: bool,
+    key_padding_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """A checked call of either exact op, eager or compiled: :func:`exact_forward` through ``torch.ops``."""
+    out, _ = exact_forward(
+        q, k, v, theta, window, kind, causal, scale, backend, check=check, key_padding_mask=key_padding_mask
+    )
+    return out
