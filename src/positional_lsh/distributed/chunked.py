@@ -21,8 +21,6 @@ from positional_lsh import Partitions, plsh_attention
 from positional_lsh.distributed.exchange import receive_halo, return_halo_grads
 from positional_lsh.distributed.halo import HaloPlan
 
-__all__ = ["ChunkedWindowAttention", "LocalOptions", "head_slice", "local_window_attention"]
-
 
 class LocalOptions(NamedTuple):
     """The options of every local ``plsh_attention`` call of context-parallel attention (checked by the caller)."""

@@ -32,8 +32,6 @@ from torch import nn
 
 from positional_lsh.distributed.context import ContextShards, init_context_groups, shard_lengths
 
-__all__ = ["ContextParallel", "ContextParallelLoss", "check_context_parallel", "setup_context_parallel"]
-
 
 def check_context_parallel(context_parallel: int, position: str, world: int) -> None:
     """Refuse a context-parallel run that cannot work, with a one-line ``ValueError`` (before any collective)."""

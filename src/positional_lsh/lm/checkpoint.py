@@ -28,22 +28,7 @@ from positional_lsh.lm.data.tokenizer import BPETokenizer
 from positional_lsh.lm.model import TransformerLM
 from positional_lsh.ops.errors import UserError
 
-__all__ = [
-    "CHECKPOINT_FORMAT",
-    "CONFIG_FILE",
-    "POINTER_FILE",
-    "TOKENIZER_FILE",
-    "WEIGHTS_FILE",
-    "Checkpoint",
-    "check_tokenizer_fingerprint",
-    "checkpoint_dir",
-    "is_checkpoint",
-    "load_checkpoint",
-    "load_shipped_model",
-    "read_checkpoint_config",
-    "save_checkpoint",
-    "shipped_checkpoint_path",
-]
+__all__ = ["Checkpoint", "load_checkpoint", "load_shipped_model", "save_checkpoint", "shipped_checkpoint_path"]
 
 CHECKPOINT_FORMAT = "positional-lsh-lm"
 CONFIG_FILE = "config.json"

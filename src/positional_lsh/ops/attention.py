@@ -39,7 +39,7 @@ from positional_lsh.ops.padding import check_key_padding_mask
 from positional_lsh.ops.partitions.partition import Partitions, check_partitions, check_slopes_match, sample_partitions
 from positional_lsh.ops.partitions.sampling import sample_op, slopes_tensor
 
-__all__ = ["MAX_OVER_EXACT", "MAX_SECONDS", "check_call_size", "plsh_attention"]
+__all__ = ["plsh_attention"]
 
 MAX_SECONDS = 60.0
 """A call is refused up front when its estimated time exceeds both this (seconds) ..."""

@@ -27,7 +27,7 @@ from positional_lsh.ops._engine.kernels import acc_dtype, nonfinite_keys
 from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.partition import Partitions
 
-__all__ = ["DECODE_QUERY_CHUNK", "key_reach", "plsh_decode"]
+__all__ = ["key_reach", "plsh_decode"]
 
 #: Queries per dense step of :func:`plsh_decode`: a chunk of ``c`` queries attends to at most ``c + span`` keys.
 DECODE_QUERY_CHUNK = 64

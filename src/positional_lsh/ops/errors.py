@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["UserError", "check_memory", "check_seconds", "format_bytes", "format_seconds", "memory_bytes"]
+__all__ = ["UserError"]
 
 
 class UserError(ValueError):

@@ -27,7 +27,7 @@ from positional_lsh.ops.options import (
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler
 
-__all__ = ["PositionalLSHAttention", "ShardedAttention", "log_slopes_parameter"]
+__all__ = ["PositionalLSHAttention"]
 
 _EXTRA_STATE = "_extra_state"  # torch's state-dict key of get_extra_state (nn.modules.module._EXTRA_STATE_KEY_SUFFIX)
 

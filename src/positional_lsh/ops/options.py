@@ -15,8 +15,17 @@ from positional_lsh.ops._checks import check_choice
 
 __all__ = [
     "ALIBI_BACKENDS",
-    "BACKENDS", "DEFAULT_BACKEND", "DEFAULT_METHOD", "DEFAULT_SLOPE_GRAD", "KERNELS", "METHODS", "SLOPE_GRADS",
-    "TORCH_KERNELS", "check_backend", "check_method", "check_slope_grad"]
+    "BACKENDS",
+    "DEFAULT_BACKEND",
+    "DEFAULT_METHOD",
+    "DEFAULT_SLOPE_GRAD",
+    "KERNELS",
+    "METHODS",
+    "SLOPE_GRADS",
+    "check_backend",
+    "check_method",
+    "check_slope_grad",
+]
 
 TORCH_KERNELS = ("flash", "math")
 """The torch attention kernels (``ops._engine.kernels``): torch's fused flash op of the CPU or CUDA, and batched matmuls

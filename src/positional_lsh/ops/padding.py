@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["RowGroup", "check_key_padding_mask", "row_groups", "valid_runs"]
+__all__ = ["check_key_padding_mask", "valid_runs"]
 
 
 def check_key_padding_mask(mask: object, q: torch.Tensor, k_len: int) -> torch.Tensor | None:

@@ -38,8 +38,6 @@ from positional_lsh.ops.padding import valid_runs
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
 
-__all__ = ["DECODE_QUERIES", "SWAP_ATTR", "AttentionSwap", "split_rows"]
-
 #: Attribute under which the installed :class:`AttentionSwap` is attached to the model and to each of its
 #: attention modules (in the instance ``__dict__``; removed by :meth:`AttentionSwap.restore`).
 SWAP_ATTR = "_positional_lsh_swap"

@@ -17,15 +17,6 @@ from torch import nn
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, MASK_SUPPORT, key_validity
 
-__all__ = [
-    "attend_native",
-    "check_dropout",
-    "check_model_inputs",
-    "check_no_attentions",
-    "set_instance_attr",
-    "swap_of",
-]
-
 
 def swap_of(module: nn.Module) -> AttentionSwap:
     """The active :class:`AttentionSwap` attached to an attention ``module``; ``RuntimeError`` if there is none.

@@ -18,8 +18,6 @@ from typing import Any
 import torch
 from transformers.masking_utils import causal_mask_function
 
-__all__ = ["ATTN_IMPLEMENTATION", "MASK_SUPPORT", "key_validity", "padding_mask_interface"]
-
 #: Name under which the attention and mask functions are registered in transformers.
 ATTN_IMPLEMENTATION = "positional_lsh"
 

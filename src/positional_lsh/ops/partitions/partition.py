@@ -24,18 +24,7 @@ from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.decays import DecayLike
 from positional_lsh.ops.partitions.schemes import get_scheme
 
-__all__ = [
-    "MAX_DENSE_ELEMENTS",
-    "MAX_PITCH",
-    "Partitions",
-    "Segment",
-    "check_partition_values",
-    "check_partitions",
-    "check_same_slopes",
-    "check_slopes_match",
-    "sample_partitions",
-    "value_problem",
-]
+__all__ = ["Partitions", "Segment", "check_partitions", "check_slopes_match", "sample_partitions"]
 
 # Dense validation helpers refuse to build more than this many mask entries.
 MAX_DENSE_ELEMENTS = 2**28

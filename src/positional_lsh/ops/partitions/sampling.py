@@ -29,7 +29,7 @@ from positional_lsh.ops._checks import SlopesLike, as_slopes, check_int, positiv
 from positional_lsh.ops.partitions.partition import Partitions, sample_partitions
 from positional_lsh.ops.partitions.slopes import alibi_slopes
 
-__all__ = ["PartitionSampler", "layer_seed", "sample_op", "slopes_tensor"]
+__all__ = ["PartitionSampler", "layer_seed"]
 
 
 def layer_seed(seed: int, key: int) -> int:

@@ -30,13 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = [
-    "discrete_pitch_quantile",
-    "sample_discrete_antithetic",
-    "sample_discrete_strat",
-    "sample_gamma_strat",
-    "stratified_group_size",
-]
+__all__ = ["sample_discrete_antithetic", "sample_discrete_strat", "sample_gamma_strat"]
 
 
 def stratified_group_size(t: int) -> int:
