@@ -25,8 +25,6 @@ from positional_lsh.ops._checks import (
     check_qkv,
     positive_int,
 )
-from positional_lsh.ops._engine.kernels import acc_dtype
-from positional_lsh.ops.exact.bias import alibi_bias
 from positional_lsh.ops.partitions.partition import MAX_DENSE_ELEMENTS, Partitions
 
 __all__ = ["alibi_attention_reference", "alibi_matrix", "dense_plsh_attention"]
@@ -135,12 +133,12 @@ def dense_plsh_attention(
         )
     _check_dense_size("dense_plsh_attention", b * hq * lq * lk)
     sc = as_scale(scale, d)
-    acc = acc_dtype(q.dtype)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # half types in float32
     mbar = partitions.mean_mask(device=q.device, dtype=acc)[:, lk - lq :, :]
     log_mbar = torch.log(mbar)  # log 0 = -inf: keys never in the query's block
-    if causal:
-        causal_mask = alibi_bias(lq, lk, torch.zeros(hq), causal=True, q_offset=lk - lq, dtype=acc, device=q.device)
-        log_mbar = log_mbar + causal_mask
+    if causal:  # key j after query i (at position Lk - Lq + r): never seen
+        rel = (torch.arange(lq, device=q.device)[:, None] + (lk - lq)) - torch.arange(lk, device=q.device)[None, :]
+        log_mbar = log_mbar.masked_fill(rel < 0, float("-inf"))
     group = hq // hkv
     kk = k.to(acc).repeat_interleave(group, dim=1)
     vv = v.to(acc).repeat_interleave(group, dim=1)
