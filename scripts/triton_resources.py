@@ -38,8 +38,8 @@ def _one(job: tuple[int, str, int, bool, bool]) -> list[dict[str, object]]:
     warnings.filterwarnings("ignore")
     from positional_lsh.ops._tools.triton_compile import compile_report
 
-    arch, dtype, dim, causal, _ = job
-    reports = compile_report(arch, _DTYPES[dtype], dim, causal, dist_grad=True)
+    arch, dtype, dim, causal, sass = job
+    reports = compile_report(arch, _DTYPES[dtype], dim, causal, dist_grad=True, sass=sass)
     return [r.as_dict() | {"spills": r.spills} for r in reports]
 
 
@@ -82,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dims", type=ints, default=(64, 128))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="also write the reports to this file")
-    ap.add_argument("--no-sass", dest="sass", action="store_false", help="leave the instruction mix out of the table")
+    ap.add_argument(
+        "--no-sass",
+        dest="sass",
+        action="store_false",
+        help="no instruction mix (and no disassembly of a kernel without stack or local memory: faster)",
+    )
     ap.add_argument("--search", action="store_true", help="choose the configurations instead (slow: minutes)")
     args = ap.parse_args(argv)
     dtypes = [d for d in args.dtypes.split(",") if d]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import gc
 import math
 import re
 
@@ -76,7 +77,13 @@ def test_validate_defaults_to_the_shipped_model():
 def test_bench_rows_and_outputs(tmp_path):
     cfg = BenchConfig(lengths=(256, 512), samples=(1, 4), methods=("sdpa-mask", "alibi-chunked", "plsh", "plsh-mult"),
                       heads=2, head_dim=8, repeats=1, progress=False)  # fmt: skip
-    rows = run_benchmark(cfg)
+    # Each measurement starts with gc.collect() (bench.reset_peak_rss): over this test process's heap, ~0.3 s each.
+    # Frozen, the objects made before the benchmark are not traversed; the benchmark's own garbage still is.
+    gc.freeze()
+    try:
+        rows = run_benchmark(cfg)
+    finally:
+        gc.unfreeze()
     kinds = {(r.method, r.samples, r.mode, r.seq_len) for r in rows}
     assert ("plsh", 4, "fwd+bwd", 512) in kinds and ("sdpa-mask", None, "fwd", 256) in kinds
     plsh = [r for r in rows if r.method == "plsh" and r.mode == "fwd"]

@@ -491,8 +491,23 @@ def _worker(rank: int, world: int, store: str, out_dir: str, cases: str) -> None
             dist.destroy_process_group()
 
 
+# The rank processes are forked from a forkserver that has imported torch, torch._dynamo (which DDP imports), the
+# package and this module once (a fresh process, not a fork of pytest): a spawned rank spent ~3-5 s of CPU importing
+# them, every rank of every test. Where there is no forkserver (Windows), they are spawned.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "positional_lsh",
+            "positional_lsh.distributed", "positional_lsh.distributed.training", __name__]  # fmt: skip
+
+
+def _context():
+    if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - Windows
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: the first _spawn of this process
+    return ctx
+
+
 def _spawn(world: int, cases: str, tmp_path: Path) -> list[dict[str, object]]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     store = str(tmp_path / "store")
     procs = [ctx.Process(target=_worker, args=(r, world, store, str(tmp_path), cases)) for r in range(world)]
     for p in procs:

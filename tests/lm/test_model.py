@@ -486,9 +486,14 @@ def test_shipped_model_reported_figures_are_unchanged() -> None:
 
     kw = dict(data=None, split="test", train_len=None, tokenizer=None, cache_dir=None, seed=0)
     adapter, stream = E.load_for_eval(None, label="alibi", device=torch.device("cpu"), **kw)
-    run = dict(factors=(1,), stride="window", max_tokens=8192, samples=(1, 4), schemes=("discrete", "gamma"))
-    rows = E.evaluate_model(adapter, stream, **run, equal_cost=False, progress=False)
+    run = dict(stride="window", max_tokens=8192, equal_cost=False, progress=False)
+    # The sweep's rows, less T=1 gamma (not reported): own + T=4 both schemes, then T=1 discrete alone (no own row:
+    # factors=(), the sweep at sweep_factors). Each row is the same number as in the one sweep (same seeds).
+    rows = E.evaluate_model(adapter, stream, factors=(1,), samples=(4,), schemes=("discrete", "gamma"), **run)
+    one = dict(factors=(), sweep_factors=(1,), samples=(1,), schemes=("discrete",))
+    rows += E.evaluate_model(adapter, stream, **one, **run)
     got = {r.attention: round(r.ppl, 2) for r in rows}
+    assert len(got) == 4
     assert got["own: alibi"] == 132.01
     assert got["plsh T=1 discrete"] == 247.34
     assert got["plsh T=4 discrete"] == 165.02

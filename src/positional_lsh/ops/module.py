@@ -15,7 +15,7 @@ from positional_lsh.ops._checks import (
     check_bool,
     check_qkv,
 )
-from positional_lsh.ops.attention import plsh_attention
+from positional_lsh.ops.attention import check_call_size, plsh_attention
 from positional_lsh.ops.options import (
     DEFAULT_BACKEND,
     DEFAULT_METHOD,
@@ -270,6 +270,10 @@ class PositionalLSHAttention(nn.Module):
                     "slopes that require grad with context=: the sharded attention carries no gradient for the slopes"
                 )
             seq_len = context.seq_len(shape.k_len)
+        elif not torch.compiler.is_compiling():  # plsh_attention's up-front size check, before anything is drawn
+            method = "multiplicity" if self.backend == "triton" else self.method
+            causal = check_bool("causal", self.causal)
+            check_call_size(self.num_samples, shape.q_heads, shape.q_len, shape.k_len, shape.head_dim, causal, method)
         partitions = self._draw(seq_len, values)
         if self.training:
             self.calls.add_(1)

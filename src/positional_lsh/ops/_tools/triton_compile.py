@@ -151,7 +151,10 @@ def _compile(launch: Launch, arch: int) -> Any:
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def _resources(cubin: bytes) -> dict[str, Any]:
+def _resources(cubin: bytes, sass: bool = True) -> dict[str, Any]:
+    """Registers, stack, local and static shared memory of a cubin, and its SASS (``""`` when ``sass`` is false
+    and the kernel has neither stack nor local memory: then it holds no spill instruction, ``STL``/``LDL`` being
+    accesses to local memory, so the disassembly, most of the time of a cached compile, is skipped)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
         fh.write(cubin)
         path = fh.name
@@ -159,12 +162,13 @@ def _resources(cubin: bytes) -> dict[str, Any]:
         usage = subprocess.run(
             [tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True, check=True
         ).stdout
-        sass = subprocess.run([tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
+        found = {key: int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
+        text = ""
+        if sass or found["STACK"] or found["LOCAL"]:
+            text = subprocess.run([tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(path)
-    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
-    return {"registers": int(found["REG"]), "stack": int(found["STACK"]), "static_shared": int(found["SHARED"]),
-            "sass": sass}  # fmt: skip
+    return {"registers": found["REG"], "stack": found["STACK"], "static_shared": found["SHARED"], "sass": text}
 
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?\s*([^;]*);")
@@ -255,17 +259,20 @@ def compile_report(
     config: BlockConfig | None = None,
     kernels: tuple[str, ...] = ("fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"),
     dist_grad: bool = False,
+    sass: bool = True,
 ) -> list[KernelReport]:
     """Compile ``kernels`` for ``sm_<arch>`` at ``config`` (default: the block table's for this arch, dtype and head
     dim) and read their resources and main-loop instruction mix; with ``dist_grad`` also the ``dq`` kernel with
-    the slope gradient's switch on (a report with ``dist_grad=True``, after the plain one)."""
+    the slope gradient's switch on (a report with ``dist_grad=True``, after the plain one). ``sass=False``: no
+    instruction mix (``loop_mix`` empty), and no disassembly of a kernel without stack or local memory (it has no
+    spill instruction: its spill counts are 0); the other fields are the same."""
     config = config or block_config(dtype, head_dim, arch)
     reports = []
     for name, dist, launch in _launches(dtype, head_dim, causal, config):
         if name not in kernels or (dist and not dist_grad):
             continue
         compiled = _compile(launch, arch)
-        res = _resources(compiled.asm["cubin"])
+        res = _resources(compiled.asm["cubin"], sass)
         instrs = _instructions(res["sass"])
         ops = [op for _, op, _ in instrs]
         reports.append(
@@ -282,7 +289,7 @@ def compile_report(
                 spill_loads=ops.count("LDL"),
                 shared=int(compiled.metadata.shared),
                 narrow_offsets=len(narrow_offsets(compiled.asm["ttir"])),
-                loop_mix=sass_classes(_main_loop(instrs)),
+                loop_mix=sass_classes(_main_loop(instrs)) if sass else {},
                 dist_grad=dist,
             )
         )
@@ -321,7 +328,9 @@ def search_config(arch: int, dtype: torch.dtype, head_dim: int, log: object = No
     for cand in TILE_CANDIDATES:
         bm, bn, warps, stages = cand
         cfg = BlockConfig(bm, bn, _near_for(bn), warps, stages)
-        reports = [r for c in (True, False) for r in compile_report(arch, dtype, head_dim, c, cfg, KERNELS_FWD_DQ)]
+        reports = [
+            r for c in (True, False) for r in compile_report(arch, dtype, head_dim, c, cfg, KERNELS_FWD_DQ, sass=False)
+        ]
         say(f"sm_{arch} {dtype} d={head_dim} tile {cand}: {_summary(reports)}")
         cost = _cost(reports, arch)
         if best is None or cost < best[0]:
@@ -337,7 +346,9 @@ def search_config(arch: int, dtype: torch.dtype, head_dim: int, log: object = No
             continue
         cfg = BlockConfig(bm, bn, _near_for(bn), warps, stages, sm, sn, dw, ds)
         reports = [
-            r for c in (True, False) for r in compile_report(arch, dtype, head_dim, c, cfg, ("bwd_dkdv_kernel",))
+            r
+            for c in (True, False)
+            for r in compile_report(arch, dtype, head_dim, c, cfg, ("bwd_dkdv_kernel",), sass=False)
         ]
         say(f"sm_{arch} {dtype} d={head_dim} dkdv {sub}: {_summary(reports)}")
         cost = _cost(reports, arch)
