@@ -155,6 +155,17 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def output_buffers(q: torch.Tensor, *, empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` for queries ``q (B, H, Lq, d)``: ``out`` in ``q``'s dtype, ``lse (B, H, Lq)`` in the
+    accumulation dtype. Filled as rows no key reaches (``out = 0``, ``lse = -inf``: what a padded query row returns),
+    or left uninitialised with ``empty=True`` (what an op's fake returns)."""
+    lse_shape, acc = q.shape[:-1], acc_dtype(q.dtype)
+    if empty:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(lse_shape, dtype=acc, device=q.device)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    return out, torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
+
+
 def kernel_layout(x: torch.Tensor, kernel: str) -> torch.Tensor:
     """``x (B, H, L, d)`` in a layout the kernels are correct and fast on; a copy only when needed.
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from positional_lsh.ops._engine.engine import Plan, Route, backward, forward, kernel_inputs, plan
-from positional_lsh.ops._engine.kernels import acc_dtype
+from positional_lsh.ops._engine.kernels import acc_dtype, output_buffers
 from positional_lsh.ops.padding import RowGroup, row_groups
 from positional_lsh.ops.partitions.partition import Partitions, check_same_slopes
 
@@ -118,8 +118,7 @@ def _plsh_forward(
     if groups is None:
         out, lse, _ = forward(_plan_of(q.shape[2], k, k.shape[2], tensors, scheme, max_block, route), q, k, v)
         return out, lse
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    out, lse = output_buffers(q)
     for g in groups:
         qg, kg, vg = _group(q, g, g.queries), _group(k, g, g.keys), _group(v, g, g.keys)
         p = _plan_of(qg.shape[2], k, kg.shape[2], tensors, scheme, max_block, route)
@@ -139,8 +138,7 @@ plsh_forward = torch.library.custom_op("positional_lsh::plsh_forward", _plsh_for
 @plsh_forward.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object, **__: object) -> tuple[torch.Tensor, torch.Tensor]:
     # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return out, torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
+    return output_buffers(q, empty=True)
 
 
 @torch.library.custom_op("positional_lsh::plsh_backward", mutates_args=())

@@ -41,6 +41,7 @@ from positional_lsh.ops._engine.kernels import (
     attend_bias_grads,
     kernel_layout,
     nonfinite_keys,
+    output_buffers,
     poison_rows,
     resolve_backend,
 )
@@ -420,8 +421,7 @@ def _exact_forward(
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
         return _toeplitz_forward(q, k, v, spec, causal, scale, backend)
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    out, lse = output_buffers(q)
     for g in groups:
         qg, kg, vg = q[g.rows][:, :, g.queries], k[g.rows][:, :, g.keys], v[g.rows][:, :, g.keys]
         o, lg = _toeplitz_forward(qg, kg, vg, spec, causal, scale, backend)
@@ -439,8 +439,7 @@ exact_forward = torch.library.custom_op("positional_lsh::exact_forward", _exact_
 @exact_forward.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object, **__: object) -> tuple[torch.Tensor, torch.Tensor]:
     # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return out, torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
+    return output_buffers(q, empty=True)
 
 
 @torch.library.custom_op("positional_lsh::exact_backward", mutates_args=())
