@@ -1,16 +1,19 @@
-"""Issue 18 (F): decode speed and KV-cache memory of swapped transformers models against the prompt length.
+"""Decode speed and KV-cache memory of swapped transformers models against the prompt length, and of the stock model.
 
     nice python benchmarks/hf_decode.py --prompts 2048,8192,32768 --tokens 64 --models qwen3,bloom
 
 For each tiny random model (no download) and prompt length, one prefill, then ``--tokens`` greedy decoding steps
-(``model(token, cache=..., use_cache=True)``) for: positional LSH with the default ``DynamicCache`` and with
-``swap.new_cache()`` (``LiveKeyCache``, dead keys dropped), exact ``use_alibi``, and windowed ``use_alibi`` with both
-caches. Every (length, run) has its own model copy and they decode in turns, token by token, in a shuffled order, so
-that the machine's load hits them alike. Prints, per run, the median time of a decoded token (tokens/s = 1 / median;
-also 1 / the 25th percentile, "fastest quarter", which a busy machine's preemptions disturb less), the KV-cache
-bytes after decoding, and a markdown table with the ratios the issue asks for: each run against exact ALiBi at the
-same length, and against its own speed at the shortest length. One process, CPU, torch on one thread; compare ratios
-within one run. Results: docs/hf.md ("Decoding speed").
+(``model(token, cache=..., use_cache=True)``) for: the stock model as transformers builds it (no swap: BLOOM's own ALiBi
+attention, Qwen3's RoPE with sdpa; what a user would otherwise run), positional LSH with the default ``DynamicCache``
+and with ``swap.new_cache()`` (``LiveKeyCache``, dead keys dropped), exact ``use_alibi``, and windowed ``use_alibi``
+with both caches. The stock model runs at prompts up to ``--stock-max`` (``--bloom-stock-max`` for BLOOM: stock BLOOM
+materializes a ``(B H, n, n)`` score tensor in its prefill: 17 GB at 32k). Every (length, run) has its own model copy
+and they decode in turns, token by token, in a shuffled order, so that the machine's load hits them alike. Prints, per
+run, the median time of a decoded token (tokens/s = 1 / median; also 1 / the 25th percentile, "fastest quarter", which a
+busy machine's preemptions disturb less), the KV-cache bytes after decoding, and a markdown table with the ratios: each
+run against the stock model and against exact ``use_alibi`` at the same length, and against its own speed at the
+shortest length. One process, CPU, torch on one thread; compare ratios within one run. Results: docs/hf.md ("Decoding
+speed").
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def _prefill(model, swap, prompt: torch.Tensor, live: bool):
     """The cache after the prompt, the first decoded token and the prefill time."""
     import transformers as tf
 
-    cache = swap.new_cache() if live else tf.DynamicCache(config=model.config)
+    cache = swap.new_cache() if live else tf.DynamicCache(config=model.config)  # swap is None for the stock model
     with torch.no_grad():
         t0 = time.perf_counter()
         out = model(prompt, cache=cache, use_cache=True)
@@ -97,11 +100,14 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=256.0, help="one slope 1/sigma for every head (the paper's 256)")
     ap.add_argument("--window", type=float, default=1024.0, help="largest kept distance of windowed ALiBi")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--stock-max", type=int, default=32768, help="longest prompt the stock Qwen3 runs")
+    ap.add_argument("--bloom-stock-max", type=int, default=8192, help="longest prompt stock BLOOM runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = [int(p) for p in args.prompts.split(",")]
     slopes = 1.0 / args.sigma
     runs = [
+        ("stock (no swap)", "stock", False),
         ("plsh, LiveKeyCache", "plsh", True),
         ("plsh, DynamicCache", "plsh", False),
         ("exact use_alibi", "alibi", False),
@@ -115,8 +121,15 @@ def main() -> None:
         for n in prompts:
             prompt = torch.randint(1, 1000, (1, n), generator=torch.Generator().manual_seed(n))
             for label, mode, live in runs:  # one model copy per (length, run): they decode in turns (below)
+                cap = args.bloom_stock_max if name == "bloom" else args.stock_max
+                if mode == "stock" and n > cap:
+                    print(f"{name} n={n:6d} {label}: not run (longer than {cap}; see --stock-max)", flush=True)
+                    continue
                 model = copy.deepcopy(base)
-                if mode == "plsh":
+                swap = None
+                if mode == "stock":
+                    pass
+                elif mode == "plsh":
                     swap = hf.use_positional_lsh(model, num_samples=args.samples, seed=0, slopes=slopes)
                 else:
                     swap = hf.use_alibi(model, slopes=slopes, window=args.window if mode == "window" else None)
@@ -140,23 +153,29 @@ def main() -> None:
             print(
                 f"{name} n={n:6d} {label:24s} decode {1 / per_token:8.1f} tok/s (median; fastest quarter "
                 f"{1 / p25:7.1f})  KV {kv / 2**20:8.2f} MiB  prefill {prefill:7.2f} s  "
-                f"reach(layer 0) {swap.key_reach(0)}",
+                f"reach(layer 0) {None if swap is None else swap.key_reach(0)}",
                 flush=True,
             )
-            swap.restore()
+            if swap is not None:
+                swap.restore()
         del states
     print()
     print(
-        "| model | prompt | run | decode tokens/s: median (fastest quarter) | KV cache MiB | vs exact use_alibi | "
-        f"vs its own speed at {prompts[0]} |"
+        "| model | prompt | run | decode tokens/s: median (fastest quarter) | KV cache MiB | vs stock | "
+        f"vs exact use_alibi | vs its own speed at {prompts[0]} |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     speed = {(m, n, label): (med, fast) for m, n, label, med, fast, _ in rows}
+
+    def ratio(med: float, fast: float, ref: tuple[float, float] | None, unit: str = "x") -> str:
+        return "not run" if ref is None else f"{med / ref[0]:.2f}{unit} ({fast / ref[1]:.2f}{unit})"
+
     for m, n, label, med, fast, kv in rows:
-        exact, first = speed[(m, n, "exact use_alibi")], speed[(m, prompts[0], label)]
+        stock, exact = speed.get((m, n, "stock (no swap)")), speed.get((m, n, "exact use_alibi"))
+        first = speed.get((m, prompts[0], label))
         print(
-            f"| {m} | {n} | {label} | {med:.0f} ({fast:.0f}) | {kv / 2**20:.2f} | {med / exact[0]:.2f}x "
-            f"({fast / exact[1]:.2f}x) | {med / first[0]:.2f} ({fast / first[1]:.2f}) |"
+            f"| {m} | {n} | {label} | {med:.0f} ({fast:.0f}) | {kv / 2**20:.2f} | {ratio(med, fast, stock)} | "
+            f"{ratio(med, fast, exact)} | {ratio(med, fast, first, '')} |"
         )
 
 
