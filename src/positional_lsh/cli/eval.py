@@ -93,7 +93,9 @@ class EvalConfig:
     )
     equal_cost: bool = option(True, "skip windowed ALiBi at equal cost", name="--no-equal-cost")
     eval_seed: int = option(0, "seed of the evaluation partitions")
-    train_len: int | None = option(None, "training length (transformers models without one in the config)")
+    train_len: int | None = option(
+        None, "training length (default: the one saved with the swap, a plsh train-hf run's seq_len, or the config's)"
+    )
     tokenizer: str | None = option(None, "tokenizer.json to encode the data with (instead of the checkpoint's)")
     position: str = option(
         "saved", "transformers checkpoints: their own attention is the swap saved with them (saved; else native), the "

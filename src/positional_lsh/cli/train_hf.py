@@ -10,6 +10,7 @@ the dataclass's defaults apply, after the preset's, to what is not given. Under 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,12 +26,22 @@ from positional_lsh.integrations.hf_train_config import (
     PRESETS,
     WEIGHT_DTYPES,
     HFTrainConfig,
+    inapplicable_settings,
 )
 from positional_lsh.lm.run_dir import RESUME_MAY_CHANGE, TRAIN_CONFIG_FILE, read_train_config
 from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.options import BACKENDS, METHODS
 
-__all__ = ["HF_TRAIN_FLAGS", "TrainHFCommand", "add_train_hf_arguments", "config_from_args", "main"]
+__all__ = [
+    "HF_TRAIN_FLAGS",
+    "TrainHFCommand",
+    "add_train_hf_arguments",
+    "check_flags_apply",
+    "config_from_args",
+    "describe_preset",
+    "main",
+    "preset_settings",
+]
 
 HF_TRAIN_FLAGS = {
     "out_dir": Flag("run directory (checkpoints, trainer state, log)", name="--out"),
@@ -83,8 +94,9 @@ class TrainHFCommand:
 
     preset: str | None = option(
         None,
-        "settings to start from: paper-qwen3-0.6b, paper-mistral-7b (the paper's §5.1, GPU) or tiny (CI, CPU); flags "
-        "given override them",
+        "settings to start from: paper-qwen3-0.6b, paper-mistral-7b (the paper's §5.1, GPU) or tiny (CI, CPU); a "
+        "preset sets only what applies to the chosen --position and --finetune (e.g. no sigma or T with --position "
+        "native), one line lists the values it set, and flags given override them",
         choices=tuple(PRESETS),
     )
     resume: bool = option(False, "continue the run in --out from its latest checkpoint (its settings are kept; a "
@@ -101,14 +113,64 @@ def add_train_hf_arguments(p: argparse.ArgumentParser) -> None:
                   none_defaults=True)  # fmt: skip
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
-    """The :class:`~positional_lsh.integrations.hf.train.HFTrainConfig`: defaults, the preset, the flags given."""
-    kw: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+def _flag(name: str) -> str:
+    return HF_TRAIN_FLAGS[name].name or "--" + name.replace("_", "-")
+
+
+def preset_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
+    """The preset's settings that apply (``{field: value}``: not overridden by a flag given, and used by the run's
+    position and fine-tuning mode) and those it does not apply (``{field: why}``)."""
+    if not args.preset:
+        return {}, {}
+    preset = dict(PRESETS[args.preset])
     given = values_from_args(args, HFTrainConfig, flags=HF_TRAIN_FLAGS, given_only=True)
+    overridden = set(given)
     if "checkpoint" in given:
-        kw.pop("config", None)  # a checkpoint given replaces the preset's config
-    kw.update(given)
+        overridden.add("config")  # a checkpoint given replaces the preset's config
+    if "slopes" in given:
+        overridden.add("sigma")  # --slopes replaces the preset's one slope 1/sigma (and --sigma its slopes)
+    if "sigma" in given:
+        overridden.add("slopes")
+    position = given.get("position", preset.get("position", HFTrainConfig.position))
+    finetune = given.get("finetune", preset.get("finetune", HFTrainConfig.finetune))
+    unused = inapplicable_settings(position, finetune)
+    applied = {k: v for k, v in preset.items() if k not in overridden and k not in unused}
+    skipped = {k: unused[k] for k in preset if k not in overridden and k in unused}
+    return applied, skipped
+
+
+def check_flags_apply(args: argparse.Namespace) -> None:
+    """``UserError`` naming the first flag given that the run would ignore (``--scheme`` with ``--position native``,
+    ``--lora-r`` without ``--finetune lora``, ...: :func:`~positional_lsh.integrations.hf_train_config.
+    inapplicable_settings`)."""
+    given = values_from_args(args, HFTrainConfig, flags=HF_TRAIN_FLAGS, given_only=True)
+    preset = PRESETS[args.preset] if args.preset else {}
+    position = given.get("position", preset.get("position", HFTrainConfig.position))
+    finetune = given.get("finetune", preset.get("finetune", HFTrainConfig.finetune))
+    unused = inapplicable_settings(position, finetune)
+    for name in given:
+        if name in unused:
+            raise UserError(f"{_flag(name)} {unused[name]} (it would be ignored); drop it")
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~positional_lsh.integrations.hf.train.HFTrainConfig`: defaults, the preset's settings that apply
+    (:func:`preset_settings`), the flags given."""
+    kw, _ = preset_settings(args)
+    kw.update(values_from_args(args, HFTrainConfig, flags=HF_TRAIN_FLAGS, given_only=True))
     return HFTrainConfig(**kw)
+
+
+def describe_preset(args: argparse.Namespace) -> str | None:
+    """The line ``plsh train-hf`` prints for ``--preset``: the values it set, and those it did not apply."""
+    if not args.preset:
+        return None
+    applied, skipped = preset_settings(args)
+    text = ", ".join(f"{k}={v}" for k, v in applied.items()) or "nothing (every value is overridden by a flag)"
+    line = f"plsh train-hf: preset {args.preset} sets {text}"
+    if skipped:
+        line += f"; not applied (unused by this run): {', '.join(skipped)}"
+    return line
 
 
 def _resume_changes(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -146,8 +208,12 @@ def _main(args: argparse.Namespace) -> int:
         cfg = config_from_args(argparse.Namespace(**{**vars(args), "preset": None, "config": saved.get("config"),
                                                      "checkpoint": saved.get("checkpoint")}))  # fmt: skip
     else:
+        check_flags_apply(args)
         cfg, changes = config_from_args(args), {}
         cfg.validate()
+        line = describe_preset(args)
+        if line is not None and os.environ.get("RANK", "0") == "0":  # once under torchrun
+            print(line, flush=True)
     result = train_hf(cfg, resume=bool(args.resume), overwrite=bool(args.overwrite), changes=changes,
                       command=getattr(args, "command_line", None))  # fmt: skip
     return train_exit_code(result)

@@ -65,7 +65,31 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 """``plsh train-hf --preset NAME``: settings applied before the flags given. The paper states the models, lengths,
-``T``, ``sigma`` and the LoRA rank; the optimizer settings, steps and batch sizes are this library's choices."""
+``T``, ``sigma`` and the LoRA rank; the optimizer settings, steps and batch sizes are this library's choices. A preset
+applies only the settings that apply to the run's position and fine-tuning mode (:func:`inapplicable_settings`): with
+``--position native`` its ``sigma`` and ``T`` are not applied, with ``--position alibi`` its ``T``."""
+
+_PLSH_ONLY = ("num_samples", "scheme")
+_SLOPED = ("sigma", "slopes")
+_LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+
+
+def inapplicable_settings(position: str, finetune: str) -> dict[str, str]:
+    """``{field: why}`` for the settings of :class:`HFTrainConfig` that a run with ``position`` and ``finetune``
+    does not use: ``num_samples``/``scheme`` (positional LSH only), ``sigma``/``slopes`` (not ``native``),
+    ``window`` (``window-alibi`` only) and the LoRA settings (``finetune="lora"`` only). A preset does not apply
+    them; ``plsh train-hf`` refuses them as flags (they would be ignored)."""
+    out: dict[str, str] = {}
+    if position != "plsh":
+        out.update(dict.fromkeys(_PLSH_ONLY, f"applies to --position plsh only, not {position}"))
+    if position == "native":
+        out.update(dict.fromkeys(_SLOPED, "sets the ALiBi slopes of --position plsh, alibi or window-alibi; "
+                                           "--position native keeps the model's own attention"))  # fmt: skip
+    if position != "window-alibi":
+        out["window"] = f"applies to --position window-alibi only, not {position}"
+    if finetune != "lora":
+        out.update(dict.fromkeys(_LORA_ONLY, f"applies to --finetune lora only, not {finetune}"))
+    return out
 
 
 @dataclass

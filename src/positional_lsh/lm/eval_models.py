@@ -12,6 +12,7 @@ A transformers checkpoint is scored with the swap saved next to its weights (``p
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -33,6 +34,7 @@ from positional_lsh.lm.checkpoint import (
 )
 from positional_lsh.lm.eval_results import LearnedSlopes
 from positional_lsh.lm.model import TransformerLM
+from positional_lsh.lm.run_dir import STEPS_DIR, TRAIN_CONFIG_FILE
 from positional_lsh.ops.errors import UserError
 
 HF_POSITION_CHOICES = ("saved", "native", "alibi", "window-alibi", "plsh")
@@ -237,6 +239,25 @@ def _hf_train_len(config: Any) -> int | None:
     return None
 
 
+def recorded_train_len(path: Path, folder: Path) -> int | None:
+    """The ``seq_len`` recorded in the ``train_config.json`` of the ``plsh train-hf`` run that ``path`` names (the
+    run directory, or ``folder``, one of its step directories), or ``None`` (no such file, or not a train-hf run)."""
+    runs = [path] + ([folder.parent.parent] if folder.parent.name == STEPS_DIR else [])
+    for file in (run / TRAIN_CONFIG_FILE for run in runs):
+        if not file.is_file():
+            continue
+        try:
+            record = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        train = record.get("train") if isinstance(record, dict) and record.get("kind") == "transformers" else None
+        seq_len = train.get("seq_len") if isinstance(train, dict) else None
+        if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0:
+            return seq_len
+        return None
+    return None
+
+
 def encode_with_hf_tokenizer(tokenizer: Any, docs: Sequence[D.Document]) -> torch.Tensor:
     """A transformers tokenizer's token stream: each document's ids followed by its EOS id (if it has one)."""
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -310,7 +331,8 @@ def load_for_eval(
     ``path``: a ``plsh train`` checkpoint, a transformers ``save_pretrained`` folder, a peft adapter folder or a
     ``plsh train-hf`` run directory (``None``: the shipped model). ``data``: the corpus (default: the checkpoint's
     training corpus); ``train_len``: overrides the model's (a transformers checkpoint's default: the training length
-    saved with its swap, else its config's); ``tokenizer``: a ``tokenizer.json`` to encode with instead of the
+    saved with its swap, else the ``seq_len`` of its ``plsh train-hf`` run's ``train_config.json``, else its
+    config's ``max_position_embeddings``); ``tokenizer``: a ``tokenizer.json`` to encode with instead of the
     model's; ``seed``: the seed of the evaluation partitions; ``attention``: how a transformers checkpoint is
     scored (:class:`HFAttention`; default: its saved swap, else its own attention), said in one line on stderr.
     """
@@ -353,7 +375,12 @@ def load_for_eval(
         elif saved is not None:
             print(f"plsh eval: {name}: scoring the model's own attention (--position native; the swap saved with it, "
                   f"{describe_swap_settings(saved)}, is not applied)", file=sys.stderr, flush=True)  # fmt: skip
-        tl = train_len or (saved or {}).get("train_len") or _hf_train_len(loaded.model.config)
+        tl = (
+            train_len
+            or (saved or {}).get("train_len")
+            or recorded_train_len(p, folder)
+            or _hf_train_len(loaded.model.config)
+        )
         if tl is None:
             raise ValueError(f"cannot tell the training length of {p} from its config; pass --train-len")
         splits = D.load_splits(data)

@@ -165,7 +165,49 @@ def _config_dict(source: str) -> dict[str, Any]:
         raise UserError(f"--config {file}: not valid JSON ({exc})") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
         raise UserError(f"--config {file}: not a transformers config (no model_type)")
+    check_config_sizes(cfg, f"--config {file}")
     return cfg
+
+
+_SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions", "n_inner",
+                "d_model", "n_heads", "n_layers", "max_seq_len", "seq_length", "ffn_hidden_size")  # fmt: skip
+
+
+def check_config_sizes(cfg: dict[str, Any], where: str) -> None:
+    """``UserError`` naming ``where`` and the field if a size of a model config is not an int >= 1: the fields of
+    :data:`_SIZE_FIELDS` (where not ``None``), and any other integer ``*_size``, ``num_*`` or ``n_*`` below 0."""
+    for key, value in cfg.items():
+        if key in _SIZE_FIELDS:
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+        elif (key.endswith("_size") or key.startswith(("num_", "n_"))) and isinstance(value, int) \
+                and not isinstance(value, bool) and value < 0:  # fmt: skip
+            raise UserError(f"{where}: {key} must be >= 0, got {value!r}")
+
+
+def disable_attention_dropout(model: nn.Module) -> float:
+    """Set the attention dropout of ``model`` to 0, in its config and in every attention module (which copy it
+    when built: Llama-family ``attention_dropout`` floats, BLOOM/Falcon ``nn.Dropout`` modules, MPT's
+    ``attn_dropout_p``, GPT-2's ``attn_dropout``); returns the largest probability found (0.0: there was none)."""
+    found = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "attn_pdrop"):
+        value = getattr(config, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value:
+            found = max(found, float(value))
+            setattr(config, name, 0.0)
+    for module in model.modules():
+        for name in ("attention_dropout", "attn_dropout", "attn_dropout_p"):
+            value = getattr(module, name, None)
+            if isinstance(value, nn.Dropout):
+                found, value.p = max(found, float(value.p)), 0.0
+            elif isinstance(value, int | float) and not isinstance(value, bool) and value:
+                found = max(found, float(value))
+                setattr(module, name, 0.0)
+    return found
 
 
 def _checkpoint_folder(source: str) -> Path:
@@ -198,14 +240,19 @@ def build_model(cfg: HFTrainConfig, vocab: int | None) -> tuple[nn.Module, Any]:
         except (ValueError, KeyError, TypeError) as exc:
             raise UserError(f"--config {cfg.config}: transformers cannot build it ({exc})") from None
         torch.manual_seed(cfg.seed)
-        model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        try:
+            model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except (ValueError, KeyError, TypeError, RuntimeError, ZeroDivisionError) as exc:
+            msg = " ".join(str(exc).split())[:200]
+            raise UserError(f"--config {cfg.config}: transformers cannot build a model from it ({msg})") from None
     else:
         loaded = load_local_model(_checkpoint_folder(str(cfg.checkpoint)), dtype=dtype, apply_swap=False, quiet=True)
         model, tokenizer = loaded.model, loaded.tokenizer
     model.train()
-    for name in ("attention_dropout", "attn_pdrop"):
-        if getattr(model.config, name, 0):
-            setattr(model.config, name, 0.0)  # attention dropout is not supported by the swap
+    p = disable_attention_dropout(model)  # the swap has no attention dropout: every position trains without it
+    if p:
+        print(f"plsh train-hf: the model's attention dropout {p:g} is set to 0 (positional-LSH and ALiBi attention "
+              "have none; a native run does the same, so that runs compare)", flush=True)  # fmt: skip
     if cfg.gradient_checkpointing:
         kwargs = {"use_reentrant": False}  # non-reentrant: works with frozen inputs (LoRA) and DDP
         hf_model: Any = model  # a transformers PreTrainedModel: its methods are untyped here
