@@ -58,8 +58,11 @@ extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build"]
-html_theme = "alabaster"
-html_theme_options = {"description": "ALiBi attention as an average of random block masks", "fixed_sidebar": True}
+# furo: a theme made for reading code and API pages (wide content column, code blocks that fit at 1280 px).
+html_theme = "furo"
+html_title = "positional-lsh"
+html_static_path = ["_static"]
+html_css_files = ["wide-code.css"]  # a content column wide enough for 120-character code lines at 1280 px
 html_show_sourcelink = False
 
 myst_heading_anchors = 4

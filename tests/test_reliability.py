@@ -336,7 +336,7 @@ def test_random_kills_leave_one_consistent_checkpoint(text_dir: Path, tokenizer_
 
 
 # =============================================================================================================
-# Round two (issue 19): one test per problem, numbered as in docs/reliability.md ("Round two")
+# One test per problem found by the hostile probes, numbered as in docs/reliability.md ("Hostile probes")
 # =============================================================================================================
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -259,6 +260,7 @@ def _plot_extrapolation(plt: Any, rows: Sequence[EvalRow], path: Path) -> Path:
         rs = sorted(rs, key=lambda r: r.factor)
         ax.plot([r.factor for r in rs], [r.ppl for r in rs], marker="o", label=f"{model} — {att}")
     ax.set_yscale("log")
+    _plain_log_ticks(ax.yaxis, [r.ppl for rs in curves.values() for r in rs])
     _style_axes(ax, "Length extrapolation", "evaluation length / training length", "perplexity (sliding window)", 7)
     return _save(plt, fig, path)
 
@@ -271,12 +273,17 @@ def _sample_count(row: EvalRow) -> int:
 
 
 def _plot_sweep(plt: Any, rows: Sequence[EvalRow], sweep: list[EvalRow], path: Path) -> Path:
-    """One panel per (model, evaluation length): perplexity vs T per scheme, equal-cost windows, exact ALiBi."""
+    """One panel per (model, evaluation length) that has sweep rows: perplexity vs T per scheme, equal-cost
+    windows, exact ALiBi. A row of panels per model; models trained at different lengths have different
+    evaluation lengths, so a row holds only its model's lengths, and no panel is left empty."""
     models = list(dict.fromkeys(r.model for r in sweep))
-    lengths = sorted({r.eval_len for r in sweep})
-    fig, axes = plt.subplots(len(models), len(lengths), figsize=(3.6 * len(lengths), 3.2 * len(models)), squeeze=False)
+    lengths = {model: sorted({r.eval_len for r in sweep if r.model == model}) for model in models}
+    cols = max(len(ls) for ls in lengths.values())
+    fig, axes = plt.subplots(len(models), cols, figsize=(3.6 * cols, 3.2 * len(models)), squeeze=False)
     for i, model in enumerate(models):
-        for j, length in enumerate(lengths):
+        for j in range(len(lengths[model]), cols):
+            axes[i][j].remove()  # this model has fewer evaluation lengths than the widest row
+        for j, length in enumerate(lengths[model]):
             ax = axes[i][j]
             sub = [r for r in sweep if r.model == model and r.eval_len == length]
             for scheme in dict.fromkeys(r.scheme for r in sub if r.kind == "plsh"):
@@ -329,7 +336,25 @@ def _style_axes(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=legend_size)
+    if ax.get_legend_handles_labels()[0]:  # else matplotlib warns "No artists with labels found"
+        ax.legend(fontsize=legend_size)
+
+
+def _plain_log_ticks(axis: Any, values: Sequence[float]) -> None:
+    """Plain tick labels (``90``, ``100``, ``200``: no ``9.675×10^1``) on a log-scaled axis showing ``values``.
+
+    Spanning a decade or more, the ticks are the 1-2-5 numbers of each decade; spanning less, they are about six
+    evenly spaced round numbers (a log axis inside one decade has no major tick, and matplotlib then labels
+    the minor ones in scientific notation). Minor ticks carry no label."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+    finite = [v for v in values if math.isfinite(v) and v > 0]
+    if finite and max(finite) / min(finite) >= 10:
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    else:
+        axis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.6f}".rstrip("0").rstrip(".")))  # 100, 96.5
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _save(plt: Any, fig: Any, path: Path) -> Path:

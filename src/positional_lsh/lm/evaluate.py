@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 
 from positional_lsh.lm import data as D
 from positional_lsh.lm.checkpoint import load_checkpoint, shipped_checkpoint_path
-from positional_lsh.lm.eval_models import ModelAdapter, load_for_eval
+from positional_lsh.lm.eval_models import HFAdapter, ModelAdapter, load_for_eval
 from positional_lsh.lm.eval_results import (
     EvalRow,
     PositionBucket,
@@ -358,8 +358,11 @@ def evaluate_model(
                      progress, on_row)  # fmt: skip
     tl = adapter.train_len
     own_cfg = getattr(adapter.model, "cfg", None)
+    own_swap = adapter.hf.current_swap(adapter.model) if isinstance(adapter, HFAdapter) else None
     for factor, length in _lengths(tl, factors):
         cost = (length + 1) / 2  # exact causal attention, rope, nope, native transformers attention
+        # The own row's cost follows the sweep rows' cost model (expected score entries of T samples, or of the
+        # window), whether the attention is this library's model's or a swap installed on a transformers model.
         if own_cfg is not None and own_cfg.position == "plsh":
             cost = ev.plsh_cost(length, own_cfg.num_samples, own_cfg.scheme)
         elif own_cfg is not None and own_cfg.position == "window-alibi":
@@ -367,6 +370,10 @@ def evaluate_model(
             if getattr(own_cfg, "learn_slopes", False):  # every layer's window follows its learned slopes
                 windows = adapter.model.windows().reshape(-1)
             cost = ev.windowed_cost(windows.clamp(max=length), length)
+        elif own_swap is not None and own_swap.num_samples is not None and own_swap.scheme is not None:
+            cost = ev.plsh_cost(length, own_swap.num_samples, own_swap.scheme)  # the "plsh" mode
+        elif own_swap is not None and own_swap.window is not None:
+            cost = ev.windowed_cost(own_swap.window.clamp(max=length), length)
         ev.run("own", f"own: {adapter.own}", factor, length, cost=cost)
     if adapter.slopes is None or not adapter.sweepable:
         return ev.rows
