@@ -102,6 +102,9 @@ class TrainHFCommand:
     resume: bool = option(False, "continue the run in --out from its latest checkpoint (its settings are kept; a "
                           "conflicting flag is refused, more --steps are applied)")  # fmt: skip
     overwrite: bool = option(False, "replace the previous run in --out")
+    dry_run: bool = option(False, "print the memory estimate (parameters, gradients, optimizer state, activations "
+                           "at --seq-len and T) from the model config alone and exit: no weights are loaded, "
+                           "nothing is written")  # fmt: skip
 
 
 def add_train_hf_arguments(p: argparse.ArgumentParser) -> None:
@@ -214,6 +217,11 @@ def _main(args: argparse.Namespace) -> int:
         line = describe_preset(args)
         if line is not None and os.environ.get("RANK", "0") == "0":  # once under torchrun
             print(line, flush=True)
+    if args.dry_run:
+        from positional_lsh.integrations.hf.train import dry_run
+
+        print(dry_run(cfg), flush=True)
+        return 0
     result = train_hf(cfg, resume=bool(args.resume), overwrite=bool(args.overwrite), changes=changes,
                       command=getattr(args, "command_line", None))  # fmt: skip
     return train_exit_code(result)

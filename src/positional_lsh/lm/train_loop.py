@@ -217,10 +217,17 @@ def optimizer_step(
         loss_t /= info.world
     run.last_loss = float(loss_t)
     if not math.isfinite(run.last_loss):
-        raise FloatingPointError(
-            f"training loss is {run.last_loss} at step {run.step}; lower {lr_flag} or check the data"
-        )
+        at = step_label(run.step, cfg.grad_accum)
+        raise FloatingPointError(f"training loss is {run.last_loss} at {at}; lower {lr_flag} or check the data")
     return lr
+
+
+def step_label(step: int, grad_accum: int) -> str:
+    """``"step 10"``: optimizer steps; with gradient accumulation the micro-batches too, ``"step 10 (optimizer;
+    20 micro-batches)"``, so that neither is taken for the other."""
+    if grad_accum == 1:
+        return f"step {step}"
+    return f"step {step} (optimizer; {step * grad_accum} micro-batches)"
 
 
 def run_loop(
@@ -274,7 +281,8 @@ def run_loop(
                 if info.main:
                     record = {"step": run.step, "val_loss": val, "val_ppl": val_ppl(val)}
                     R.append_log(run.out, record if val_extra is None else {**record, **val_extra()})
-                    bar.write(f"step {run.step}: train loss {run.last_loss:.4f}, val loss {val:.4f}"
+                    at = step_label(run.step, cfg.grad_accum)
+                    bar.write(f"{at}: train loss {run.last_loss:.4f}, val loss {val:.4f}"
                               + (f" (ppl {math.exp(val):.2f})" if show_ppl else ""))  # fmt: skip
             interrupted = stop_requested(stopper, info, run.device)
             if run.step % cfg.ckpt_interval == 0 or run.step == stop or interrupted:
@@ -287,9 +295,10 @@ def run_loop(
     bar.close()
     seconds = time.perf_counter() - t_start
     if info.main:
-        status = "finished" if run.step >= cfg.steps else f"stopped at step {run.step} (resume with --resume)"
+        at = step_label(run.step, cfg.grad_accum)
+        status = "finished" if run.step >= cfg.steps else f"stopped at {at} (resume with --resume)"
         if stopper.signal is not None:
-            status = f"interrupted by {stopper.signal} at step {run.step}; checkpoint saved (resume with --resume)"
+            status = f"interrupted by {stopper.signal} at {at}; checkpoint saved (resume with --resume)"
         print(f"{prog}: {status}; {run.tokens:,} tokens in {seconds:.0f} s; checkpoint in {run.out}",
               file=sys.stderr if stopper.signal else sys.stdout, flush=True)  # fmt: skip
     finished = run.step >= cfg.steps

@@ -141,7 +141,8 @@ def describe_swap_settings(settings: dict[str, Any], *, brief: bool = False) -> 
         if brief:
             return f"plsh T={settings['num_samples']} {settings['scheme']}, {slopes}"
         text = f"plsh T={settings['num_samples']} {settings['scheme']}, seed {settings['seed']}, {slopes}"
-        return text + f", training step {settings.get('step', 0)}"
+        step = settings.get("step", 0)
+        return text + f", training step {step} (training forwards: micro-batches, not optimizer steps)"
     if pos == "window-alibi":
         w = list(settings["window"])
         win = f"window {w[0]:g}" if len(set(w)) == 1 else f"per-head windows {w[0]:g}..{w[-1]:g}"

@@ -40,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ from positional_lsh.lm.train_dist import Dist, check_device, init_distributed
 from positional_lsh.lm.train_loop import TrainResult
 from positional_lsh.ops.errors import UserError
 
-__all__ = ["PRESETS", "HFTrainConfig", "train_hf"]
+__all__ = ["PRESETS", "HFTrainConfig", "dry_run", "train_hf"]
 
 # --------------------------------------------------------------------------------------------------
 # Data and tokenizers
@@ -73,6 +74,8 @@ def load_training_splits(source: str | None) -> dict[str, list[D.Document]]:
     """Train/validation/test documents: :func:`positional_lsh.lm.data.load_splits`, or a ``datasets`` folder
     (``save_to_disk``; a ``DatasetDict`` with train/validation (or valid)/test, or one ``Dataset`` split 90/5/5
     by document) whose ``text`` column holds the documents."""
+    if isinstance(source, str) and source.startswith("hf:") and hub_offline():
+        return _hub_data_offline(source)
     p = Path(source) if isinstance(source, str) and not source.startswith("hf:") and source != "default" else None
     if p is None or not p.is_dir() or not any((p / f).is_file() for f in ("dataset_dict.json", "state.json")):
         return D.load_splits(source)
@@ -99,6 +102,54 @@ def load_training_splits(source: str | None) -> dict[str, list[D.Document]]:
             raise UserError(f"--data {source}: the dataset has splits {sorted(ds)}, not {missing}")
         return {s: docs(ds[v], s) for s, v in names.items()}
     return D.split_documents(docs(ds, "all"))
+
+
+_TRUE = ("1", "ON", "YES", "TRUE")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub (``HF_ENDPOINT``, default ``huggingface.co``) accepts a TCP connection within
+    ``timeout`` seconds; no request is sent."""
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` is set, or the Hub cannot be reached (:func:`hub_reachable`)."""
+    if any(os.environ.get(k, "").upper() in _TRUE for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return True
+    return not hub_reachable()
+
+
+def _hub_data_offline(source: str) -> dict[str, list[D.Document]]:
+    """``--data hf:...`` without the Hub: the ``datasets`` cache only (offline mode, so no retries), else one line
+    saying what is needed and how to give a local copy."""
+    try:
+        import datasets.config as datasets_config
+        from huggingface_hub import constants as hub_constants
+    except ImportError:
+        return D.load_splits(source)  # the missing package is said there
+    saved = (datasets_config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE)
+    datasets_config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    try:
+        return D.load_splits(source)
+    except (OSError, ValueError, RuntimeError):
+        path, _, name = source[3:].partition(":")
+        load = f"datasets.load_dataset({path!r}" + (f", {name!r})" if name else ")")
+        raise UserError(
+            f"--data {source}: the Hugging Face Hub cannot be reached (offline) and the dataset is not in "
+            f"the local datasets cache; run {load} once where online (then HF_HUB_OFFLINE=1 uses the "
+            "cache), or pass --data FOLDER: a save_to_disk folder of it, or text files"
+        ) from None
+    finally:
+        datasets_config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
 
 
 @dataclass
@@ -283,6 +334,129 @@ def build_model(cfg: HFTrainConfig, vocab: int | None) -> tuple[nn.Module, Any]:
     return model, tokenizer
 
 
+def probe_attention(model: nn.Module, cfg: HFTrainConfig, device: torch.device, amp: torch.dtype | None) -> None:
+    """One forward of one window of zeros (no gradients), before anything is written in ``--out``: a refusal that
+    only the attention call can make (e.g. ``--attn-backend triton`` on CPU, key/value heads that do not divide
+    the query heads) comes before the run starts. The swap's step and the random-number states are restored, so
+    the run is the same as without the probe."""
+    swap = current_swap(model)
+    step = swap.step if swap is not None else 0
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    x = torch.zeros(1, cfg.seq_len, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad(), L.autocast(device, amp):
+            model(input_ids=x, use_cache=False)
+    finally:
+        if swap is not None:
+            swap.set_step(step)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _dims(config: Any) -> tuple[int, int, int, int]:
+    """Hidden size, layers, MLP width and vocabulary of a transformers config (the families' attribute names)."""
+
+    def first(*names: str, default: int = 0) -> int:
+        return next((int(v) for v in (getattr(config, n, None) for n in names) if v), default)
+
+    hidden = first("hidden_size", "d_model")
+    return (hidden, first("num_hidden_layers", "n_layer", "n_layers"),
+            first("intermediate_size", "ffn_hidden_size", default=4 * hidden), int(config.vocab_size))  # fmt: skip
+
+
+def estimate_memory(cfg: HFTrainConfig, config: Any, n_params: int, n_trained: int) -> dict[str, float]:
+    """A rough estimate of one process's training memory (bytes): ``params`` (the weights in ``cfg.dtype``),
+    ``grads`` and ``optimizer`` (AdamW's two moments) of the trained parameters, and ``activations`` of one
+    micro-batch kept for the backward (per layer: the MLP and ``num_samples`` attention outputs of ``plsh``, or
+    only each layer's input under gradient checkpointing; plus the logits). A lower bound, not a promise."""
+    hidden, layers, ffn, vocab = _dims(config)
+    wbytes = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    abytes = 2 if cfg.autocast in ("bfloat16", "float16") else 4
+    tokens = cfg.batch_size * cfg.seq_len
+    samples = cfg.num_samples if cfg.position == "plsh" else 1
+    per_layer = tokens * (hidden * (2 * samples + 6) + 3 * ffn)
+    if cfg.gradient_checkpointing:
+        kept = layers * tokens * hidden + per_layer
+    else:
+        kept = layers * per_layer
+    return {"params": float(n_params * wbytes), "grads": float(n_trained * wbytes),
+            "optimizer": float(2 * n_trained * wbytes),
+            "activations": float(kept * abytes + tokens * vocab * 4 * 2)}  # fmt: skip
+
+
+def memory_estimate_line(cfg: HFTrainConfig, config: Any, *, n_params: int, n_trained: int) -> str:
+    """``plsh train-hf: memory estimate ...``: :func:`estimate_memory` as one line (GiB)."""
+    m = estimate_memory(cfg, config, n_params, n_trained)
+    attn = f"T={cfg.num_samples}" if cfg.position == "plsh" else cfg.position
+    return (f"plsh train-hf: memory estimate per process: parameters {n_params:,} ({n_trained:,} trained) "
+            f"{_bytes(m['params'])} + gradients {_bytes(m['grads'])} + optimizer state {_bytes(m['optimizer'])} + "
+            f"activations {_bytes(m['activations'])} (seq_len {cfg.seq_len}, {attn}, batch {cfg.batch_size}"
+            f"{', gradient checkpointing' if cfg.gradient_checkpointing else ''}) = about "
+            f"{_bytes(sum(m.values()))}")  # fmt: skip
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2.0**30), ("MiB", 2.0**20)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2.0**10:.1f} KiB"
+
+
+def _dry_run_config(cfg: HFTrainConfig) -> Any:
+    """The transformers config of the run's model, from ``--config`` (vocabulary: ``--tokenizer``'s size, or
+    ``--vocab-size``) or from the checkpoint's ``config.json``; no weights are read."""
+    from transformers import AutoConfig
+
+    if cfg.config is not None:
+        d = _config_dict(cfg.config)
+        model_type = d.pop("model_type")
+        for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+            d.pop(key, None)
+        d["vocab_size"] = _load_tokenizer_arg(cfg.tokenizer).size if cfg.tokenizer else cfg.vocab_size
+        try:
+            return AutoConfig.for_model(model_type, **d)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"--config {cfg.config}: transformers cannot build it ({exc})") from None
+    folder = _checkpoint_folder(str(cfg.checkpoint))
+    if (folder / ADAPTER_CONFIG).is_file():
+        folder = Path(json.loads((folder / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        why = str(exc).splitlines()[0]
+        raise UserError(f"--checkpoint {cfg.checkpoint}: no readable config.json ({why})") from None
+
+
+def dry_run(cfg: HFTrainConfig) -> str:
+    """``plsh train-hf --dry-run``: the memory estimate line of the run ``cfg`` describes, from its model config
+    alone (the model is built on the ``meta`` device: no weights are loaded or allocated, nothing is written)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _dry_run_config(cfg)
+    with torch.device("meta"):
+        model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype))
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trained = n_params
+    if cfg.finetune == "lora":
+        try:
+            import peft
+        except ImportError as exc:
+            raise ImportError("finetune='lora' needs peft: pip install 'positional-lsh[peft]'") from exc
+        lcfg = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                               target_modules=list(cfg.lora_targets), task_type="CAUSAL_LM")  # fmt: skip
+        with torch.device("meta"):
+            try:
+                lora = peft.get_peft_model(model, lcfg)
+            except ValueError as exc:
+                msg = " ".join(str(exc).split())[:200]
+                raise UserError(f"--lora-targets {','.join(cfg.lora_targets)}: {msg}") from None
+        n_params = sum(p.numel() for p in lora.parameters())
+        n_trained = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    return memory_estimate_line(cfg, config, n_params=n_params, n_trained=n_trained)
+
+
 def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
@@ -377,18 +551,42 @@ def train_hf(
 
 
 def _tokenizer_for(cfg: HFTrainConfig, out: Path, info: Dist, splits: dict[str, list[D.Document]],
-                   checkpoint_tok: Any) -> _Tokenizer:  # fmt: skip
+                   checkpoint_tok: Any, *, resume: bool) -> tuple[_Tokenizer, bool]:  # fmt: skip
+    """The run's tokenizer and whether it is new (to be saved as ``--out``'s ``tokenizer.json`` once every check
+    has passed: nothing is written here). A ``tokenizer.json`` already in ``--out`` is reused on resume; in a new
+    run it is reused when its size is ``vocab_size`` and refused otherwise (a stale one, not the one asked for)."""
     if cfg.tokenizer:
-        return _load_tokenizer_arg(cfg.tokenizer)
+        return _load_tokenizer_arg(cfg.tokenizer), False
     if checkpoint_tok is not None:
-        return _Tokenizer(None, checkpoint_tok)
+        return _Tokenizer(None, checkpoint_tok), False
     if cfg.checkpoint is not None:
         raise UserError(f"--checkpoint {cfg.checkpoint} has no tokenizer files; pass --tokenizer")
     saved = out / "tokenizer.json"
-    if info.main and not saved.is_file():
-        D.train_tokenizer(splits["train"], vocab_size=cfg.vocab_size).save(saved)
-    info.barrier()
-    return _Tokenizer(D.BPETokenizer.load(saved), None)
+    if saved.is_file():
+        try:
+            bpe = D.BPETokenizer.load(saved)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{saved}: not a tokenizer.json ({str(exc).splitlines()[0][:120]}); remove it") from None
+        if not resume:
+            check_prepared_tokenizer(saved, bpe.vocab_size, cfg.vocab_size)
+        return _Tokenizer(bpe, None), False
+    text: list[str | None] = [None]
+    if info.main:
+        text[0] = D.train_tokenizer(splits["train"], vocab_size=cfg.vocab_size).to_str()
+    if info.enabled:  # every process uses rank 0's tokenizer (nothing is on disk yet)
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(text, src=0)
+    assert text[0] is not None
+    return _Tokenizer(D.BPETokenizer.from_str(text[0]), None), True
+
+
+def check_prepared_tokenizer(path: Path, size: int, vocab_size: int) -> None:
+    """Refuse a ``tokenizer.json`` found in a new run's ``--out`` whose size is not the ``--vocab-size`` asked for
+    (e.g. left by an earlier attempt): one line naming the file and both sizes."""
+    if size != vocab_size:
+        raise UserError(f"{path} holds a {size}-token tokenizer but --vocab-size is {vocab_size}; remove the file to "
+                        f"train a new one, or pass --vocab-size {size} to use it")  # fmt: skip
 
 
 def _streams(tok: _Tokenizer, splits: dict[str, list[D.Document]], cfg: HFTrainConfig) -> dict[str, torch.Tensor]:
@@ -402,9 +600,6 @@ def _streams(tok: _Tokenizer, splits: dict[str, list[D.Document]], cfg: HFTrainC
 def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device: torch.device, command: str) -> _Run:
     out = Path(cfg.out_dir)
     splits = load_training_splits(cfg.data)
-    if info.main:
-        out.mkdir(parents=True, exist_ok=True)
-    info.barrier()
     checkpoint_tok = None
     if cfg.checkpoint is not None and not cfg.tokenizer:
         folder = _checkpoint_folder(cfg.checkpoint)
@@ -416,7 +611,7 @@ def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device:
 
                 checkpoint_tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
                 break
-    tok = _tokenizer_for(cfg, out, info, splits, checkpoint_tok)
+    tok, new_tok = _tokenizer_for(cfg, out, info, splits, checkpoint_tok, resume=state is not None)
     if state is not None and state["tokenizer_fingerprint"] != tok.fingerprint():
         raise UserError(f"--resume: the tokenizer ({cfg.tokenizer or cfg.checkpoint or out / 'tokenizer.json'}) "
                         "differs from the one the run was trained with; restore it")  # fmt: skip
@@ -429,8 +624,20 @@ def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device:
     inner = unwrap_model(model)
     if tok.size > inner.config.vocab_size:
         raise UserError(f"the tokenizer has {tok.size} ids but the model's vocabulary only {inner.config.vocab_size}")
+    if info.main:
+        n_all, n_train = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in _trainable(model).values())
+        print(memory_estimate_line(cfg, inner.config, n_params=n_all, n_trained=n_train), flush=True)
     model.to(device)
     opt = _optimizer(model, cfg, device)
+    amp = resolve_autocast_dtype(cfg.autocast, device)
+    probe_attention(model, cfg, device, amp)
+    # Every check has passed: only now is anything written in --out.
+    if info.main:
+        out.mkdir(parents=True, exist_ok=True)
+        if new_tok:
+            assert tok.bpe is not None
+            tok.bpe.save(out / "tokenizer.json")
+    info.barrier()
     data_gen = torch.Generator().manual_seed(cfg.seed)
     counters: dict[str, Any] = {}
     if state is not None:
@@ -450,7 +657,7 @@ def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device:
     val_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
     run = _Run(
         out, info, device, command, model, ddp_model, opt, data_gen, cfg=cfg, tok=tok,
-        amp=resolve_autocast_dtype(cfg.autocast, device),
+        amp=amp,
         batches=L.train_batches(streams["train"], cfg.seq_len, cfg.batch_size, info, data_gen),
         val_batches=[D.random_batch(streams["validation"], cfg.seq_len, cfg.batch_size * info.world,
                                     generator=val_gen) for _ in range(cfg.eval_batches)],
@@ -464,8 +671,10 @@ def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device:
         attn = "native" if swap is None else f"{cfg.position}" + (f" T={cfg.num_samples}" if cfg.position == "plsh"
                                                                     else "")  # fmt: skip
         print(f"plsh train-hf: {inner.config.model_type} {n_all:,} params ({n_train:,} trained, "
-              f"{cfg.finetune}) | attention {attn} | seq_len {cfg.seq_len} | {run.tokens_per_step} tokens/step x "
-              f"{cfg.steps} steps | device {device} x {info.world} | autocast {run.amp or 'off'} | train "
+              f"{cfg.finetune}) | attention {attn} | seq_len {cfg.seq_len} | {run.tokens_per_step} tokens/optimizer "
+              "step "
+              f"({cfg.grad_accum} micro-batch{'es' if cfg.grad_accum > 1 else ''}) x {cfg.steps} optimizer steps "
+              f"| device {device} x {info.world} | autocast {run.amp or 'off'} | train "
               f"{streams['train'].numel():,} tokens", flush=True)  # fmt: skip
     return run
 
