@@ -220,8 +220,10 @@ def test_dry_run_prints_the_estimate_from_the_config_alone(tmp_path: Path, text_
         m.setattr(T, "build_model", lambda *a, **k: pytest.fail("--dry-run built the model"))
         m.setattr(T, "load_local_model", lambda *a, **k: pytest.fail("--dry-run loaded weights"))
         assert cli.main(["--out", str(out), *flags(text_dir, "--tokenizer", str(tok_file), "--dry-run")]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr().out.splitlines()
+    lines = [line for line in printed if line.startswith("plsh train-hf: memory estimate")]  # (and the preset's line)
     assert len(lines) == 1 and lines[0].startswith("plsh train-hf: memory estimate per process: parameters ")
+    assert all(line.startswith("plsh train-hf: preset ") for line in printed if line not in lines)
     assert not out.exists()
     model, _ = T.build_model(HFTrainConfig(config="tiny-qwen3", out_dir=str(out)), 300)
     n = sum(p.numel() for p in model.parameters())
