@@ -230,9 +230,10 @@ def test_dry_run_prints_the_estimate_from_the_config_alone(tmp_path: Path, text_
     assert f"parameters {n:,} ({n:,} trained)" in lines[0] and "seq_len 32, T=4, batch 4" in lines[0]
     for part in ("gradients", "optimizer state", "activations"):
         assert part in lines[0]
-    # A normal run prints the same line first.
+    # A normal run prints the same line first (after the preset's line).
     assert cli.main(["--out", str(out), *flags(text_dir, "--tokenizer", str(tok_file))]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == lines[0]
+    run_lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("plsh train-hf: preset ")]
+    assert run_lines[0] == lines[0]
 
 
 def test_memory_estimate_counts() -> None:
