@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import sys
@@ -66,6 +67,17 @@ def test_from_pretrained_with_the_registered_name_gives_the_saved_model(tmp_path
     hf.restore(model)
     with torch.no_grad():
         assert not torch.equal(model(token_ids()).logits, logits)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "bloom"])
+def test_a_copy_made_before_the_first_call_is_the_saved_model_too(tmp_path, name):
+    path, logits = _saved(tmp_path, name)
+    model = _load(path, attn_implementation="positional_lsh")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(twin(token_ids()).logits, logits)
+        assert torch.equal(model(token_ids()).logits, logits)
+    assert hf.current_swap(twin) is not hf.current_swap(model)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "bloom"])

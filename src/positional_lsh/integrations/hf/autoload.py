@@ -12,8 +12,9 @@ swap is installed from the config's settings (or, when the config has none, from
 runs (in the registered mask function, which transformers calls at the start of the forward, before the rotary
 embedding and the layers). transformers offers no hook after a model is built, so the models built with the
 registered name are noted when they are built (a torch module-registration hook: :func:`note_model`) and
-installed on first use. ``hf.current_swap(model)`` is ``None`` until that first call; under ``torch.compile`` run
-one eager call first (or ``hf.apply_saved_swap``).
+installed on first use (a copy made before that call is found on the call stack at its own first call).
+``hf.current_swap(model)`` is ``None`` until that first call; under ``torch.compile`` run one eager call first (or
+``hf.apply_saved_swap``).
 
 A model built with the name and no saved settings raises one clear error at its first call (unless it was swapped
 by :func:`~positional_lsh.integrations.hf.use_positional_lsh` / ``use_alibi`` before). A swapped checkpoint loaded
@@ -23,9 +24,11 @@ settings and the fix, as long as this package is imported.
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -42,6 +45,8 @@ __all__ = ["mask_function", "note_model", "saved_settings_source"]
 # id(config) -> the models built on that config with attn_implementation="positional_lsh", not yet installed.
 _PENDING: dict[int, list[weakref.ref[PreTrainedModel]]] = {}
 _SEEN: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# id(config) -> the config, for the configs whose model was found installed at a call (no more look-ups).
+_INSTALLED: dict[int, weakref.ref[PretrainedConfig]] = {}
 _WARNED: set[str] = set()
 _QUIET: list[bool] = []  # non-empty while a loader that applies (or declines) the saved swap itself is loading
 
@@ -109,6 +114,12 @@ def note_model(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     )
 
 
+def _installed(config: PretrainedConfig) -> bool:
+    """Whether the model on ``config`` was seen installed (or swapped by hand) at a call."""
+    ref = _INSTALLED.get(id(config))
+    return ref is not None and ref() is config
+
+
 def _outermost(models: list[PreTrainedModel]) -> PreTrainedModel:
     """The model that holds every other one (e.g. the ``...ForCausalLM`` around its base model)."""
     for m in models:
@@ -118,18 +129,38 @@ def _outermost(models: list[PreTrainedModel]) -> PreTrainedModel:
     return models[-1]
 
 
+def _calling_model(config: PretrainedConfig) -> PreTrainedModel | None:
+    """The outermost transformers model on ``config`` whose ``forward`` is running (found on the call stack)."""
+    frame: FrameType | None = sys._getframe(1)
+    found = None
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, PreTrainedModel) and obj.config is config:
+            found = obj
+        frame = frame.f_back
+    return found
+
+
 def install_pending(config: PretrainedConfig, q_offset: object) -> None:
     """Install the saved swap on the model built on ``config`` with the registered name, at its first call."""
     refs = _PENDING.pop(id(config), None)
     models = [m for r in refs or [] if (m := r()) is not None and m.config is config]
     if not models:
-        return
+        # A copy (copy.deepcopy) of such a model made before its first call: found on the call stack, once.
+        caller = _calling_model(config)
+        if caller is None:
+            return
+        models = [caller]
+    for key in [k for k, r in _INSTALLED.items() if r() is None]:
+        del _INSTALLED[key]
+    _INSTALLED[id(config)] = weakref.ref(config)
     model = _outermost(models)
     if current_swap(model) is not None:  # swapped by hand (use_positional_lsh / use_alibi / load_local_model)
         return
     settings = _settings(config, model_family(model))
     if settings is None:
         _PENDING[id(config)] = [weakref.ref(m) for m in models]  # refused at every call, not only the first
+        del _INSTALLED[id(config)]
         raise UserError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the swap's settings, and this "
             f"{config.model_type} model has none (no {CONFIG_KEY!r} in its config, no {SWAP_FILE} in its folder): "
@@ -152,8 +183,8 @@ def mask_function(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """The mask function registered as ``"positional_lsh"``: installs a pending saved swap (first call), then
     :func:`~positional_lsh.integrations.hf.masks.padding_mask_interface`."""
     config = kwargs.get("config")
-    if not torch.compiler.is_compiling() and _PENDING and isinstance(config, PretrainedConfig):
-        if id(config) in _PENDING:
+    if not torch.compiler.is_compiling() and isinstance(config, PretrainedConfig):
+        if id(config) in _PENDING or (CONFIG_KEY in config.__dict__ and not _installed(config)):
             install_pending(config, kwargs.get("q_offset", 0))
     return padding_mask_interface(*args, **kwargs)
 
