@@ -63,6 +63,9 @@ Modules, each importing only those listed before it (no import cycle, no private
   (``positional_lsh_swap.json``): writing, reading and checking them;
 * :mod:`~positional_lsh.integrations.hf.swap` — the API: :func:`use_positional_lsh`, :func:`use_alibi`,
   :func:`restore`, ... (installing, stacking and undoing; peft models; re-applying saved settings);
+* :mod:`~positional_lsh.integrations.hf.autoload` — ``attn_implementation="positional_lsh"`` on its own: the
+  registered mask function installs the swap saved with the model's config at its first call (and a plain load of a
+  swapped checkpoint warns once);
 * :mod:`~positional_lsh.integrations.hf.loading` — loading a local checkpoint (or a peft adapter folder),
   re-applying its saved swap;
 * :mod:`~positional_lsh.integrations.hf.trainer` — :class:`SwapStepCallback`, the swap's training step in
@@ -97,8 +100,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
     raise ImportError(f"positional_lsh.integrations.hf needs transformers >= 5, found {transformers.__version__}")
 
+from positional_lsh.integrations.hf.autoload import mask_function
 from positional_lsh.integrations.hf.loading import LoadedModel, load_local_model
-from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, padding_mask_interface
+from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION
 from positional_lsh.integrations.hf.rope import attention_function
 from positional_lsh.integrations.hf.saved import SWAP_FILE, read_swap_settings, swap_settings, write_swap_settings
 from positional_lsh.integrations.hf.swap import (
@@ -134,7 +138,7 @@ __all__ = [
 ]
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, attention_function)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask_interface)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, mask_function)
 
 
 def __getattr__(name: str) -> object:

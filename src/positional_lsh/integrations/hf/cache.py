@@ -120,6 +120,42 @@ class LiveKeyCache(DynamicCache):
         """The cache's layers (the :class:`LiveKeyLayer` of each attention layer, built in ``__init__``)."""
         return cast("list[LiveKeyLayer]", self.layers)
 
+    def check_continues(self, kwargs: dict[str, Any]) -> None:
+        """``ValueError`` unless the model call with these keyword arguments continues the cached sequence.
+
+        A cache reused by a second ``generate()`` (or model call) holds the tokens of the first: transformers then
+        feeds only the tokens after them, so the new prompt must *continue* the cached sequence (the previous output
+        plus new tokens), as with its ``DynamicCache``. A call whose positions or mask do not line up with the cached
+        length (e.g. the same prompt again) would read another sequence's keys: refused. The call's tokens cannot be
+        compared with the cached ones (the cache holds keys, not tokens), so a new prompt at least as long as the
+        cached sequence is assumed to continue it (as ``DynamicCache`` assumes).
+        """
+        seen = self.get_seq_length()
+        if seen == 0:
+            return
+        tokens = kwargs.get("input_ids")
+        if not isinstance(tokens, torch.Tensor):
+            tokens = kwargs.get("inputs_embeds")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+            return
+        new = tokens.shape[1]
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            found = f"an attention mask of {mask.shape[-1]} positions for {new} new tokens"
+            ok = mask.shape[-1] == seen + new
+        elif isinstance(positions, torch.Tensor) and positions.numel() > 0:
+            first = int(positions.reshape(-1, positions.shape[-1])[:, 0].min())
+            found = f"new tokens from position {first}"
+            ok = first == seen
+        else:
+            return
+        if not ok:
+            raise ValueError(
+                f"this LiveKeyCache holds a sequence of {seen} tokens, but the call gives {found}: it does not "
+                f"continue the cached sequence. A cache may be reused only to continue its sequence (the previous "
+                "output plus new tokens as the prompt); for a new prompt build a fresh one with swap.new_cache()"
+            )
+
     def cached_tokens(self) -> list[int]:
         """Keys held now, per layer."""
         return [layer.cached_length() for layer in self._live_layers()]

@@ -15,8 +15,14 @@ from typing import Any, NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from positional_lsh.integrations.hf.saved import SWAP_FILE, describe_swap_settings, read_swap_settings
-from positional_lsh.integrations.hf.swap import apply_swap_settings
+from positional_lsh.integrations.hf.autoload import Quiet
+from positional_lsh.integrations.hf.saved import (
+    SWAP_FILE,
+    check_swap_settings,
+    describe_swap_settings,
+    read_swap_settings,
+)
+from positional_lsh.integrations.hf.swap import apply_swap_settings, model_family
 from positional_lsh.ops._checks import check_bool
 from positional_lsh.ops.errors import UserError
 
@@ -115,7 +121,8 @@ def load_local_model(
         kwargs["dtype"] = dtype
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model: Any = AutoModelForCausalLM.from_pretrained(str(weights_dir), **kwargs)
+    with Quiet():  # this loader applies (or, apply_swap=False, declines) the saved swap itself
+        model: Any = AutoModelForCausalLM.from_pretrained(str(weights_dir), **kwargs)
     if adapter:
         try:
             from peft import PeftModel
@@ -129,7 +136,8 @@ def load_local_model(
         model = model.to(device)
     model.eval()
     if settings is not None:
-        apply_swap_settings(model, settings)
+        check_swap_settings(settings, folder / SWAP_FILE, family=model_family(model))
+        apply_swap_settings(model, settings)  # (then attn_implementation="positional_lsh" finds it installed)
         if not quiet:
             print(f"positional_lsh: re-applied the swap saved in {folder / SWAP_FILE}: "
                   f"{describe_swap_settings(settings)} (hf.restore(model) for the model's own attention)",

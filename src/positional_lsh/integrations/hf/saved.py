@@ -20,13 +20,30 @@ from typing import Any
 
 from positional_lsh.integrations.hf.attention_swap import AttentionSwap
 from positional_lsh.ops.errors import UserError
+from positional_lsh.ops.partitions.schemes import scheme_names
 
-__all__ = ["SWAP_FILE", "read_swap_settings", "swap_settings", "write_swap_settings"]
+__all__ = [
+    "CONFIG_KEY",
+    "SWAP_FILE",
+    "check_swap_settings",
+    "read_swap_settings",
+    "swap_settings",
+    "write_swap_settings",
+]
 
 SWAP_FILE = "positional_lsh_swap.json"
 """The file, next to a checkpoint's ``config.json``, holding the swap's settings."""
+CONFIG_KEY = "positional_lsh_swap"
+"""The ``config.json`` key (a config attribute) under which a swapped model's ``save_pretrained`` also records the
+swap's settings, so that ``from_pretrained(folder, attn_implementation="positional_lsh")`` re-installs it."""
 SWAP_FORMAT = "positional-lsh-swap"
 _POSITIONS = ("plsh", "alibi", "window-alibi")
+MAX_NUM_SAMPLES = 2**20
+"""The largest ``num_samples`` a saved swap may hold (larger values are refused before anything is allocated)."""
+MAX_STEP = 2**63 - 1
+"""The largest training step (an int64 counter)."""
+MAX_SEED = 2**64 - 1
+"""The largest seed (a ``torch.Generator`` seed)."""
 
 
 def swap_position(swap: AttentionSwap) -> str:
@@ -69,7 +86,13 @@ def write_swap_settings(swap: AttentionSwap, folder: str | os.PathLike[str], **e
     return path
 
 
-def _numbers(file: Path, name: str, value: object, *, positive: bool) -> list[float]:
+def _check_integer(file: object, name: str, value: object, low: int, high: int) -> None:
+    """``UserError`` naming ``file`` and the field unless ``value`` is an int in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UserError(f"{file}: {name!r} must be an integer in [{low}, {high}], got {value!r:.40}")
+
+
+def _numbers(file: object, name: str, value: object, *, positive: bool) -> list[float]:
     if not isinstance(value, list) or not value or any(isinstance(v, bool) or not isinstance(v, int | float)
                                                        for v in value):  # fmt: skip
         raise UserError(f"{file}: {name!r} must be a non-empty list of numbers, got {value!r:.80}")
@@ -79,13 +102,16 @@ def _numbers(file: Path, name: str, value: object, *, positive: bool) -> list[fl
     return out
 
 
-def read_swap_settings(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+def read_swap_settings(folder: str | os.PathLike[str], *, family: str | None = None) -> dict[str, Any] | None:
     """The settings saved in ``folder`` (``None`` if it holds no :data:`SWAP_FILE`), checked.
 
-    Raises :class:`~positional_lsh.ops.errors.UserError` naming the file when it is not JSON, not of this format
-    or holds a bad field.
+    Raises :class:`~positional_lsh.ops.errors.UserError` naming the file when it is not a file, not JSON, not of
+    this format, holds a bad field, or (``family`` given) records another model family than ``family``.
     """
     file = Path(folder) / SWAP_FILE
+    if file.exists() and not file.is_file():
+        raise UserError(f"{file} is not a file (a {SWAP_FORMAT} file is expected there); remove it to load the "
+                        "model with its own attention")  # fmt: skip
     if not file.is_file():
         return None
     try:
@@ -93,8 +119,15 @@ def read_swap_settings(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{file} is not valid JSON ({exc}); delete it to load the model with its own "
                         "attention") from None  # fmt: skip
+    return check_swap_settings(s, file, family=family)
+
+
+def check_swap_settings(s: object, file: object, *, family: str | None = None) -> dict[str, Any]:
+    """``s`` checked as saved swap settings (``file``: where they were read, named in every error); ``family``:
+    the family of the model they are for (``UserError`` naming both when the settings record another)."""
     if not isinstance(s, dict) or s.get("format") != SWAP_FORMAT:
         raise UserError(f"{file} is not a {SWAP_FORMAT} file")
+    s = dict(s)
     if s.get("version") != 1:
         raise UserError(f"{file}: version {s.get('version')!r} is not supported (this library writes version 1)")
     if s.get("position") not in _POSITIONS:
@@ -104,19 +137,19 @@ def read_swap_settings(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
         s["window"] = _numbers(file, "window", s.get("window"), positive=False)
     elif s.get("window") is not None:
         raise UserError(f"{file}: 'window' must be null for position {s['position']!r}")
-    step = s.get("step", 0)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise UserError(f"{file}: 'step' must be an integer >= 0, got {step!r}")
+    _check_integer(file, "step", s.get("step", 0), 0, MAX_STEP)
     if s["position"] == "plsh":
-        for name in ("num_samples", "seed"):
-            v = s.get(name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "num_samples" else 0):
-                raise UserError(f"{file}: {name!r} must be an integer >= {1 if name == 'num_samples' else 0}, "
-                                f"got {v!r}")  # fmt: skip
-        if not isinstance(s.get("scheme"), str):
-            raise UserError(f"{file}: 'scheme' must be a scheme name, got {s.get('scheme')!r}")
+        _check_integer(file, "num_samples", s.get("num_samples"), 1, MAX_NUM_SAMPLES)
+        _check_integer(file, "seed", s.get("seed"), 0, MAX_SEED)
+        schemes = scheme_names()
+        if not isinstance(s.get("scheme"), str) or s["scheme"] not in schemes:
+            raise UserError(f"{file}: 'scheme' must be one of {list(schemes)}, got {s.get('scheme')!r}")
         if not isinstance(s.get("resample_in_training", True), bool):
             raise UserError(f"{file}: 'resample_in_training' must be true or false")
+    recorded = s.get("family")
+    if family is not None and recorded is not None and recorded != family:
+        raise UserError(f"{file} records a swap for a {recorded!r} model, but this model is {family!r}: it was saved "
+                        "for another model; remove it (or copy the right one) to load this model")  # fmt: skip
     train_len = s.get("train_len")
     if train_len is not None and (isinstance(train_len, bool) or not isinstance(train_len, int) or train_len < 1):
         raise UserError(f"{file}: 'train_len' must be a positive integer, got {train_len!r}")

@@ -48,10 +48,12 @@ from transformers import PretrainedConfig, PreTrainedModel
 from positional_lsh.integrations.families import FAMILIES, Family, attention_modules, family_of, native_slopes
 from positional_lsh.integrations.hf import rope
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
+from positional_lsh.integrations.hf.cache import LiveKeyCache
 from positional_lsh.integrations.hf.forward import check_model_inputs, check_no_attentions
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION
-from positional_lsh.integrations.hf.saved import read_swap_settings, write_swap_settings
+from positional_lsh.integrations.hf.saved import CONFIG_KEY, read_swap_settings, swap_settings, write_swap_settings
 from positional_lsh.ops._checks import as_slopes, as_window, check_bool, check_int
+from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.options import (
     ALIBI_BACKENDS,
     DEFAULT_BACKEND,
@@ -259,8 +261,10 @@ class StepHook:
             return
         check_no_attentions(kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False))
         check_model_inputs(args, kwargs)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, LiveKeyCache) and not torch.compiler.is_compiling():
+            cache.check_continues(kwargs)  # a reused cache must continue its sequence
         if module.training:
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
             if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
                 self.swap.advance_step()
 
@@ -283,9 +287,17 @@ class SaveWithSwap:
                 obj.__dict__[name] = old
             else:
                 obj.__dict__.pop(name, None)
+        config = unwrap_model(self.owner).config
+        recorded = config.__dict__.get(CONFIG_KEY, _MISSING)
+        if swap is not None:  # config.json describes the swap too (attn_implementation="positional_lsh" reads it)
+            config.__dict__[CONFIG_KEY] = swap_settings(swap)
         try:
             result = self.original(save_directory, *args, **kwargs)
         finally:
+            if recorded is _MISSING:
+                config.__dict__.pop(CONFIG_KEY, None)
+            else:
+                config.__dict__[CONFIG_KEY] = recorded
             for obj, name, value in current:
                 if value is _MISSING:
                     obj.__dict__.pop(name, None)
@@ -473,7 +485,11 @@ def apply_swap_settings(model: nn.Module, settings: dict[str, Any]) -> Attention
     writes them, checked by ``read_swap_settings``), at the saved training step.
 
     ``backend`` and ``method`` are not re-applied (they choose how to compute, not what): the defaults are used.
+    Settings recording another model family than ``model``'s raise ``UserError``.
     """
+    recorded, family = settings.get("family"), model_family(model)
+    if recorded is not None and recorded != family:
+        raise UserError(f"these swap settings were saved for a {recorded!r} model, but this model is {family!r}")
     position = settings["position"]
     if position == "plsh":
         swap = use_positional_lsh(
@@ -495,5 +511,5 @@ def apply_swap_settings(model: nn.Module, settings: dict[str, Any]) -> Attention
 def apply_saved_swap(model: nn.Module, folder: str | os.PathLike[str]) -> AttentionSwap | None:
     """Re-apply the swap saved in ``folder`` (its :data:`~positional_lsh.integrations.hf.saved.SWAP_FILE`) to
     ``model``, e.g. after a plain ``from_pretrained(folder)``; ``None`` (nothing changed) if there is none."""
-    settings = read_swap_settings(folder)
+    settings = read_swap_settings(folder, family=model_family(model))
     return None if settings is None else apply_swap_settings(model, settings)
