@@ -118,6 +118,11 @@ def as_slopes(slopes: SlopesLike, num_heads: int, name: str = "slopes") -> torch
     elif isinstance(slopes, torch.Tensor):
         if slopes.is_complex() or slopes.dtype == torch.bool:
             raise TypeError(f"{name} must be a real tensor, got dtype {slopes.dtype}")
+        if slopes.device.type == "meta":
+            raise ValueError(
+                f"{name} is a meta tensor, which holds no values; meta {name} are taken with meta q, k and v only "
+                "(shape propagation)"
+            )
         if slopes.dim() == 0:
             out = slopes.detach().to("cpu", torch.float64).expand(num_heads).clone()
         elif slopes.dim() == 1:
@@ -138,6 +143,31 @@ def as_slopes(slopes: SlopesLike, num_heads: int, name: str = "slopes") -> torch
     if bool((out < 0).any()):
         raise ValueError(f"{name} must be >= 0 (the bias is -slope*|i-j|), got {out.tolist()}")
     return out
+
+
+def is_meta_tensor(x: object) -> bool:
+    """Whether ``x`` is a tensor on the ``meta`` device (shapes, no values)."""
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+def check_meta_slopes(slopes: torch.Tensor, num_heads: int, name: str = "slopes") -> None:
+    """Check the shape and dtype of ``slopes`` on the meta device (no values to check): a real tensor of one or
+    ``num_heads`` entries, 0-D or 1-D; ``TypeError``/``ValueError`` naming ``name`` otherwise."""
+    if slopes.is_complex() or slopes.dtype == torch.bool:
+        raise TypeError(f"{name} must be a real tensor, got dtype {slopes.dtype}")
+    if slopes.dim() > 1 or (slopes.dim() == 1 and slopes.shape[0] != num_heads):
+        raise ValueError(f"{name} must be a 1-D tensor of shape ({num_heads},) or 0-D, got {tuple(slopes.shape)}")
+
+
+def meta_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra: object) -> torch.Tensor:
+    """The output of an attention call on ``meta`` tensors: ``q``'s shape and dtype, connected to ``q, k, v`` and
+    the ``extra`` tensors (e.g. learnable slopes) for autograd (zero gradients): shape propagation, as torch's own
+    ops do on the meta device. Non-tensors in ``extra`` are ignored."""
+    zero = (k.sum() + v.sum()) * 0
+    for x in extra:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            zero = zero + x.sum().to(q.dtype) * 0
+    return q * 0 + zero
 
 
 def as_generator(generator: GeneratorLike, name: str = "generator") -> torch.Generator | None:

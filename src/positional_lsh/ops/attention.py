@@ -22,7 +22,10 @@ from positional_lsh.ops._checks import (
     QKVShape,
     SlopesLike,
     as_slopes,
+    check_meta_slopes,
     check_qkv,
+    is_meta_tensor,
+    meta_output,
     positive_int,
 )
 from positional_lsh.ops._engine import engine
@@ -79,12 +82,6 @@ def _check_size(shape: QKVShape, num_samples: int, route: engine.Route) -> None:
     if not route.compiled:
         check_call_size(num_samples, shape.q_heads, shape.q_len, shape.k_len, shape.head_dim, route.causal,
                         route.method)  # fmt: skip
-
-
-def _shape_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The output of a call on ``meta`` tensors: its shape and dtype (``q``'s), connected to ``q, k, v`` for
-    autograd (zero gradients): shape propagation, as torch's own ops do on the meta device."""
-    return q * 0 + (k.sum() + v.sum()) * 0
 
 
 def _grad_slopes(slopes: object, slope_grad: str, num_heads: int) -> torch.Tensor | None:
@@ -218,6 +215,15 @@ def plsh_attention(
     route = engine.dispatch(q, causal=causal, scale=scale, backend=backend, method=method)
     grad_slopes = _grad_slopes(slopes, check_slope_grad(slope_grad), shape.q_heads)
     expected = None
+    if q.device.type == "meta" and is_meta_tensor(slopes) and not route.compiled:
+        # Meta slopes hold no values to draw from or compare: shapes only (connected to the slopes for autograd).
+        assert isinstance(slopes, torch.Tensor)
+        check_meta_slopes(slopes, shape.q_heads)
+        if partitions is None:
+            positive_int("num_samples", num_samples)
+        else:
+            check_partitions(partitions, shape.q_heads, shape.k_len)
+        return meta_output(q, k, v, slopes)
     if partitions is None:
         _check_size(shape, positive_int("num_samples", num_samples), route)
     elif isinstance(partitions, Partitions):
@@ -232,5 +238,5 @@ def plsh_attention(
         expected = check_slopes_match(slopes, partitions, shape.q_heads)  # under torch.compile: compared in the op
     check_partitions(partitions, shape.q_heads, shape.k_len)
     if q.device.type == "meta" and not route.compiled:
-        return _shape_only(q, k, v)
+        return meta_output(q, k, v)
     return run(q, k, v, partitions, route, grad_slopes, expected, mask)

@@ -700,3 +700,18 @@ def test_nested_swaps_restore_the_outer_one(name):
     assert hf.restore(model) is True and hf.current_swap(model) is None
     assert torch.equal(logits(model, x), stock)
     assert all("_positional_lsh_swap" not in m.__dict__ for m in model.modules())
+
+
+def test_huge_num_samples_refused_up_front():
+    """Issue 27, item 18: use_positional_lsh(num_samples=10**8) was accepted, and a forward took 22 s before any
+    refusal; now refused at once with the estimate of the draws (T per head in every layer), the model untouched."""
+    from positional_lsh.ops.errors import UserError
+
+    model = tiny("bloom")
+    x = ids(length=16)
+    before = logits(model, x)
+    with pytest.raises(UserError, match=r"use_positional_lsh with num_samples=100000000 .*heads, \d+ layers"):
+        hf.use_positional_lsh(model, num_samples=10**8)
+    assert torch.equal(logits(model, x), before)
+    with hf.use_positional_lsh(model, num_samples=4, seed=0):
+        logits(model, x)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from positional_lsh import dense_plsh_attention, plsh_attention, sample_partitions
+from positional_lsh.ops.partitions.partition import Partitions
 
 # tests/conftest.py sets TRITON_INTERPRET=1 (before anything imports triton) on machines without CUDA: the kernels
 # then run in Triton's CPU interpreter on CPU tensors. With a GPU the interpreter tests are skipped and
@@ -162,6 +163,43 @@ def test_nan_keys_reach_the_same_rows_as_the_torch_path(blocks, causal):
     assert bool(ref.isnan().any()) and not bool(ref.isnan().all())
     assert torch.equal(out.isnan(), ref.isnan())
     torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), rtol=0, atol=1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize("scheme", ["discrete", "gamma"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_huge_pitches_are_one_block(blocks, scheme, causal):
+    """Issue 27, item 9: slopes <= 1e-19 (pitches ~1e19 and beyond 2**63) give exact attention in one block, as
+    the torch routes do; so does a hand-made gamma pitch of 1e300 (shift 0 or huge), whatever the shift's size."""
+    blocks(SMALL)
+    q, k, v = _qkv(2, 2, 40, 40)
+    exact = plsh_attention(q, k, v, slopes=0.0, causal=causal, num_samples=1, generator=0)
+    parts = sample_partitions(40, torch.tensor([1e-19, 1e-25], dtype=torch.float64), 4, scheme=scheme, generator=1)
+    assert bool((parts.pitch > 2.0**62).any())
+    out = _triton(q, k, v, parts, causal)
+    torch.testing.assert_close(out, exact, rtol=0, atol=2e-6)
+    torch.testing.assert_close(plsh_attention(q, k, v, partitions=parts, causal=causal), exact, rtol=0, atol=2e-6)
+    for shift in (0.0, 1e299):
+        pitch = torch.full((3, 2), 1e300, dtype=torch.float64)
+        huge = Partitions(40, torch.zeros(2), pitch, torch.full((3, 2), shift, dtype=torch.float64), "gamma")
+        torch.testing.assert_close(_triton(q, k, v, huge, causal), exact, rtol=0, atol=2e-6)
+    # A shift of 5.5: blocks [0, 6) and [6, 40), as on the torch path.
+    cut = Partitions(40, torch.zeros(2), pitch, torch.full((3, 2), 5.5, dtype=torch.float64), "gamma")
+    ref = plsh_attention(q, k, v, partitions=cut, causal=causal, method="multiplicity")
+    torch.testing.assert_close(_triton(q, k, v, cut, causal), ref, rtol=0, atol=2e-6)
+
+
+@interpreter
+def test_numpy_ints_in_partitions(blocks):
+    """Issue 27, item 21: a numpy int64 seq_len in a Partitions crashed the Triton launch (interpreter TypeError)."""
+    import numpy as np
+
+    blocks(SMALL)
+    q, k, v = _qkv(2, 2, 24, 24)
+    drawn = _parts(2, 24, 3, "discrete")
+    parts = Partitions(np.int64(24), drawn.slopes, drawn.pitch, drawn.shift, "discrete")
+    assert type(parts.seq_len) is int  # what the kernels' launch and block_bounds take
+    torch.testing.assert_close(_triton(q, k, v, parts), _triton(q, k, v, drawn), rtol=0, atol=0)
 
 
 @interpreter

@@ -61,6 +61,7 @@ from positional_lsh.ops.options import (
     check_backend,
     check_method,
 )
+from positional_lsh.ops.partitions.partition import check_draw_size
 from positional_lsh.ops.partitions.sampling import PartitionSampler
 from positional_lsh.ops.partitions.slopes import alibi_slopes
 
@@ -419,6 +420,11 @@ def use_positional_lsh(
     family, m = _family_and_slopes(inner, slopes)
     # Validates num_samples and scheme (a layer's sampler is built the same way, AttentionSwap.sampler).
     PartitionSampler(m.numel(), m, num_samples=num_samples, scheme=scheme, seed=0, eval_seed=0)
+    # One forward draws T partitions per head in every layer (each layer keeps its eval draw): refuse up front
+    # what those draws cannot do.
+    layers = max(1, len(attention_modules(inner, family)))
+    what = f"use_positional_lsh with num_samples={num_samples} ({m.numel()} heads, {layers} layers)"
+    check_draw_size(num_samples, m.numel() * layers, what, scheme)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
     swap = AttentionSwap(

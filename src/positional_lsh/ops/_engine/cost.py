@@ -33,9 +33,9 @@ import torch
 from positional_lsh.ops._engine.per_sample import SamplesPlan
 
 __all__ = [
-    "AUTO_MARGIN", "BLOCK_COST", "BOUND_COST", "CALL_ROW_COST", "ENTRY_COST", "PAIR_COST", "PAIR_COST_TILE",
-    "PLAN_BYTES", "PLAN_COST", "TILE_COST", "TILE_HEIGHTS", "auto_method", "call_estimate", "exact_seconds",
-    "samples_estimate", "tiling_estimate",
+    "AUTO_MARGIN", "AUTO_PLAN_SECONDS", "BLOCK_COST", "BOUND_COST", "CALL_ROW_COST", "ENTRY_COST", "PAIR_COST",
+    "PAIR_COST_TILE", "PLAN_BYTES", "PLAN_COST", "TILE_COST", "TILE_HEIGHTS", "auto_method", "auto_up_front",
+    "call_estimate", "exact_seconds", "samples_estimate", "tiling_estimate",
 ]  # fmt: skip
 
 TILE_HEIGHTS = (16, 32, 64, 128, 256)
@@ -94,6 +94,25 @@ def auto_method(num_samples: int, multiplicity_ns: float, samples_ns: float) -> 
     return "samples"
 
 
+AUTO_PLAN_SECONDS = 60.0
+"""``method="auto"`` does not build the per-sample plan when planning alone is estimated above this many seconds
+and the multiplicity form's up-front estimate is lower (:func:`auto_up_front`)."""
+
+
+def auto_up_front(num_samples: int, num_heads: int, q_len: int) -> str | None:
+    """``method="auto"``'s choice before any plan is built: ``"multiplicity"`` when more than one sample's
+    per-sample plan alone would take over :data:`AUTO_PLAN_SECONDS` (``PLAN_COST`` per (sample, head)) and the
+    multiplicity form's estimate (:func:`call_estimate`) is below the per-sample path's; else ``None`` (the cost
+    model decides from the plans, :func:`auto_method`). Such a call (e.g. ``T = 3,000,000`` at ``n = 16``) would
+    spend minutes planning a path the rule would then reject; every call below the bound is decided as before."""
+    if num_samples <= 1:
+        return None
+    _, samples_s = call_estimate(num_samples, num_heads, q_len, "samples")
+    _, mult_s = call_estimate(num_samples, num_heads, q_len, "multiplicity")
+    plan_s = float(num_samples) * num_heads * PLAN_COST * 1e-9
+    return "multiplicity" if plan_s > AUTO_PLAN_SECONDS and mult_s < samples_s else None
+
+
 def call_estimate(num_samples: int, num_heads: int, q_len: int, method: str) -> tuple[float, float]:
     """Lower bounds on the host memory (bytes) and time (seconds) of one estimator call, before anything is drawn.
 
@@ -105,7 +124,8 @@ def call_estimate(num_samples: int, num_heads: int, q_len: int, method: str) -> 
     * ``"multiplicity"``: the block bounds of every (query row, sample, head) (``BOUND_COST``); in memory, the tile
       plan's pitches and shifts (16 bytes per (tile of the largest height, sample, head)) and one chunk's bounds
       (``8 * 4`` bytes per (row of the smallest tile, sample));
-    * ``"auto"``: the per-sample plan (always built), then the cheaper of the two kernels' terms.
+    * ``"auto"``: the multiplicity form's where :func:`auto_up_front` takes it without planning the per-sample
+      path; otherwise the per-sample plan (then always built) and the cheaper of the two kernels' terms.
     """
     th = float(num_samples) * num_heads
     plan_s = th * PLAN_COST * 1e-9
@@ -114,7 +134,7 @@ def call_estimate(num_samples: int, num_heads: int, q_len: int, method: str) -> 
     mult_b = 16.0 * th * math.ceil(q_len / TILE_HEIGHTS[-1]) + 32.0 * TILE_HEIGHTS[0] * num_samples
     if method == "samples" or num_samples == 1:
         return th * PLAN_BYTES, plan_s + kernel_s
-    if method == "multiplicity":
+    if method == "multiplicity" or (method == "auto" and auto_up_front(num_samples, num_heads, q_len) is not None):
         return mult_b, mult_s
     return th * PLAN_BYTES, plan_s + min(kernel_s, mult_s)
 

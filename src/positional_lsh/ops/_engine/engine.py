@@ -39,7 +39,7 @@ import torch
 
 from positional_lsh.ops._checks import as_scale, check_bool
 from positional_lsh.ops._engine.backend import Backend, Saved
-from positional_lsh.ops._engine.cost import auto_method, samples_estimate
+from positional_lsh.ops._engine.cost import auto_method, auto_up_front, samples_estimate
 from positional_lsh.ops._engine.kernels import (
     flash_refusal,
     kernel_layout,
@@ -220,6 +220,8 @@ def decide(route: Route, partitions: Partitions, num_kv_heads: int, q_len: int, 
     method = route.method
     samples = None
     tiles = None
+    if method == "auto" and auto_up_front(partitions.num_samples, partitions.num_heads, q_len) is not None:
+        method = "multiplicity"  # planning the per-sample path alone would take minutes (ops._engine.cost)
     if method == "auto":
         samples = samples_plan(partitions, num_kv_heads, q_len, route.causal)
         heads = list(range(partitions.num_heads))

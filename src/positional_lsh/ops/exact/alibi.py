@@ -33,7 +33,17 @@ from typing import Any
 
 import torch
 
-from positional_lsh.ops._checks import SlopesLike, as_scale, as_slopes, as_window, check_bool, check_qkv
+from positional_lsh.ops._checks import (
+    SlopesLike,
+    as_scale,
+    as_slopes,
+    as_window,
+    check_bool,
+    check_meta_slopes,
+    check_qkv,
+    is_meta_tensor,
+    meta_output,
+)
 from positional_lsh.ops._engine.kernels import (
     acc_dtype,
     attend,
@@ -628,6 +638,13 @@ def alibi_attention(
     backend = _kernel_backend(backend, q, "alibi_attention")
     mask = check_key_padding_mask(key_padding_mask, q, lk)
     compiling = torch.compiler.is_compiling()  # then the op checks the values (they cannot be read when tracing)
+    if q.device.type == "meta" and is_meta_tensor(slopes) and not compiling:
+        # Meta slopes hold no values: shapes only (connected to the slopes for autograd).
+        assert isinstance(slopes, torch.Tensor)
+        check_meta_slopes(slopes, hq)
+        if not is_meta_tensor(window):
+            as_window(window, hq)
+        return meta_output(q, k, v, slopes)
     if compiling:
         theta, win = slopes_tensor(slopes, hq), None if window is None else slopes_tensor(window, hq)
     else:

@@ -20,16 +20,46 @@ import numpy as np
 import torch
 
 from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
+from positional_lsh.ops.errors import check_memory, check_seconds
 from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.decays import DecayLike
 from positional_lsh.ops.partitions.schemes import get_scheme
 
-__all__ = ["Partitions", "Segment", "check_partitions", "check_slopes_match", "sample_partitions"]
+__all__ = [
+    "Partitions", "Segment", "check_draw_size", "check_partitions", "check_slopes_match", "sample_partitions",
+]  # fmt: skip
 
 # Dense validation helpers refuse to build more than this many mask entries.
 MAX_DENSE_ELEMENTS = 2**28
 # The largest cap (max_block): float64 holds every integer up to here.
 MAX_PITCH = 2**53
+DRAW_BYTES = 48.0
+"""A draw's peak memory per (sample, head), a lower bound: pitch, shift and the sampler's temporaries (measured
+48-85 bytes over the built-in schemes at T = 4e6, H = 4)."""
+DRAW_COST = 20.0
+"""A draw's time per (sample, head) in ns, a lower bound for any scheme (measured 60-5000 ns over the built-in
+schemes on the 2-core CPU: ``"fixed"`` the cheapest, ``"discrete-antithetic"`` the dearest)."""
+DRAW_COSTS = {
+    "fixed": 20.0, "gamma": 70.0, "discrete": 130.0, "gamma-strat": 290.0, "discrete-strat": 310.0,
+    "discrete-antithetic": 1700.0,
+}  # fmt: skip
+"""Per built-in scheme, a third of its measured time per (sample, head) in ns (T = 1e6, H = 4, 2-core CPU: 60,
+210, 390, 880, 955, 5160); other schemes take :data:`DRAW_COST`."""
+MAX_DRAW_SECONDS = 60.0
+"""A draw estimated (from :data:`DRAW_COST`) to take longer than this is refused up front."""
+
+
+def check_draw_size(num_samples: int, num_heads: int, what: str | None = None, scheme: str | None = None) -> None:
+    """Refuse (:class:`~positional_lsh.ops.errors.UserError`, one line with the estimate) a draw of ``num_samples``
+    partitions for each of ``num_heads`` heads whose memory (:data:`DRAW_BYTES` per (sample, head)) exceeds this
+    machine's or whose time (:data:`DRAW_COSTS` of ``scheme``, else :data:`DRAW_COST`) exceeds
+    :data:`MAX_DRAW_SECONDS`: lower bounds, so a refusal is never a close call. ``what`` names the values that set
+    it (default: ``sample_partitions``'s arguments)."""
+    entries = float(num_samples) * num_heads
+    what = what or f"sample_partitions with num_samples={num_samples} and {num_heads} heads"
+    check_memory(entries * DRAW_BYTES, what)
+    per_entry = DRAW_COSTS.get(scheme, DRAW_COST) if isinstance(scheme, str) else DRAW_COST
+    check_seconds(entries * per_entry * 1e-9, MAX_DRAW_SECONDS, what)
 
 
 @dataclass(frozen=True)
@@ -88,8 +118,9 @@ class Partitions:
     Checked once, when made (by hand, ``dataclasses.replace``, :meth:`select`, :meth:`with_seq_len` or a sampler):
     :func:`check_partition_values` refuses (``TypeError``/``ValueError`` naming the field) anything the estimator
     cannot compute with — a NaN, zero or negative pitch, a shift outside ``[0, pitch)`` or not finite, non-integer
-    values under an integer scheme, mismatched shapes, no samples — and converts ``pitch``, ``shift`` and ``slopes``
-    to float64 CPU tensors.
+    values under an integer scheme, mismatched shapes, no samples — and copies ``pitch``, ``shift`` and ``slopes``
+    to float64 CPU tensors of its own (so changing the tensors it was made from changes nothing); ``seq_len``,
+    ``decay_len`` and ``max_block`` become Python ints (a numpy integer is taken, a bool refused).
 
     Attributes:
         seq_len: number of positions ``n`` (the key length).
@@ -170,9 +201,14 @@ class Partitions:
         n = self.seq_len
         pos = torch.arange(n, dtype=torch.float64)
         pitch = self.pitch[..., None]
-        lab = torch.floor((pos - self.shift[..., None]) / pitch)
-        lab = torch.where(torch.isinf(pitch), torch.zeros_like(lab), lab)
-        # For pitch <= 1 several boundaries fall between two positions; floor() still separates them.
+        # pitch <= 1: boundaries less than one position apart, every position its own block (label = position, as
+        # block_bounds says). Computed with a pitch of 2 there (and 1 block for inf), so that no quotient can
+        # overflow int64: the others are below n in magnitude (|i - shift| < n + pitch, pitch > 1).
+        single = pitch <= 1.0
+        one_block = torch.isinf(pitch)
+        safe = torch.where(single | one_block, 2.0, pitch)
+        lab = torch.floor((pos - torch.where(single | one_block, 0.0, self.shift[..., None])) / safe)
+        lab = torch.where(one_block, 0.0, torch.where(single, pos, lab))
         return lab.to(torch.long).to(device or self.device)
 
     def blocks(self, sample: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,6 +437,7 @@ def _sample_alibi(
     spec = get_scheme(scheme)
     h = _num_heads(slopes, num_heads)
     m = as_slopes(slopes, h)
+    check_draw_size(num_samples, h, scheme=scheme)
     gen = as_generator(generator)
     positive = m > 0
     safe = torch.where(positive, m, torch.ones_like(m))
@@ -458,6 +495,7 @@ def _sample_decay(
         raise ValueError("pass slopes or decay, not both")
     if scheme != "discrete":
         raise ValueError(f"decay= samples the general 'discrete' scheme; got scheme={scheme!r}")
+    check_draw_size(num_samples, 1 if num_heads is None else positive_int("num_heads", num_heads))
     heads, pitch, shift = sample_decay_pitches(decay, seq_len, num_samples, generator, num_heads=num_heads)
     nan = torch.full((len(heads),), math.nan, dtype=torch.float64)
     pitch, shift = _cap(pitch, shift, cap, True, as_generator(generator) if cap else None)
@@ -571,15 +609,17 @@ def check_partition_values(p: Partitions) -> None:
     * Structure, always (also inside a ``torch.compile`` trace, where it reads shapes only): ``seq_len`` an int
       ``>= 1``; ``pitch`` and ``shift`` real tensors of one shape ``(T, H)`` with ``T, H >= 1``; ``slopes`` ``(H,)``;
       a registered ``scheme``; ``decays`` ``None`` or one per head; ``decay_len`` ``None`` or ``>= seq_len``;
-      ``max_block`` ``None`` or an int ``>= 1``. In eager mode, ``pitch``, ``shift`` and ``slopes`` that are not
-      float64 CPU tensors are converted to them, and a ``device`` given by name becomes a ``torch.device``.
+      ``max_block`` ``None`` or an int ``>= 1`` (the ints become Python ints). In eager mode, ``pitch``, ``shift`` and
+      ``slopes`` are copied to float64 CPU tensors of the ``Partitions`` (never the caller's: mutating those later
+      cannot bypass this check), and a ``device`` given by name becomes a ``torch.device``.
     * Values, in eager mode only (under ``torch.compile`` they come from the draw op, which is trusted, and are not
       read): :func:`value_problem` for the scheme (``get_scheme(scheme).integer``). ``O(T*H)`` numbers; about
       10 us per ``Partitions`` made at T = 16, H = 8.
     """
     compiling = torch.compiler.is_compiling()
     if not (compiling and isinstance(p.seq_len, torch.SymInt)):
-        positive_int("seq_len", p.seq_len)
+        # A Python int from here on (a numpy int64 would reach the kernels' launch arguments).
+        object.__setattr__(p, "seq_len", positive_int("seq_len", p.seq_len))
     pitch, shift = _as_values("pitch", p.pitch), _as_values("shift", p.shift)
     slopes = _as_values("slopes", p.slopes)
     if pitch.dim() != 2 or shift.shape != pitch.shape:
@@ -594,11 +634,13 @@ def check_partition_values(p: Partitions) -> None:
     integer = get_scheme(p.scheme).integer
     if p.decays is not None and (not isinstance(p.decays, tuple) or len(p.decays) != pitch.shape[1]):
         raise ValueError(f"Partitions.decays must be None or a tuple of one Decay per head ({pitch.shape[1]})")
-    if p.decay_len is not None and not compiling and positive_int("decay_len", p.decay_len) < p.seq_len:
-        raise ValueError(f"Partitions.decay_len={p.decay_len} is below seq_len={p.seq_len}: the decay partitions "
-                         "are exact only up to decay_len")  # fmt: skip
+    if p.decay_len is not None and not compiling:
+        object.__setattr__(p, "decay_len", positive_int("decay_len", p.decay_len))
+        if p.decay_len < p.seq_len:
+            raise ValueError(f"Partitions.decay_len={p.decay_len} is below seq_len={p.seq_len}: the decay "
+                             "partitions are exact only up to decay_len")  # fmt: skip
     if p.max_block is not None:
-        positive_int("max_block", p.max_block)
+        object.__setattr__(p, "max_block", positive_int("max_block", p.max_block))
     if compiling:
         return
     if not isinstance(p.device, torch.device):
@@ -606,9 +648,9 @@ def check_partition_values(p: Partitions) -> None:
             object.__setattr__(p, "device", torch.device(p.device))
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"Partitions.device must be a torch.device or its name, got {p.device!r}") from exc
+    # Always a copy (about 1 us each at T*H = 128): the caller's tensors may change after this check.
     for name, x in (("pitch", pitch), ("shift", shift), ("slopes", slopes)):
-        if x.dtype != torch.float64 or x.device.type != "cpu" or x.requires_grad:
-            object.__setattr__(p, name, x.detach().to("cpu", torch.float64))
+        object.__setattr__(p, name, x.detach().to("cpu", torch.float64, copy=True))
     problem = value_problem(p.pitch, p.shift, integer)
     if problem is not None:
         raise ValueError(f"Partitions of scheme {p.scheme!r} hold {problem}")
