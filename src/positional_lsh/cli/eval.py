@@ -22,12 +22,14 @@ import torch
 
 from positional_lsh.cli import main as plsh_main
 from positional_lsh.cli.parsers import (
+    MIN_SIGMA,
     add_arguments,
     comma_list,
     option,
     positive_float_text,
     positive_int_text,
     run_command,
+    sigma_text,
 )
 from positional_lsh.lm.eval_models import HF_POSITION_CHOICES, HFAttention, load_for_eval
 from positional_lsh.lm.eval_results import EvalRow, LearnedSlopes, format_slopes, format_table, write_results
@@ -56,6 +58,14 @@ def _stride_text(text: str) -> int | str:
         return positive_int_text(text)
     except ValueError:
         raise ValueError(f"expected 'window' or a positive integer, got {text!r}") from None
+
+
+def _sigma_text(text: str) -> float:
+    """A finite ``--sigma`` in :func:`~positional_lsh.cli.parsers.sigma_text`'s range."""
+    value = sigma_text(text)
+    if value == float("inf"):
+        raise ValueError(f"--sigma must be a finite number >= {MIN_SIGMA:g}, got {text!r}")
+    return value
 
 
 def _scheme_text(text: str) -> str:
@@ -107,7 +117,7 @@ class EvalConfig:
                                 parse=_scheme_text)  # fmt: skip
     sigma: float | None = option(None, "--position alibi/window-alibi/plsh: one slope 1/sigma for every head "
                                  "(default: the saved swap's, the model's own, or the ALiBi schedule)",
-                                 parse=positive_float_text)  # fmt: skip
+                                 parse=_sigma_text)  # fmt: skip
     slopes: tuple[float, ...] | None = option(
         None, "--position alibi/window-alibi/plsh: one slope per head, comma-separated (instead of --sigma)",
         parse=comma_list(float),
@@ -133,6 +143,8 @@ class EvalConfig:
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         self.attention().check()  # bad --position settings are refused before any work
+        if self.num_samples is not None:  # the own attention's T: a lower bound too (one head, one query)
+            check_call_size(self.num_samples, 1, 1, 1, 64, True, "auto", what=f"--num-samples {self.num_samples}")
         for t in self.samples:  # a lower bound (one head, one query) before anything is loaded; run_eval checks more
             check_call_size(t, 1, 1, 1, 64, True, "auto", what=f"--samples {t}")
 

@@ -41,6 +41,8 @@ __all__ = [
     "positive_float_text",
     "positive_int_text",
     "run_command",
+    "seed_text",
+    "sigma_text",
     "to_argv",
     "values_from_args",
 ]
@@ -118,6 +120,33 @@ def float_text(text: str) -> float:
 def positive_int_text(text: str) -> int:
     """``"3"`` -> ``3``; anything that is not an integer ``>= 1`` raises ``ValueError``."""
     return positive_int("value", int_text(text))
+
+
+SEED_LIMIT = 2**63
+"""Seeds are ints in ``[0, 2**63)``: every seed of the package ends up in a ``torch.Generator`` or an int64."""
+
+
+def seed_text(text: str) -> int:
+    """``"3"`` -> ``3``; anything that is not an integer in ``[0, 2**63)`` raises ``ValueError`` (every ``*seed``
+    flag parses with it: a larger seed would overflow torch's int64 seeds deep inside a run)."""
+    value = int_text(text)
+    if not 0 <= value < SEED_LIMIT:
+        raise ValueError(f"a seed must be an integer in [0, 2^63), got {text!r}")
+    return value
+
+
+MIN_SIGMA = 1e-30
+"""The smallest ``--sigma``: its slope ``1/sigma`` (times a distance) must stay finite in float32 attention."""
+
+
+def sigma_text(text: str) -> float:
+    """``"16"`` -> ``16.0``; anything outside ``[1e-30, inf]`` raises ``ValueError`` naming ``--sigma`` and the range
+    (every ``sigma`` flag parses with it; ``inf`` is slope 0: no decay)."""
+    value = float_text(text)
+    if not MIN_SIGMA <= value <= math.inf:
+        raise ValueError(f"--sigma must be a number in [{MIN_SIGMA:g}, inf] (the slope 1/sigma must stay finite in "
+                         f"float32 attention), got {text!r}")  # fmt: skip
+    return value
 
 
 def positive_float_text(text: str) -> float:
@@ -219,6 +248,10 @@ class _Spec:
         origin, args = typing.get_origin(self.kind), typing.get_args(self.kind)
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis and args[0] in (int, float, str):
             return comma_list(args[0], choices=self.flag.choices, none=self.flag.none)
+        if self.kind is int and (self.field.name == "seed" or self.field.name.endswith("_seed")):
+            return seed_text
+        if self.kind is float and self.field.name == "sigma":
+            return sigma_text
         if self.kind in (int, float, str):
             return _ITEM_PARSERS.get(self.kind, self.kind)
         raise TypeError(f"field {self.field.name}: give Flag.parse for type {self.kind}")

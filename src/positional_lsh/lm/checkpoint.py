@@ -247,6 +247,7 @@ def load_checkpoint(
     state = _read_weights(p / WEIGHTS_FILE)
     if "embed.weight" not in state:
         raise UserError(f"{p / WEIGHTS_FILE} holds no embed.weight; it is not this model's weights")
+    check_log_slopes(state, p / WEIGHTS_FILE)
     state["head.weight"] = state["embed.weight"]
     try:
         model.load_state_dict(state, strict=True)
@@ -260,6 +261,26 @@ def load_checkpoint(
     meta = dict(config.get("metadata") or {})
     meta.update({"weights_dtype": config.get("weights_dtype"), "num_params": config.get("num_params")})
     return Checkpoint(model, tokenizer, meta)
+
+
+def check_log_slopes(state: dict[str, Any], where: str | os.PathLike[str]) -> None:
+    """Refuse (``UserError`` naming ``where`` and the layer) learned slopes that cannot be: a ``*log_slopes`` tensor
+    of the weights ``state`` holding ``nan`` or ``inf``, or a log-slope whose slope ``exp`` overflows float32.
+
+    Such slopes come from a damaged file or a diverged run; they would train on (and score) a broken attention
+    silently. :func:`load_checkpoint` and ``plsh train --resume`` check with it.
+    """
+    for key, value in state.items():
+        if not key.endswith("log_slopes") or not isinstance(value, torch.Tensor):
+            continue
+        v = value.detach().float()
+        if not (torch.isfinite(v).all() and torch.isfinite(v.exp()).all()):
+            layer = re.search(r"(?:^|\.)(\d+)\.", key)
+            name = f"layer {layer.group(1)}" if layer else key
+            raise UserError(
+                f"{where}: the learned slopes of {name} are not finite (log_slopes {v.flatten().tolist()[:8]}); "
+                "the file is damaged or the run diverged: restore it from a copy or retrain"
+            )
 
 
 def _check_slope_overrides(cfg: ModelConfig, overrides: dict[str, Any], where: Path) -> None:

@@ -33,6 +33,7 @@ import torch
 from positional_lsh.lm import data as D
 from positional_lsh.lm import run_dir as R
 from positional_lsh.lm import train_loop as L
+from positional_lsh.lm.checkpoint import check_log_slopes, checkpoint_dir
 from positional_lsh.lm.config import ModelConfig
 from positional_lsh.lm.model import TransformerLM
 from positional_lsh.lm.run_dir import LOG_FILE, TRAIN_CONFIG_FILE
@@ -230,6 +231,7 @@ def resolve_run_configs(
     state: dict[str, Any] | None = None
     if resume:
         saved, state = R.load_run(out)
+        _check_saved_state(out, state)
         keep = R.per_job_settings(cfg, saved["train"])
         try:
             cfg = dataclasses.replace(TrainConfig(**saved["train"]), **keep, **R.check_changes(changes))
@@ -251,6 +253,18 @@ def resolve_run_configs(
         if not overwrite or int(os.environ.get("RANK", "0")) == 0:
             R.prepare_new_run(out, overwrite=overwrite)
     return cfg, model_cfg if model_cfg is not None else ModelConfig(seed=cfg.seed), state
+
+
+def _check_saved_state(out: Path, state: dict[str, Any]) -> None:
+    """Refuse (``UserError`` naming the file) a trainer state that cannot be resumed although it loads: a step
+    outside ``[0, 2**63)`` (the partition steps are int64) or learned slopes that are not finite."""
+    file = checkpoint_dir(out) / R.STATE_FILE
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise UserError(f"{file}: step must be an integer in [0, 2^63), got {str(step)[:40]}; "
+                        "the run cannot be resumed")  # fmt: skip
+    if isinstance(state["model"], dict):
+        check_log_slopes(state["model"], file)
 
 
 def _parallel_model(

@@ -28,11 +28,17 @@ def check_out_dir(cfg: Any) -> None:
 
 def check_step_counts(cfg: Any, positive: tuple[str, ...]) -> None:
     """Check the counts of a training settings dataclass ``cfg``, naming the first bad field: the fields
-    ``positive`` are ints > 0, ``warmup`` and ``seed`` ints >= 0, ``threads`` and ``stop_after`` ``None`` or > 0."""
+    ``positive`` are ints > 0, ``warmup`` an int >= 0, ``seed`` an int in ``[0, 2**63)`` (it seeds torch generators),
+    ``threads`` and ``stop_after`` ``None`` or > 0."""
     for name in positive:
         positive_int(name, getattr(cfg, name))
     for name in ("warmup", "seed"):
         check_int(name, getattr(cfg, name), minimum=0)
+    if cfg.seed >= 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2^63) (--seed), got {cfg.seed}")
+    for name in ("steps", "stop_after"):  # step counters are int64 (the partition steps)
+        if getattr(cfg, name) is not None and getattr(cfg, name) >= 2**63:
+            raise ValueError(f"{name} must be < 2^63, got {getattr(cfg, name)}")
     for name in ("threads", "stop_after"):
         if getattr(cfg, name) is not None:
             positive_int(name, getattr(cfg, name))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import shlex
 import sys
 import time
@@ -219,6 +220,7 @@ def optimizer_step(
     if not math.isfinite(run.last_loss):
         at = step_label(run.step, cfg.grad_accum)
         raise FloatingPointError(f"training loss is {run.last_loss} at {at}; lower {lr_flag} or check the data")
+    check_learned_slopes(run.model, run.step, lr_flag)
     return lr
 
 
@@ -303,3 +305,17 @@ def run_loop(
               file=sys.stderr if stopper.signal else sys.stdout, flush=True)  # fmt: skip
     finished = run.step >= cfg.steps
     return TrainResult(run.out, run.step, run.tokens, run.last_loss, run.val_loss, seconds, finished, stopper.signal)
+
+
+def check_learned_slopes(model: torch.nn.Module, step: int, lr_flag: str) -> None:
+    """``FloatingPointError`` (naming ``lr_flag``, like a non-finite loss) when a learned slope of ``model`` (the
+    ``exp`` of a ``*log_slopes`` parameter) is no longer a finite number: the optimizer step ``step`` diverged."""
+    for name, p in model.named_parameters():
+        if name.endswith("log_slopes"):
+            slopes = p.detach().float().exp()
+            if not bool(torch.isfinite(slopes).all()) or not bool(torch.isfinite(p.detach()).all()):
+                layer = re.search(r"(?:^|\.)(\d+)\.", name)
+                raise FloatingPointError(
+                    f"learned slopes diverged at step {step} ({f'layer {layer.group(1)}' if layer else name}: "
+                    f"{[round(x, 4) for x in slopes.flatten().tolist()[:8]]}); lower {lr_flag}"
+                )

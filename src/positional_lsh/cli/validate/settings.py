@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from positional_lsh.cli import parsers
 from positional_lsh.cli.parsers import option, to_argv
 from positional_lsh.ops._checks import nonnegative_int, positive_int
-from positional_lsh.ops.errors import check_memory
+from positional_lsh.ops.errors import check_memory, check_seconds
 from positional_lsh.ops.partitions.schemes import get_scheme
 from positional_lsh.theory.slope_grad import subseed
 
@@ -33,6 +33,13 @@ COMPARE_SCHEMES = ("discrete", "discrete-strat", "gamma", "gamma-strat", "discre
 MAX_SCORE_BOUND = 350.0  # adversarial_score_bound: the uniform bound's exp(2 c) must stay finite in float64
 SLOPE_RANGE = (-0.6, -0.4)  # expected fitted slope of relative spectral error vs s (independent sampling)
 UNBIASED_TEST_SLOPES = (0.5, 0.05)
+ADVERSARIAL_MAX_SECONDS = 600.0
+"""The adversarial cells (``--adversarial`` or the report's) estimated above this many seconds are refused up front."""
+ADVERSARIAL_SECONDS_PER_SAMPLE = 5e-5
+"""Seconds per sample ``T`` of one adversarial cell besides its ``n^2`` term (see ``adversarial_seconds``):
+the masks are drawn, laid out block by block and averaged in Python loops over the samples."""
+ADVERSARIAL_SECONDS_PER_ENTRY = 1e-8
+"""Seconds per sample and per entry of the ``n x n`` mean mask of one adversarial cell (rebuilt by the oracles)."""
 
 
 @dataclass
@@ -213,6 +220,8 @@ class ValidateConfig:
         if not isinstance(self.out_dir, str) or not self.out_dir.strip():
             raise ValueError(f"out_dir (--out) must be a directory path, got {self.out_dir!r}")
         check_memory(*self.memory_estimate())
+        seconds, what = self.adversarial_seconds()
+        check_seconds(seconds, ADVERSARIAL_MAX_SECONDS, what, "each cell loops over its T samples in Python")
 
     def _check_slope_grad(self) -> None:
         """The slope-gradient section's settings (``ValueError`` naming the setting)."""
@@ -233,6 +242,29 @@ class ValidateConfig:
             raise ValueError(f"slope_grad_fd_step must be a number in [0, 1) (relative to the slope; 0: none), got "
                              f"{step!r}")  # fmt: skip
 
+    def adversarial_cells(self) -> list[tuple[int, int]]:
+        """The ``(n, T)`` cells of the adversarial study this run makes: ``--adversarial-lengths`` x
+        ``--adversarial-samples`` with ``--adversarial``, else the report's (once per distinct slope)."""
+        if self.adversarial:
+            return [(n, t) for n in self.adversarial_lengths for t in self.adversarial_samples]
+        return [(n, t) for n in self.report_adversarial_lengths for t in self.report_adversarial_samples]
+
+    def adversarial_seconds(self) -> tuple[float, str]:
+        """A lower bound on the adversarial study's time (seconds, one slope) and the flags that set it: every cell
+        costs about ``T * (ADVERSARIAL_SECONDS_PER_SAMPLE + ADVERSARIAL_SECONDS_PER_ENTRY * n^2)`` (measured: 1.1e-4 s
+        per sample at ``n = 64``, 1.9e-3 s at ``n = 256`` on 2 CPU cores)."""
+        cells = self.adversarial_cells()
+        if not cells:
+            return 0.0, ""
+
+        def cell(c: tuple[int, int]) -> float:
+            return c[1] * (ADVERSARIAL_SECONDS_PER_SAMPLE + ADVERSARIAL_SECONDS_PER_ENTRY * c[0] ** 2)
+
+        seconds = sum(map(cell, cells))
+        n, t = max(cells, key=cell)
+        flags = "--adversarial-lengths/--adversarial-samples" if self.adversarial else "--report-adversarial-*"
+        return seconds, f"{flags} ({len(cells)} cell{'s' if len(cells) > 1 else ''}, the largest n={n}, T={t})"
+
     def memory_estimate(self) -> tuple[float, str]:
         """A lower bound on the run's peak memory (bytes) and the flags that set it: the largest of what one step
         holds at once — one context's synthetic Q/K/V (float32), the block labels of one head's draw (int64,
@@ -252,10 +284,7 @@ class ValidateConfig:
                 parts.append((8.0 * n * n, f"--seq-lens {n} (dense output metrics up to --max-output-len)"))
         for n in self.lengths:
             parts.append((8.0 * n * self.length_samples, f"--lengths {n} with --length-samples {self.length_samples}"))
-        cells = [(n, t) for n in self.adversarial_lengths for t in self.adversarial_samples] if self.adversarial else []
-        if not self.adversarial:
-            cells = [(n, t) for n in self.report_adversarial_lengths for t in self.report_adversarial_samples]
-        for n, t in cells:
+        for n, t in self.adversarial_cells():
             flags = "--adversarial-lengths/--adversarial-samples" if self.adversarial else "--report-adversarial-*"
             parts.append((8.0 * n * t + 16.0 * n * n, f"{flags} n={n}, T={t}"))
         if self.slope_grad_samples:  # the replicates stacked as heads: q, k, v, out, W and their gradients
