@@ -268,7 +268,9 @@ def test_long_causal_blocks_are_split_and_exact(backend):
 @pytest.mark.parametrize(("b", "hq", "hkv"), [(1, 8, 8), (2, 4, 2), (4, 1, 1), (3, 2, 1)])
 def test_worker_pool_matches_sequential(b, hq, hkv):
     # With several torch threads the heads (and, if needed, batch slices) run on single-threaded workers;
-    # the pieces are independent, so the result must be identical to the sequential computation.
+    # the pieces are independent, so the result equals the sequential computation up to the rounding of the
+    # BLAS inside the kernels, whose blocking follows its thread count (MKL adapts it to the machine's load, so a
+    # busy machine can change the last bit of a float32 sum; seen under pytest-xdist).
     q, k, v = _qkv(b, hq, hkv, 300, 300, 16, dtype=torch.float32, seed=2, grad=True)
     parts = sample_partitions(300, alibi_slopes(hq), 3, generator=0)
     g = torch.randn(b, hq, 300, 16)
@@ -282,7 +284,7 @@ def test_worker_pool_matches_sequential(b, hq, hkv):
     finally:
         torch.set_num_threads(threads)
     for a, c in zip(*results, strict=True):
-        torch.testing.assert_close(a, c, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
     assert not results[1][0].requires_grad or results[1][0].grad_fn is not None
 
 
