@@ -268,6 +268,24 @@ def _checkpoint_folder(source: str) -> Path:
     return checkpoint_dir(p)  # a plsh train-hf run directory: its latest checkpoint
 
 
+def config_from_file(config: str, vocab: int | None) -> Any:
+    """The transformers config of ``--config`` (a built-in name or a ``config.json``), its ``vocab_size`` set to
+    ``vocab`` when given; what transformers cannot build is one line naming the file. Shared by
+    :func:`build_model` and the dry run."""
+    from transformers import AutoConfig
+
+    d = _config_dict(config)
+    model_type = d.pop("model_type")
+    for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+        d.pop(key, None)
+    if vocab is not None:
+        d["vocab_size"] = vocab
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"--config {config}: transformers cannot build it ({exc})") from None
+
+
 def build_model(cfg: HFTrainConfig, vocab: int | None) -> tuple[nn.Module, Any]:
     """The model to train (swapped, with LoRA adapters for ``finetune="lora"``) and the checkpoint's tokenizer.
 
@@ -275,21 +293,12 @@ def build_model(cfg: HFTrainConfig, vocab: int | None) -> tuple[nn.Module, Any]:
     tokenizer's). From a checkpoint: its weights (an adapter folder is merged into its base). Deterministic: the
     same settings give the same model, which is how a resumed run rebuilds it before loading its state.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, cfg.dtype)
     tokenizer = None
     if cfg.config is not None:
-        d = _config_dict(cfg.config)
-        model_type = d.pop("model_type")
-        for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
-            d.pop(key, None)
-        if vocab is not None:
-            d["vocab_size"] = vocab
-        try:
-            config = AutoConfig.for_model(model_type, **d)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"--config {cfg.config}: transformers cannot build it ({exc})") from None
+        config = config_from_file(cfg.config, vocab)
         torch.manual_seed(cfg.seed)
         try:
             model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -410,15 +419,8 @@ def _dry_run_config(cfg: HFTrainConfig) -> Any:
     from transformers import AutoConfig
 
     if cfg.config is not None:
-        d = _config_dict(cfg.config)
-        model_type = d.pop("model_type")
-        for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
-            d.pop(key, None)
-        d["vocab_size"] = _load_tokenizer_arg(cfg.tokenizer).size if cfg.tokenizer else cfg.vocab_size
-        try:
-            return AutoConfig.for_model(model_type, **d)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"--config {cfg.config}: transformers cannot build it ({exc})") from None
+        vocab = _load_tokenizer_arg(cfg.tokenizer).size if cfg.tokenizer else cfg.vocab_size
+        return config_from_file(cfg.config, vocab)
     folder = _checkpoint_folder(str(cfg.checkpoint))
     if (folder / ADAPTER_CONFIG).is_file():
         folder = Path(json.loads((folder / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
