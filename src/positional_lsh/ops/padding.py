@@ -29,9 +29,12 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+
+from positional_lsh.ops._engine.kernels import output_buffers
 
 __all__ = ["check_key_padding_mask", "valid_runs"]
 
@@ -111,3 +114,21 @@ def row_groups(mask: torch.Tensor | None, q_len: int) -> list[RowGroup] | None:
             index = torch.tensor(rows, dtype=torch.long, device=mask.device)
             groups.append(RowGroup(index, slice(first, end), slice(start - q0, end - q0)))
     return groups
+
+
+def forward_row_groups(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: list[RowGroup],
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a padded call: ``attend(q, k, v) -> (out, lse)`` on each row group's queries and valid keys
+    (:func:`row_groups`), written into buffers whose padded query rows keep ``out = 0``, ``lse = -inf``. The forward
+    of both ops with a ``key_padding_mask`` (the estimator's and the exact one)."""
+    out, lse = output_buffers(q)
+    for g in groups:
+        o, lg = attend(q[g.rows][:, :, g.queries], k[g.rows][:, :, g.keys], v[g.rows][:, :, g.keys])
+        out[g.rows, :, g.queries] = o
+        lse[g.rows, :, g.queries] = lg.to(lse.dtype)
+    return out, lse

@@ -41,7 +41,7 @@ import torch
 
 from positional_lsh.ops._engine.engine import Plan, Route, backward, forward, kernel_inputs, plan
 from positional_lsh.ops._engine.kernels import acc_dtype, output_buffers
-from positional_lsh.ops.padding import RowGroup, row_groups
+from positional_lsh.ops.padding import RowGroup, forward_row_groups, row_groups
 from positional_lsh.ops.partitions.partition import Partitions, check_same_slopes
 
 __all__ = ["FORWARD_INPUTS", "PLAN_CACHE_SIZE", "plsh_backward", "plsh_forward", "run", "slope_gradient"]
@@ -118,14 +118,12 @@ def _plsh_forward(
     if groups is None:
         out, lse, _ = forward(_plan_of(q.shape[2], k, k.shape[2], tensors, scheme, max_block, route), q, k, v)
         return out, lse
-    out, lse = output_buffers(q)
-    for g in groups:
-        qg, kg, vg = _group(q, g, g.queries), _group(k, g, g.keys), _group(v, g, g.keys)
-        p = _plan_of(qg.shape[2], k, kg.shape[2], tensors, scheme, max_block, route)
-        o, lg, _ = forward(p, qg, kg, vg)
-        out[g.rows, :, g.queries] = o
-        lse[g.rows, :, g.queries] = lg.to(lse.dtype)
-    return out, lse
+
+    def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        og, lg, _ = forward(_plan_of(qg.shape[2], k, kg.shape[2], tensors, scheme, max_block, route), qg, kg, vg)
+        return og, lg
+
+    return forward_row_groups(q, k, v, groups, attend)
 
 
 #: The names of ``plsh_forward``'s inputs, in order: ``setup_context`` and the backward read and return them by

@@ -58,7 +58,7 @@ from positional_lsh.ops._engine.kernels import (
 from positional_lsh.ops._engine.parallel import pool_size, run_all, work_items, workers_for
 from positional_lsh.ops.exact.bias import alibi_bias
 from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend
-from positional_lsh.ops.padding import check_key_padding_mask, row_groups
+from positional_lsh.ops.padding import check_key_padding_mask, forward_row_groups, row_groups
 from positional_lsh.ops.partitions.decays import decay_family
 from positional_lsh.ops.partitions.sampling import slopes_tensor
 
@@ -431,13 +431,11 @@ def _exact_forward(
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
         return _toeplitz_forward(q, k, v, spec, causal, scale, backend)
-    out, lse = output_buffers(q)
-    for g in groups:
-        qg, kg, vg = q[g.rows][:, :, g.queries], k[g.rows][:, :, g.keys], v[g.rows][:, :, g.keys]
-        o, lg = _toeplitz_forward(qg, kg, vg, spec, causal, scale, backend)
-        out[g.rows, :, g.queries] = o
-        lse[g.rows, :, g.queries] = lg
-    return out, lse
+
+    def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _toeplitz_forward(qg, kg, vg, spec, causal, scale, backend)
+
+    return forward_row_groups(q, k, v, groups, attend)
 
 
 #: The names of ``exact_forward``'s inputs, in order: ``setup_context`` and the backward read and return them by name.
