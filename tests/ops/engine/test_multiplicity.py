@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
 
+import positional_lsh.ops._engine.multiplicity as mult
 from positional_lsh import alibi_slopes, dense_plsh_attention, plsh_attention, sample_partitions
 from positional_lsh.ops._engine.multiplicity import multiplicity_plan
 from positional_lsh.ops.partitions.schemes import scheme_names
@@ -155,3 +157,23 @@ def test_integer_row_bounds_equal_the_general_ones(causal, monkeypatch):
             m.setattr(mult, "integer_pitch_shift", lambda pitch, shift: None)
             slow = mult.row_bounds(g, pos, n, True)
         assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_many_small_kernel_calls_reuse_their_buffers_exactly(causal, monkeypatch):
+    # Groups split into one-tile calls reuse the forward's and the backward's buffers (counts, mask, gathered q, k, v)
+    # from call to call, at shapes that shrink and grow: the result is still the oracle's, gradients included.
+    monkeypatch.setattr(mult, "_CHUNK_ELEMENTS", 1)
+    q, k, v = _qkv(2, 6, 3, 150, 150, 8, grad=True)
+    parts = sample_partitions(150, SLOPES, 5, generator=4)
+    out = plsh_attention(q, k, v, partitions=parts, causal=causal, method="multiplicity")
+    plan = multiplicity_plan(parts, list(range(6)), 3, 150, causal)
+    assert sum(int(g.head.shape[0]) for g in plan.groups) > len(plan.groups) > 1  # several calls per group
+    _check(out, dense_plsh_attention(q, k, v, parts, causal=causal), (q, k, v))
+
+
+def test_log_table_is_the_log_of_every_count():
+    for dtype in (torch.float32, torch.float64):
+        table = mult._log_table(9, dtype, torch.device("cpu"))
+        assert table[0] == -math.inf and table.dtype == dtype
+        torch.testing.assert_close(table[1:], torch.arange(1, 10, dtype=dtype).log(), rtol=0, atol=0)

@@ -275,3 +275,25 @@ def test_every_caller_uses_block_bounds(scheme, monkeypatch):
         got = triton_plan.head_bounds(parts.pitch[:, h], parts.shift[:, h], n, torch.arange(n))
         assert torch.equal(got[0], start[:, h]) and torch.equal(got[1], end[:, h])
     assert set(calls) == {"partition", "multiplicity", "decode", "triton_plan"}, calls
+
+
+def _python_blocks(b: int, s: int, n: int, i: int) -> tuple[int, int]:
+    """The block of position ``i`` for integer pitch ``b`` and shift ``s``, in Python's exact integers."""
+    lab = (i - s) // b
+    return max(0, s + lab * b), min(n, s + (lab + 1) * b)
+
+
+def test_float32_integer_path_is_exact_up_to_its_bound():
+    # The float32 route of the integer path (n <= FLOAT32_SEQ_LEN) against exact integer arithmetic, at the largest n
+    # it takes and one past it (the int64 route), for pitches around 2**23 and 2**24 and shifts at their extremes:
+    # the cases where float32 has no bits to spare.
+    for n in (bounds.FLOAT32_SEQ_LEN, bounds.FLOAT32_SEQ_LEN + 1):
+        pitches = [1, 2, 3, 7, 2**22 + 1, 2**23 - 1, 2**23, 2**23 + 1, 2**24 - 1, 2**24, 2**24 + 1, 2**25 + 3, 2**53]
+        cases = [(b, s) for b in pitches for s in sorted({0, 1, b // 2, b - 1, min(b - 1, n - 1), min(b - 1, n)})]
+        pitch = torch.tensor([[float(b) for b, _ in cases]], dtype=torch.float64)
+        shift = torch.tensor([[float(s) for _, s in cases]], dtype=torch.float64)
+        pos = torch.tensor([0, 1, 2, 3, n // 2, n // 2 + 1, n - 3, n - 2, n - 1] + [s for _, s in cases if s < n])
+        start, end = block_bounds(pitch[..., None], shift[..., None], n, pos)
+        for c, (b, s) in enumerate(cases):
+            for j, i in enumerate(pos.tolist()):
+                assert (int(start[0, c, j]), int(end[0, c, j])) == _python_blocks(b, s, n, i), (n, b, s, i)

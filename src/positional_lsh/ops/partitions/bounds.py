@@ -17,6 +17,15 @@ pitches far beyond ``2**53``): the rule needs no bound on the pitch. The int64 a
 takes ``min(b, 2**53)`` and ``min(s, 2**53 - 1)`` (the same blocks below ``2**51``: ``[0, s)`` and ``[s, n)``, or
 one), so it cannot overflow; a pitch of ``inf`` (one block) is pitch ``2**53`` with shift ``0``.
 
+For ``n <= 2**23`` (:data:`FLOAT32_SEQ_LEN`) the same integer blocks come out of float32 arithmetic, about 6x faster
+than the int64 ``remainder`` (x86 has no vector integer division): ``start = s + floor((i - s) / b) * b``. It is
+exact by the argument above with float32's ``2**-24``: for ``b`` not dividing ``a = i - s >= 0`` the quotient is
+``1/b`` or more below ``k``, rounding moves it by at most ``k * 2**-24 < 1/b`` since ``k b < 2 n <= 2**24``; for
+``i < s`` it is in ``[-1 + 1/b, -1/b]`` and cannot round to ``0`` (nor below ``-1``: a rounded ``s`` stays below
+the rounded ``b``); the start ``s + lab b`` and end ``s + (lab + 1) b`` are integers below ``2**24``, so exact,
+except where they clip: a label of ``-1`` with ``b >= 2**24`` gives a start ``s - b < 0`` (clipped to 0) and an
+end ``s`` (exact, or above ``n`` when rounded); a label of ``0`` with ``b >= 2**24`` an end above ``n`` (clipped).
+
 Otherwise (real pitches) the floor formula's bounds are computed in float64 and then moved, one position at a time,
 until the labels on both sides of each bound agree with the floor formula; a pass that moves nothing proves them
 exact (labels are non-decreasing in the position). One or two passes in practice.
@@ -26,11 +35,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MAX_SEQ_LEN", "block_bounds", "integer_pitch_shift"]
+__all__ = ["FLOAT32_SEQ_LEN", "MAX_SEQ_LEN", "block_bounds", "integer_pitch_shift"]
 
 #: The longest sequence :func:`block_bounds` takes: its float64 label quotients stay below ``2**51``, where
 #: ``exact_floor`` is exact, and its integer path equals the float64 labels (module docstring).
 MAX_SEQ_LEN = 2**51
+
+#: Sequences up to this length take :func:`block_bounds`'s integer path in float32 arithmetic (module docstring).
+FLOAT32_SEQ_LEN = 2**23
 
 _ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds a float64 |x| < 2**51 to an integer
 _INTEGRAL = 4503599627370496.0  # 2**52: float64 numbers from here on are integers; (x + 2**52) - 2**52 rounds below
@@ -108,6 +120,12 @@ def block_bounds(
     whole = integer_pitch_shift(pitch, shift)
     if whole is not None:
         b, s = whole
+        if seq_len <= FLOAT32_SEQ_LEN:
+            bf, sf, i32 = b.to(pos.device, torch.float32), s.to(pos.device, torch.float32), pos.to(torch.float32)
+            lab = torch.floor(torch.sub(i32, sf).div_(bf))
+            end32 = torch.add(lab, 1.0).mul_(bf).add_(sf).clamp_(max=float(seq_len))  # s + (lab + 1) b
+            first = lab.mul_(bf).add_(sf).clamp_(min=0.0)  # s + lab b
+            return first.long(), end32.long()
         i = pos.long()
         start = torch.sub(i, s)  # of the broadcast shape (s is that of pitch and shift): then in place
         start = torch.sub(i, torch.remainder(start, b, out=start), out=start)  # unclipped: the end is start + b
