@@ -363,7 +363,7 @@ def test_kernel_inputs_are_row_major_views_of_one_copy(monkeypatch):
     monkeypatch.setattr(per_sample, "attend", spy)
     g = torch.Generator().manual_seed(0)
     q, k, v = (LAYOUTS["fused projection (Falcon)"](g) for _ in range(3))
-    plsh_attention(q, k[:, :1], v[:, :1], num_samples=4, generator=0)
+    plsh_attention(q, k[:, :1], v[:, :1], num_samples=4, generator=0, method="samples")
     assert len(seen) > 4
     assert {s[0] for s in seen} == {(D, 1)} and {s[1] for s in seen} == {(D, 1)}
     assert len({s[2] for s in seen}) == 1  # one copy of q per call, not one per block

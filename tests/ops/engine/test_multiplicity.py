@@ -104,19 +104,20 @@ def test_auto_mixes_methods_per_head_and_stays_exact():
 @pytest.mark.parametrize("n", [1024, 4096, 32768])
 def test_auto_cost_model_choices(n):
     # The call-level decision of method="auto" (docs/implementation.md, "Choosing the method"): one sample takes
-    # the per-sample path without estimating; at T = 4 the summed estimates keep it there (the multiplicity form
-    # measures slower at T = 4; with a constant per-call term instead of one scaling with Lq, the estimate sent
-    # small-n calls to the multiplicity form at up to 9x the time); at T = 64 every head takes the multiplicity form.
+    # the per-sample path without estimating; at T = 2 the summed estimates keep it there (the multiplicity form
+    # measures 1.1-1.3x slower at T = 2, n = 1k-16k); from T = 4 on every head takes the multiplicity form (0.73-0.88x
+    # the per-sample time at T = 4, 0.46x at T = 8; docs/benchmarks.md, "Choosing the method").
     from positional_lsh.ops._engine import engine
 
     slopes = alibi_slopes(8)
     q = torch.zeros(1, 8, n, 64)
     route = engine.dispatch(q, causal=True, scale=None, backend="auto", method="auto")
-    for t in (1, 4):
+    for t in (1, 2):
         p = engine.plan(route, sample_partitions(n, slopes, t, generator=0), 8, n, q.device)
         assert p.method == "samples" and len(p.backend_plan.heads) == 8
-    p = engine.plan(route, sample_partitions(n, slopes, 64, generator=0), 8, n, q.device)
-    assert p.method == "multiplicity" and p.backend_plan.heads == tuple(range(8))
+    for t in (4, 64):
+        p = engine.plan(route, sample_partitions(n, slopes, t, generator=0), 8, n, q.device)
+        assert p.method == "multiplicity" and p.backend_plan.heads == tuple(range(8))
 
 
 def test_nan_keys_reach_the_same_rows():
@@ -164,11 +165,12 @@ def test_many_small_kernel_calls_reuse_their_buffers_exactly(causal, monkeypatch
     # Groups split into one-tile calls reuse the forward's and the backward's buffers (counts, mask, gathered q, k, v)
     # from call to call, at shapes that shrink and grow: the result is still the oracle's, gradients included.
     monkeypatch.setattr(mult, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(mult, "TILE_HEIGHTS", (16,))
     q, k, v = _qkv(2, 6, 3, 150, 150, 8, grad=True)
     parts = sample_partitions(150, SLOPES, 5, generator=4)
     out = plsh_attention(q, k, v, partitions=parts, causal=causal, method="multiplicity")
     plan = multiplicity_plan(parts, list(range(6)), 3, 150, causal)
-    assert sum(int(g.head.shape[0]) for g in plan.groups) > len(plan.groups) > 1  # several calls per group
+    assert len(mult._calls(plan, q.device, 2, 8)) > len(plan.groups) > 1  # several calls per group
     _check(out, dense_plsh_attention(q, k, v, parts, causal=causal), (q, k, v))
 
 
@@ -177,3 +179,21 @@ def test_log_table_is_the_log_of_every_count():
         table = mult._log_table(9, dtype, torch.device("cpu"))
         assert table[0] == -math.inf and table.dtype == dtype
         torch.testing.assert_close(table[1:], torch.arange(1, 10, dtype=dtype).log(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("events", ["rows", "moves"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_repeated_draws_and_block_moves_stay_exact(events, causal, monkeypatch):
+    # At T = 64 and small sigma most draws repeat: the plan keeps each head's distinct partitions with their sample
+    # counts as weights. Causal counts come from the T starts of each row or from the blocks' moves down the rows
+    # (multiplicity._move_events), forced here either way: both are the oracle's, gradients included.
+    monkeypatch.setattr(mult, "_ROW_START_NS", 1e9 if events == "moves" else 0.0)
+    q, k, v = _qkv(1, 4, 2, 190, 190, 8, grad=True)
+    parts = sample_partitions(190, [2.0, 0.5, 0.1, 0.02], 64, generator=5)
+    plan = multiplicity_plan(parts, list(range(4)), 2, 190, causal)
+    distinct = {int(h): int((w > 0).sum()) for g in plan.groups for h, w in zip(g.head, g.weight, strict=True)}
+    assert distinct[0] < 16 and all(int(g.weight.sum(1).min()) == 64 for g in plan.groups)
+    calls = mult._calls(plan, q.device, 1, 8)
+    assert any(c.moves is not None for c in calls) == (causal and events == "moves")
+    out = plsh_attention(q, k, v, partitions=parts, causal=causal, method="multiplicity")
+    _check(out, dense_plsh_attention(q, k, v, parts, causal=causal), (q, k, v))

@@ -254,9 +254,16 @@ def test_every_caller_uses_block_bounds(scheme, monkeypatch):
         for g in plan.groups:
             rows, _ = mult.tile_rows(g, lq)
             pos = rows + (n - lq)  # (N, tile)
-            t_idx = torch.arange(parts.num_samples)
-            want_start = start[t_idx[None, None, :], g.head[:, None, None], pos[..., None]]  # (N, tile, T)
-            want_end = end[t_idx[None, None, :], g.head[:, None, None], pos[..., None]]
+            # The plan keeps each head's distinct (pitch, shift) pairs, weighted by how many samples drew each:
+            # column u of tile a is sample t_idx[a, u] of its head.
+            same = (parts.pitch.t()[g.head][:, None, :] == g.pitch[..., None]) & (
+                parts.shift.t()[g.head][:, None, :] == g.shift[..., None]
+            )  # (N, U, T)
+            assert torch.equal(same.sum(-1).to(torch.int32)[g.weight > 0], g.weight[g.weight > 0])
+            assert bool((g.weight.sum(1) == parts.num_samples).all()) and bool(same.any(-1).all())
+            t_idx = same.to(torch.int8).argmax(-1)  # (N, U)
+            want_start = start[t_idx[:, None, :], g.head[:, None, None], pos[..., None]]  # (N, tile, U)
+            want_end = end[t_idx[:, None, :], g.head[:, None, None], pos[..., None]]
             for forced in (False, True):
                 with monkeypatch.context() as m:
                     if forced:  # the general path (labels and running max/min) also for integer pitches

@@ -1,14 +1,17 @@
 """The cost model of the estimator: time estimates of its two methods, ``method="auto"``'s rule, the size bounds.
 
 Estimates are in nanoseconds per batch element; only their ratios decide anything. The constants were fitted on
-the measured 2-core CPU (n = 32768, d = 64, fp32, causal, standard slopes 1/2 ... 1/256, torch's CPU flash op):
-least-squares fits (relative error) to single-head timings of both methods at T = 8 and 64 on a quiet machine,
-every timing within +-30 % of its fit (docs/implementation.md, "Choosing the method", with the timings and the
-check at other sizes). Per head, with ``T`` samples and ``Lq`` query rows:
+the measured 2-core CPU (AMD EPYC, d = 64, fp32, causal, standard slopes 1/2 ... 1/256, torch's CPU flash op, one
+thread): the per-sample terms by least squares to single-head timings at n = 32768 (docs/implementation.md,
+"Choosing the method"), its per-call term and the multiplicity terms by least squares (relative error) to the time
+of every kernel call of the multiplicity form at n = 32768, T = 8, 64, 256 and every tile height (median error 5 %,
+90th percentile 18 %), then :data:`AUTO_MARGIN` against both methods timed at n = 40 ... 16384. Per head, with
+``T`` samples and ``Lq`` query rows:
 
-    per-sample   = ENTRY_COST * (score entries) + BLOCK_COST * (blocks) + CALL_ROW_COST * Lq * (kernel calls)
+    per-sample   = ENTRY_COST * (score entries) + BLOCK_COST * (blocks)
+                   + (CALL_ROW_COST * Lq + SAMPLES_CALL_COST) * (kernel calls)
     multiplicity = min over tile of  pairs * (PAIR_COST + PAIR_COST_TILE / tile) + TILE_COST * tiles
-                                     + BOUND_COST * Lq * T
+                                     + CALL_COST * (distinct window lengths) + BOUND_COST * Lq * T
 
 The per-call term scales with ``Lq``: what grows with the number of per-sample calls is planning and merging. (A
 first fit as a constant, 2.1e6 ns per call at the fitted n = 32768, overrated the per-sample path at small n and
@@ -33,46 +36,55 @@ import torch
 from positional_lsh.ops._engine.per_sample import SamplesPlan
 
 __all__ = [
-    "AUTO_MARGIN", "AUTO_PLAN_SECONDS", "BLOCK_COST", "BOUND_COST", "CALL_ROW_COST", "ENTRY_COST", "PAIR_COST",
-    "PAIR_COST_TILE", "PLAN_BYTES", "PLAN_COST", "TILE_COST", "TILE_HEIGHTS", "auto_method", "auto_up_front",
-    "call_estimate", "exact_seconds", "samples_estimate", "tiling_estimate",
+    "AUTO_MARGIN", "AUTO_PLAN_SECONDS", "BLOCK_COST", "BOUND_COST", "CALL_COST", "CALL_ROW_COST", "ENTRY_COST",
+    "PAIR_COST", "PAIR_COST_TILE", "PLAN_BYTES", "PLAN_COST", "SAMPLES_CALL_COST", "TILE_COST", "TILE_HEIGHTS",
+    "auto_method", "auto_up_front", "call_estimate", "exact_seconds", "samples_estimate", "tiling_estimate",
 ]  # fmt: skip
 
 TILE_HEIGHTS = (16, 32, 64, 128, 256)
 """Candidate query-tile heights of the multiplicity form; its plan takes the cheapest per head
 (:func:`tiling_estimate`)."""
 
-PAIR_COST = 7.4
-"""Multiplicity form: one masked-tile score entry ..."""
-PAIR_COST_TILE = 455.0
-"""... plus this / tile per entry (the kernel packs the keys once per query block)."""
-TILE_COST = 27700.0
-"""Multiplicity form: per tile (gathers, scatters, kernel bookkeeping)."""
-BOUND_COST = 24.0
-"""Multiplicity form: per (query row, sample): block bounds, scatter of the start."""
+PAIR_COST = 4.7
+"""Multiplicity form: one masked-tile score entry (the flash kernel, about 3.5-4 ns, and its mask, about 1 ns) ..."""
+PAIR_COST_TILE = 50.0
+"""... plus this / tile per entry: per (tile, key), the gathered key and value rows and the kernel's per-key work."""
+TILE_COST = 6500.0
+"""Multiplicity form: per tile (its rows' gathers and writes, the kernel's per-query-block setup)."""
+CALL_COST = 40000.0
+"""Multiplicity form: per kernel call (a dozen torch ops of mask and index work; the indices are planned once)."""
+BOUND_COST = 2.5
+"""Multiplicity form: per (query row, sample): block bounds and the start events (an upper bound: repeated draws
+are counted once, and causal calls of integer pitches take the blocks' moves instead)."""
 ENTRY_COST = 0.82
 """Per-sample path: one score entry of a block ..."""
 BLOCK_COST = 420.0
 """... per block."""
 CALL_ROW_COST = 64.0
-"""... per (kernel call, query row): the planning and merging that grow with calls and Lq."""
+"""... per (kernel call, query row): the planning and merging that grow with calls and Lq ..."""
+SAMPLES_CALL_COST = 35000.0
+"""... and per kernel call (its index and merge ops: 22-53 us measured at n = 64-1024, where it dominates)."""
 PLAN_COST = 28000.0
 """Planning the per-sample path, per (sample, head): its segment lists, 28-42 us (:func:`call_estimate` only)."""
 PLAN_BYTES = 500.0
 """... and about this many bytes each (:func:`call_estimate` only)."""
-AUTO_MARGIN = 1.0
+AUTO_MARGIN = 0.6
 """``method="auto"`` takes the multiplicity form when its summed estimate is at most this times the per-sample one.
 
-1.0 splits the two correctly at every measured size (docs/benchmarks.md, the ``--sweep`` table), although the
-multiplicity form got faster (vectorized planning, the ``log`` mask) after its constants were fitted: they overrate
-it (at T = 8 its estimate is 0.77-0.99x the per-sample one where it measures 1.0-2.3x faster; at T = 4 the estimate
-is 1.3-1.6x and it measures slower)."""
+Measured on the 2-core CPU, one thread, after the multiplicity form's mask got 3-5x cheaper (int32 counts, a table
+lookup for ``log c``, repeated draws counted once): over n = 40 ... 16384 and T = 2 ... 16 the calls where the
+multiplicity form is faster have estimate ratios of 0.06-0.57, those where the per-sample path is faster (T = 2 at
+n >= 512) 0.68-0.97; 0.6 separates them (the multiplicity estimate is low by up to 1.7x at T = 2). The figures are in
+docs/benchmarks.md, "Choosing the method"."""
 
 
-def tiling_estimate(pairs: torch.Tensor, tile: int, num_tiles: int, q_len: int, num_samples: int) -> torch.Tensor:
+def tiling_estimate(
+    pairs: torch.Tensor, tile: int, num_tiles: int, q_len: int, num_samples: int, calls: torch.Tensor | float = 1.0
+) -> torch.Tensor:
     """The multiplicity form's estimate of one tiling of each head: ``pairs`` (float64, per head) score entries of
-    ``num_tiles`` tiles of ``tile`` rows, over ``q_len`` rows and ``num_samples`` samples."""
-    fixed = TILE_COST * num_tiles + BOUND_COST * q_len * num_samples
+    ``num_tiles`` tiles of ``tile`` rows, over ``q_len`` rows and ``num_samples`` samples, in ``calls`` kernel calls
+    (per head: its distinct window lengths)."""
+    fixed = TILE_COST * num_tiles + BOUND_COST * q_len * num_samples + CALL_COST * calls
     return pairs * (PAIR_COST + PAIR_COST_TILE / tile) + fixed
 
 
@@ -81,7 +93,8 @@ def samples_estimate(plan: SamplesPlan) -> float:
     total = 0.0
     for work in plan.heads:
         blocks = sum(s.count for segments, _ in work.samples for s in segments)
-        total += ENTRY_COST * work.cost + BLOCK_COST * blocks + CALL_ROW_COST * plan.q_len * work.calls
+        per_call = CALL_ROW_COST * plan.q_len + SAMPLES_CALL_COST
+        total += ENTRY_COST * work.cost + BLOCK_COST * blocks + per_call * work.calls
     return total
 
 

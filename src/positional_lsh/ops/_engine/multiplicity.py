@@ -43,7 +43,7 @@ of the engine's table: :data:`MULTIPLICITY_FLASH`, :data:`MULTIPLICITY_MATH`) im
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,18 +86,15 @@ class _Group:
     kv_head: torch.Tensor  # (N,) int64
     q_start: torch.Tensor  # (N,) int64, query rows
     k_start: torch.Tensor  # (N,) int64, key positions
-    pitch: torch.Tensor  # (N, T) float64
-    shift: torch.Tensor  # (N, T) float64
+    pitch: torch.Tensor  # (N, U) float64: the distinct partitions of each tile's head ...
+    shift: torch.Tensor  # (N, U) float64
+    weight: torch.Tensor  # (N, U) int32: ... and how many of the T samples each is (0: padding)
 
     def to(self, device: torch.device) -> _Group:
-        return _Group(
-            self.tile,
-            self.k_len,
-            *(x.to(device) for x in (self.head, self.kv_head, self.q_start, self.k_start, self.pitch, self.shift)),
-        )
+        return _Group(self.tile, self.k_len, *(x.to(device) for x in self._columns()))
 
     def _columns(self) -> tuple[torch.Tensor, ...]:
-        return (self.head, self.kv_head, self.q_start, self.k_start, self.pitch, self.shift)
+        return (self.head, self.kv_head, self.q_start, self.k_start, self.pitch, self.shift, self.weight)
 
     def split(self, size: int) -> list[_Group]:
         n = self.head.shape[0]
@@ -121,6 +118,9 @@ class MultiplicityPlan:
     k_len: int
     causal: bool
     num_samples: int
+    calls_cache: dict[tuple[str, int, int], tuple[_Call, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def num_calls(self) -> int:
@@ -143,6 +143,12 @@ def _round_up(k: torch.Tensor, limit: int) -> torch.Tensor:
 
 Tiling = tuple[float, tuple[torch.Tensor, ...], int]
 """One head's tiling: ``(estimated ns, (q_start, k_start, k_len), tile height)`` (see :func:`tilings`)."""
+
+
+def _distinct_count(x: torch.Tensor) -> torch.Tensor:
+    """The number of distinct values in each column of ``x (rows, cols)``, float64 ``(cols,)``."""
+    srt = x.sort(0).values
+    return ((srt[1:] != srt[:-1]).sum(0) + 1).to(torch.float64)
 
 
 def tilings(partitions: Partitions, heads: list[int], q_len: int, causal: bool) -> dict[int, Tiling]:
@@ -197,13 +203,35 @@ def tilings(partitions: Partitions, heads: list[int], q_len: int, causal: bool) 
         k_len = _round_up(end - lo, n)
         k_start = torch.minimum(lo, n - k_len)
         pairs = k_len.sum(0).to(torch.float64) * tile
-        costs = tiling_estimate(pairs, tile, q_start.numel(), q_len, partitions.num_samples).tolist()
+        shapes = _distinct_count(k_len)  # each distinct window length is (at least) one kernel call
+        costs = tiling_estimate(pairs, tile, q_start.numel(), q_len, partitions.num_samples, shapes).tolist()
         for col, (h, cost) in enumerate(zip(heads, costs, strict=True)):
             if h not in best or cost < best[h][0]:
                 best[h] = (cost, (q_start, k_start[:, col].contiguous(), k_len[:, col].contiguous()), tile)
         if tile >= q_len:
             break
     return best
+
+
+def _distinct_partitions(partitions: Partitions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each head's distinct ``(pitch, shift)`` pairs and how many samples drew each: ``(H, U)`` float64 pitches and
+    shifts and int32 weights, ``U`` the most distinct pairs of a head (the rest of a row repeats its first pair with
+    weight 0). Equal partitions give equal blocks, so a count ``c`` is the weighted count over the distinct ones: at
+    large ``T`` the heads of small ``sigma`` (whose draws repeat) have a fraction of ``T`` events per row."""
+    per_head = []
+    for h in range(partitions.num_heads):
+        pairs = torch.stack([partitions.pitch[:, h], partitions.shift[:, h]], 1)  # (T, 2)
+        uniq, counts = torch.unique(pairs, dim=0, return_counts=True)
+        per_head.append((uniq, counts))
+    width = max(u.shape[0] for u, _ in per_head)
+    pitch = torch.empty(partitions.num_heads, width, dtype=torch.float64)
+    shift = torch.empty_like(pitch)
+    weight = torch.zeros(partitions.num_heads, width, dtype=torch.int32)
+    for h, (uniq, counts) in enumerate(per_head):
+        u = uniq.shape[0]
+        pitch[h], shift[h] = uniq[0, 0], uniq[0, 1]
+        pitch[h, :u], shift[h, :u], weight[h, :u] = uniq[:, 0], uniq[:, 1], counts.to(torch.int32)
+    return pitch, shift, weight
 
 
 def multiplicity_plan(
@@ -225,6 +253,7 @@ def multiplicity_plan(
         tiles.update(tilings(partitions, missing, q_len, causal))
     # Every tile of every head as one row of (head, q_start, k_start, k_len), per tile height; sorted by k_len,
     # each run of equal k_len is one group (vectorized: a per-head loop was most of a short call's planning).
+    distinct = _distinct_partitions(partitions)
     by_tile: dict[int, list[tuple[torch.Tensor, ...]]] = {}
     for h in heads:
         _, (q_start, k_start, k_len), tile = tiles[h]
@@ -235,20 +264,122 @@ def multiplicity_plan(
         k_len, order = torch.sort(k_len, stable=True)
         head, q_start, k_start = head[order], q_start[order], k_start[order]
         lengths, counts = torch.unique_consecutive(k_len, return_counts=True)
-        pitch, shift = partitions.pitch.t()[head], partitions.shift.t()[head]  # (tiles, T)
-        cols = (head, head // group_size, q_start, k_start, pitch, shift)
+        cols = (head, head // group_size, q_start, k_start, *(x[head] for x in distinct))
         splits = [c.split(counts.tolist()) for c in cols]
         for kl, *parts in zip(lengths.tolist(), *splits, strict=True):
             groups.append(_Group(tile, int(kl), *(c.contiguous() for c in parts)))
     return MultiplicityPlan(tuple(heads), tuple(groups), q_len, partitions.seq_len, causal, partitions.num_samples)
 
 
-def _chunks(group: _Group, num_samples: int, batch: int, d: int) -> list[_Group]:
+def _chunks(group: _Group, batch: int, d: int) -> list[_Group]:
     """Split a group so that one call's mask (and its gathered keys and values) and its per-row bounds each have
     about ``_CHUNK_ELEMENTS`` entries at most."""
-    per_tile = max(group.tile * group.k_len + 2 * batch * group.k_len * d // 8, group.tile * num_samples)
+    per_tile = max(group.tile * group.k_len + 2 * batch * group.k_len * d // 8, group.tile * group.pitch.shape[1])
     size = max(1, _CHUNK_ELEMENTS // max(1, per_tile))
     return group.split(size) if group.head.shape[0] > size else [group]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One kernel call (a chunk of a group) with its index tensors, computed once per plan (they do not depend on
+    ``q, k, v``): the rows and their key positions, the keys, and the flat ``head * length + position`` indices of
+    the gathers and scatters."""
+
+    g: _Group
+    rows: torch.Tensor  # (N, tile) query rows, clamped to Lq - 1
+    real: torch.Tensor  # (N, tile) bool: a real row (not padding past Lq)
+    pos: torch.Tensor  # (N, tile) the rows' key positions
+    keys: torch.Tensor  # (N, k_len) key positions, clamped to n - 1
+    q_index: torch.Tensor  # (N * tile,) head * Lq + row
+    kv_index: torch.Tensor  # (N * k_len,) kv_head * n + key
+    integer: bool  # the partitions' integer path (ops.partitions.bounds.integer_pitch_shift)
+    moves: tuple[torch.Tensor, torch.Tensor] | None = None  # (flat index, value) of the block-move events, if used
+
+
+# A causal call's counts come from its block moves (:func:`_move_events`) where that is estimated cheaper than the T
+# start events of every row: ns per (row, sample) start (its bounds and scatter), per move event, per row of the
+# running sum down the rows (one torch op) and per entry it adds (measured on one core at n = 32768).
+_ROW_START_NS = 8.0
+_MOVE_EVENT_NS = 10.0
+_ROW_SUM_NS = 3000.0
+_ROW_SUM_ENTRY_NS = 0.35
+
+
+def _move_events(g: _Group, pos: torch.Tensor, n: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The counts of a causal call with integer pitches from the moves of its blocks, or ``None`` where the per-row
+    events are as cheap.
+
+    Per row, the causal counts are ``c[r, j] = #{t : start_t(r) <= j}`` for ``j <= r``: ``T`` start events per row
+    (:func:`_mask`'s general form, whose cost grows with ``T``). Down a tile the starts change only where a block
+    begins: when sample ``t``'s block begins at row ``beta`` its start moves from ``p`` to ``beta``, which for every
+    row from ``beta`` on removes an event at ``p`` and adds one at ``beta``. So the rows' events are a running sum
+    down the rows of a sparse array: the first row's ``T`` starts, ``-1`` at ``(beta, p)`` and ``+1`` at
+    ``(beta, beta)`` per move, and the diagonal (``-T`` at ``(r, r + 1)``, undone by ``+T`` at ``(r + 1, r + 1)``).
+    Returns the flat indices into ``(N, tile, k_len + 1)`` and int32 values of those events (the running sum over
+    rows and then over keys is :func:`_mask`'s). All rows must be real (consecutive positions ``pos``).
+    """
+    num, tile = pos.shape
+    kl = g.k_len
+    whole = integer_pitch_shift(g.pitch, g.shift)
+    assert whole is not None
+    b = whole[0]  # (N, U) int64 pitches
+    first, last = pos[:, :1], pos[:, -1:]  # (N, 1)
+    start0, end0 = block_bounds(g.pitch, g.shift, n, first)  # (N, U): the first row's blocks
+    # Block beginnings inside the tile's rows: end0, end0 + b, ... while <= the last row.
+    w = g.weight  # (N, U): samples per distinct partition
+    moves = torch.where((end0 <= last) & (w > 0), (last - end0) // b + 1, 0)  # (N, U)
+    most = int(moves.max()) if moves.numel() else 0
+    distinct = g.pitch.shape[1]
+    count = num * (distinct + 2 * tile) + 2 * int(moves.sum())
+    by_moves = count * _MOVE_EVENT_NS + tile * _ROW_SUM_NS + num * tile * (kl + 1) * _ROW_SUM_ENTRY_NS
+    if by_moves >= num * tile * distinct * _ROW_START_NS:
+        return None
+    width = kl + 1
+    base = torch.arange(num, device=pos.device)[:, None] * (tile * width)  # (N, 1) offset of each tile
+    k0 = g.k_start[:, None]
+    idx = [base + (start0 - k0)]  # row 0: the first row's starts
+    val = [w]
+    if most:
+        m = torch.arange(most, device=pos.device)
+        beta = end0[..., None] + m * b[..., None]  # (N, T, most)
+        ok = m < moves[..., None]
+        prev = torch.where(m == 0, start0[..., None], beta - b[..., None])
+        row = (beta - first[..., None]) * width
+        at = base[..., None] + row
+        idx += [torch.where(ok, at + (prev - k0[..., None]), 0), torch.where(ok, at + (beta - k0[..., None]), 0)]
+        one = ok.to(torch.int32) * w[..., None]
+        val += [-one, one]
+    r = torch.arange(tile, device=pos.device)
+    diag = (first + r + 1 - k0).clamp(max=kl)  # (N, tile) key column i + 1 of row i
+    minus_t = torch.full(diag.shape, -num_samples, dtype=torch.int32, device=pos.device)
+    idx.append(base + r * width + diag)
+    val.append(minus_t)
+    idx.append(base + (r[1:] * width) + diag[:, :-1])
+    val.append(-minus_t[:, :-1])
+    return torch.cat([x.flatten() for x in idx]), torch.cat([x.flatten() for x in val])
+
+
+def _calls(plan: MultiplicityPlan, device: torch.device, batch: int, d: int) -> tuple[_Call, ...]:
+    """The kernel calls of ``plan`` for inputs of ``batch`` rows and head dim ``d`` on ``device`` (cached on the
+    plan: a forward's backward, and repeated calls with the same partitions, reuse them)."""
+    key = (str(device), batch, d)
+    hit = plan.calls_cache.get(key)
+    if hit is not None:
+        return hit
+    calls = []
+    lq, n = plan.q_len, plan.k_len
+    for group in plan.groups:
+        for g in _chunks(group.to(device), batch, d):
+            rows, real = tile_rows(g, lq)
+            keys = _keys(g, n)
+            integer = integer_pitch_shift(g.pitch, g.shift) is not None
+            pos = rows + (n - lq)
+            moves = _move_events(g, pos, n, plan.num_samples) if integer and plan.causal and bool(real.all()) else None
+            q_index = (g.head[:, None] * lq + rows).flatten()
+            kv_index = (g.kv_head[:, None] * n + keys).flatten()
+            calls.append(_Call(g, rows, real, pos, keys, q_index, kv_index, integer, moves))
+    plan.calls_cache[key] = out = tuple(calls)
+    return out
 
 
 def tile_rows(g: _Group, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,11 +389,13 @@ def tile_rows(g: _Group, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return r.clamp(max=q_len - 1), r < q_len
 
 
-def row_bounds(g: _Group, pos: torch.Tensor, n: int, need_end: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def row_bounds(
+    g: _Group, pos: torch.Tensor, n: int, need_end: bool, integer: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``start_t``/``end_t`` of the block of every tile row in every sample: int64 ``(N, tile, T)``.
 
     ``pos`` (int64 ``(N, tile)``) are the rows' key positions in a sequence of ``n``; ``end`` is ``None`` unless
-    ``need_end``.
+    ``need_end``; ``integer``: whether ``g``'s partitions take the integer path, where known (else it is checked).
 
     Integer pitches and shifts (the one rule, :func:`~positional_lsh.ops.partitions.bounds.integer_pitch_shift`):
     :func:`~positional_lsh.ops.partitions.bounds.block_bounds` of every row, a few integer passes. Otherwise
@@ -271,7 +404,9 @@ def row_bounds(g: _Group, pos: torch.Tensor, n: int, need_end: bool) -> tuple[to
     maximum of those positions, ``end`` a reversed running minimum.
     """
     p = pos[..., None]  # (N, tile, 1)
-    if integer_pitch_shift(g.pitch, g.shift) is not None:  # a module-level lookup (tests replace it)
+    if integer is None:
+        integer = integer_pitch_shift(g.pitch, g.shift) is not None  # a module-level lookup (tests replace it)
+    if integer:
         start, end = block_bounds(g.pitch[:, None, :], g.shift[:, None, :], n, p)
         return start, end if need_end else None
     # Pitches <= 1 (every position its own block) as 0.5: their labels stay below 2**51, where exact_floor is exact.
@@ -322,26 +457,32 @@ def _log_table(num_samples: int, dtype: torch.dtype, device: torch.device) -> to
     return table
 
 
-def _mask(g: _Group, rows: torch.Tensor, plan: MultiplicityPlan, dtype: torch.dtype, ws: _Workspace) -> torch.Tensor:
+def _mask(call: _Call, plan: MultiplicityPlan, dtype: torch.dtype, ws: _Workspace) -> torch.Tensor:
     """``log c`` over ``(N, tile, k_len)`` with ``-inf`` where ``c = 0`` (and above the diagonal when causal).
 
     Counts are int32, exact: an integer ``cumsum`` (about 2.5x faster than a float one, which waits on each add)
     of the blocks' start (and end) events, then ``log c`` by a lookup in the table of its ``T + 1`` values (an
     ``index_select``: 0.5 ns per entry on one core, against about 3 ns for ``log`` and a select of the zeros, whose
-    ``log`` takes the math library's slow path)."""
-    n, kl = plan.k_len, g.k_len
-    pos = rows + (n - plan.q_len)  # (N, tile) key positions of the queries
-    start, end = row_bounds(g, pos, n, not plan.causal)
-    k0 = g.k_start[:, None, None]
+    ``log`` takes the math library's slow path). The events are the ``T`` block starts of every row or, for causal
+    calls with integer pitches where they are fewer, the blocks' moves summed down the rows (:func:`_move_events`).
+    """
+    g, rows, pos, n, kl = call.g, call.rows, call.pos, plan.k_len, call.g.k_len
     events = ws.take("events", (*rows.shape, kl + 1), torch.int32).zero_()
-    ones = torch.ones((), dtype=torch.int32, device=rows.device).expand(start.shape)
-    events.scatter_add_(-1, start - k0, ones)
-    if end is not None:
-        events.scatter_add_(-1, (end - k0).clamp(max=kl), -ones)
-    else:  # causal: every start is <= i, so subtracting T at key i + 1 zeroes the counts above the diagonal
-        above = (pos - g.k_start[:, None] + 1).clamp(max=kl).unsqueeze(-1)
-        minus_t = torch.full(above.shape, -start.shape[-1], dtype=torch.int32, device=rows.device)
-        events.scatter_add_(-1, above, minus_t)
+    if call.moves is not None:
+        events.view(-1).index_add_(0, *call.moves)
+        for r in range(1, rows.shape[1]):  # the running sum down the rows (torch's cumsum over dim 1 is ~20x slower)
+            events[:, r].add_(events[:, r - 1])
+    else:
+        start, end = row_bounds(g, pos, n, not plan.causal, call.integer)
+        k0 = g.k_start[:, None, None]
+        ones = g.weight[:, None, :].expand(start.shape)  # each distinct partition counts its samples
+        events.scatter_add_(-1, start - k0, ones)
+        if end is not None:
+            events.scatter_add_(-1, (end - k0).clamp(max=kl), -ones)
+        else:  # causal: every start is <= i, so subtracting T at key i + 1 zeroes the counts above the diagonal
+            above = (pos - g.k_start[:, None] + 1).clamp(max=kl).unsqueeze(-1)
+            minus_t = torch.full(above.shape, -plan.num_samples, dtype=torch.int32, device=rows.device)
+            events.scatter_add_(-1, above, minus_t)
     c = torch.cumsum(events[..., :kl], -1, dtype=torch.int32, out=ws.take("counts", (*rows.shape, kl), torch.int32))
     mask = ws.take("mask", c.shape, dtype)  # c is exactly 0 outside every block: -inf there
     torch.index_select(ws.log_table(plan.num_samples, dtype), 0, c.view(-1), out=mask.view(-1))
@@ -349,18 +490,18 @@ def _mask(g: _Group, rows: torch.Tensor, plan: MultiplicityPlan, dtype: torch.dt
 
 
 def _gather(
-    x: torch.Tensor, head: torch.Tensor, idx: torch.Tensor, ws: _Workspace | None = None, role: str = ""
+    x: torch.Tensor, index: torch.Tensor, shape: torch.Size, ws: _Workspace | None = None, role: str = ""
 ) -> torch.Tensor:
-    """``x (B, H, L, d)`` rows ``idx (N, R)`` of heads ``head (N,)``: ``(B, N, R, d)`` (into ``ws``'s buffer of
-    ``role`` where given and ``x`` flattens to a view)."""
-    b, _, length, d = x.shape
-    if x.stride(1) == length * x.stride(2) and x.stride(2) == d and x.stride(3) == 1:  # (H, L) flattens to a view
-        flat = (head[:, None] * length + idx).flatten()
+    """Rows ``index`` (flat ``head * L + position``) of ``x (B, H, L, ...)`` as ``(B, *shape, ...)`` (into
+    ``ws``'s buffer of ``role`` where given and ``(H, L)`` flattens to a view)."""
+    b, length, rest = x.shape[0], x.shape[2], x.shape[3:]
+    if x.stride(1) == length * x.stride(2) or x.shape[1] == 1:  # (H, L) merges into one dim without a copy
+        flat = x.flatten(1, 2)
         if ws is None:
-            return x.flatten(1, 2).index_select(1, flat).view(b, *idx.shape, d)
-        buf = ws.take(role, (b, flat.numel(), d), x.dtype)
-        return torch.index_select(x.flatten(1, 2), 1, flat, out=buf).view(b, *idx.shape, d)
-    return x[:, head[:, None], idx]
+            return flat.index_select(1, index).view(b, *shape, *rest)
+        buf = ws.take(role, (b, index.numel(), *rest), x.dtype)
+        return torch.index_select(flat, 1, index, out=buf).view(b, *shape, *rest)
+    return x[:, index // length, index % length].view(b, *shape, *rest)
 
 
 def _keys(g: _Group, n: int) -> torch.Tensor:
@@ -398,20 +539,17 @@ class MultiplicityBackend:
         cd = acc_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=cd, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cd, device=q.device)
-        b, _, lq, d = q.shape
+        b, d = q.shape[0], q.shape[-1]
         ws = _Workspace(q.device)
-        for group in plan.groups:
-            for g in _chunks(group.to(q.device), plan.num_samples, b, d):
-                rows, _ = tile_rows(g, lq)
-                keys = _keys(g, plan.k_len)
-                mask = _mask(g, rows, plan, cd, ws)
-                qg = _gather(q, g.head, rows, ws, "q").to(cd)
-                kg, vg = _gather(k, g.kv_head, keys, ws, "k").to(cd), _gather(v, g.kv_head, keys, ws, "v").to(cd)
-                o, l = attend(qg, kg, vg, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0))
-                # Padded rows repeat row Lq-1 of the same tile: they write the same values.
-                flat = (g.head[:, None] * lq + rows).flatten()
-                out.view(b, -1, d).index_copy_(1, flat, o.flatten(1, 2).to(out.dtype))
-                lse.view(b, -1).index_copy_(1, flat, l.flatten(1, 2).to(lse.dtype))
+        for c in _calls(plan, q.device, b, d):
+            mask = _mask(c, plan, cd, ws)
+            qg = _gather(q, c.q_index, c.rows.shape, ws, "q").to(cd)
+            kg = _gather(k, c.kv_index, c.keys.shape, ws, "k").to(cd)
+            vg = _gather(v, c.kv_index, c.keys.shape, ws, "v").to(cd)
+            o, l = attend(qg, kg, vg, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0))
+            # Padded rows repeat row Lq-1 of the same tile: they write the same values.
+            out.view(b, -1, d).index_copy_(1, c.q_index, o.flatten(1, 2).to(out.dtype))
+            lse.view(b, -1).index_copy_(1, c.q_index, l.flatten(1, 2).to(lse.dtype))
         return out.to(q.dtype), lse
 
     def backward(
@@ -426,32 +564,25 @@ class MultiplicityBackend:
         hkv, n = k.shape[1], k.shape[2]
         dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
         ws = _Workspace(q.device)
-        for group in plan.groups:
-            for g in _chunks(group.to(q.device), plan.num_samples, b, d):
-                rows, real = tile_rows(g, lq)
-                keys = _keys(g, n)
-                mask = _mask(g, rows, plan, cd, ws)
-                qg = _gather(q, g.head, rows).to(cd)
-                kg, vg = _gather(k, g.kv_head, keys).to(cd), _gather(v, g.kv_head, keys).to(cd)
-                og = _gather(out, g.head, rows).to(cd)
-                lg = _gather(lse.unsqueeze(-1), g.head, rows).squeeze(-1).to(cd)
-                # Padding rows get a zero upstream gradient, so they contribute nothing.
-                dg = (_gather(dout, g.head, rows).to(cd) * real[None, :, :, None]).to(cd)
-                gq, gk, gv = attend_backward(
-                    dg, qg, kg, vg, og, lg, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0)
-                )
-                qi = (g.head[:, None] * lq + rows).flatten()
-                ki = (g.kv_head[:, None] * n + keys).flatten()
-                dq_f.index_add_(1, qi, gq.flatten(1, 2).to(dq.dtype))
-                dk_f.index_add_(1, ki, gk.flatten(1, 2).to(dk.dtype))
-                dv_f.index_add_(1, ki, gv.flatten(1, 2).to(dv.dtype))
-                if dist is not None:  # the surrogate slope gradient: |i - j| of the tiles' rows and union keys
-                    pos = rows + (n - lq)
-                    w = (pos[:, :, None] - keys[:, None, :]).abs().to(cd).unsqueeze(0)
-                    total = attend_bias_grad(
-                        dg, qg, kg, vg, og, lg, w, causal=False, scale=scale, bias=mask.unsqueeze(0)
-                    )
-                    dist.index_add_(0, g.head, total.sum(0).to(dist.dtype))
+        for c in _calls(plan, q.device, b, d):
+            mask = _mask(c, plan, cd, ws)
+            qg = _gather(q, c.q_index, c.rows.shape, ws, "q").to(cd)
+            kg = _gather(k, c.kv_index, c.keys.shape, ws, "k").to(cd)
+            vg = _gather(v, c.kv_index, c.keys.shape, ws, "v").to(cd)
+            og = _gather(out, c.q_index, c.rows.shape, ws, "out").to(cd)
+            lg = _gather(lse.unsqueeze(-1), c.q_index, c.rows.shape).squeeze(-1).to(cd)
+            # Padding rows get a zero upstream gradient, so they contribute nothing.
+            dg = (_gather(dout, c.q_index, c.rows.shape).to(cd) * c.real[None, :, :, None]).to(cd)
+            gq, gk, gv = attend_backward(
+                dg, qg, kg, vg, og, lg, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0)
+            )
+            dq_f.index_add_(1, c.q_index, gq.flatten(1, 2).to(dq.dtype))
+            dk_f.index_add_(1, c.kv_index, gk.flatten(1, 2).to(dk.dtype))
+            dv_f.index_add_(1, c.kv_index, gv.flatten(1, 2).to(dv.dtype))
+            if dist is not None:  # the surrogate slope gradient: |i - j| of the tiles' rows and union keys
+                w = (c.pos[:, :, None] - c.keys[:, None, :]).abs().to(cd).unsqueeze(0)
+                total = attend_bias_grad(dg, qg, kg, vg, og, lg, w, causal=False, scale=scale, bias=mask.unsqueeze(0))
+                dist.index_add_(0, c.g.head, total.sum(0).to(dist.dtype))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dist
 
 
