@@ -254,3 +254,21 @@ def test_the_all_valid_mask_is_read_once_per_mask_and_version():
     with torch.inference_mode():  # the all-valid mask of a call without one: never an inference tensor
         none = padding_mask_interface(2, 1, 9, q_offset=8, attention_mask=None)
     assert none.shape == (2, 9) and bool(none.all()) and not none.is_inference()
+
+
+def test_the_neutral_rotary_embedding_of_a_decoded_token_is_reused():
+    model = tiny_model("qwen3")
+    rotary = model.model.rotary_emb
+    with hf.use_positional_lsh(model, num_samples=2, seed=0):
+        x = torch.randn(2, 1, 32)
+        first = rotary(x, torch.tensor([[7], [9]]))
+        again = rotary(x, torch.tensor([[8], [10]]))  # the next token: the same ones and zeros
+        assert again[0] is first[0] and again[1] is first[1]
+        assert torch.equal(first[0], torch.ones(2, 1, 8)) and torch.equal(first[1], torch.zeros(2, 1, 8))
+        one_row = rotary(x[:1], torch.tensor([[7]]))  # another shape, dtype or mode: made anew
+        assert one_row[0].shape == (1, 1, 8) and one_row[0] is not first[0]
+        with torch.inference_mode():
+            inside = rotary(x[:1], torch.tensor([[7]]))
+        assert inside[0] is not one_row[0] and inside[0].is_inference()
+        prompt = rotary(x.expand(2, 5, 32), torch.arange(5).expand(2, 5))  # several positions: not held
+        assert prompt[0].shape == (2, 5, 8) and bool((prompt[0] == 1).all()) and bool((prompt[1] == 0).all())
