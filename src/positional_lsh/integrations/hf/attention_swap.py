@@ -14,7 +14,11 @@ How :meth:`AttentionSwap.attend` runs a call:
   autocast off (it accumulates in float32 itself);
 * **decoding**: a call continuing a cache with at most :data:`DECODE_QUERIES` queries, or one whose cache dropped
   dead keys (:mod:`~positional_lsh.integrations.hf.cache`), runs :func:`positional_lsh.ops.decode.plsh_decode`:
-  each query reads only the keys of its own blocks, with no per-call plan;
+  each query reads only the keys of its own blocks, with no per-call plan; a decoded token (one query, no
+  padding) runs a decoding plan (:class:`~positional_lsh.ops.decode.DecodePlan`, or
+  :class:`~positional_lsh.ops.decode.AlibiDecodePlan` for ALiBi) that reuses its bias row from token to token,
+  the plan of the :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` layer that returned the keys, or the
+  swap's own for another cache (:meth:`AttentionSwap._decode_row`);
 * **padding**: the ``(B, Lk)`` key validity is the ops' ``key_padding_mask`` (each batch row computed on its valid
   run of keys, inside the op: a padding mask never breaks a ``torch.compile`` graph); an eager call that continues
   a cache goes row group by row group (:func:`split_rows`), each group decoding on its own;
@@ -24,6 +28,7 @@ How :meth:`AttentionSwap.attend` runs a call:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +38,7 @@ from torch import nn
 
 from positional_lsh.ops import alibi_attention, plsh_attention
 from positional_lsh.ops._checks import nonnegative_int
-from positional_lsh.ops.decode import key_reach, plsh_decode
+from positional_lsh.ops.decode import AlibiDecodePlan, DecodePlan, key_reach, plsh_decode
 from positional_lsh.ops.padding import valid_runs
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
@@ -88,6 +93,12 @@ class AttentionSwap:
     # Decoding: per layer, the partitions of the current (mode, step), drawn for a length that grows geometrically,
     # and their key reach; so that a decoded token does not build partitions.
     _decoding: dict[int, tuple[tuple[bool, int], Partitions, int | None]] = field(default_factory=dict, repr=False)
+    # Per layer, the LiveKeyCache layer that returned the layer's keys last (weakly: a cache is the caller's).
+    _cache_layers: dict[int, weakref.ref[Any]] = field(default_factory=dict, repr=False)
+    # Per layer, the decoding plan of tokens whose keys come from another cache (e.g. a DynamicCache).
+    _row_plans: dict[int, Any] = field(default_factory=dict, repr=False)
+    # The last key-validity mask found all valid, and its version (see _all_valid).
+    _valid_seen: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode == "plsh":
@@ -177,6 +188,12 @@ class AttentionSwap:
             return None
         return int(torch.floor(self.window).max().item())
 
+    def attach_cache_layer(self, layer_idx: int, cache_layer: Any) -> None:
+        """Record that ``cache_layer`` (a :class:`~positional_lsh.integrations.hf.cache.LiveKeyLayer`) has just
+        returned layer ``layer_idx``'s keys: the attention that receives exactly those tensors decodes a token with
+        the plan the cache layer keeps (:meth:`_decode_row`). Called by the cache on every update."""
+        self._cache_layers[layer_idx] = weakref.ref(cache_layer)
+
     def new_cache(self) -> Any:
         """A fresh :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` for this swap's model: a KV cache
         that keeps only the keys a later query can reach (``model.generate(ids, use_cache=True, cache=...)``).
@@ -188,6 +205,36 @@ class AttentionSwap:
     # ------------------------------------------------------------------------------------------------------------
     # The attention call
     # ------------------------------------------------------------------------------------------------------------
+
+    def _decode_row(
+        self, layer_idx: int, training: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        key_offset: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """One decoded token (``Lq = 1``, no padding) with a decoding plan
+        (:class:`~positional_lsh.ops.decode.DecodePlan` for positional LSH,
+        :class:`~positional_lsh.ops.decode.AlibiDecodePlan` for ALiBi), which reuses its bias row across tokens.
+
+        When ``k, v`` are the tensors a :class:`~positional_lsh.integrations.hf.cache.LiveKeyLayer` has just returned,
+        the plan is that cache layer's (consecutive tokens of one sequence share it) and the cache vouches for the
+        keys (it checked each one for NaN and inf when it came in). Otherwise (another cache) the plan is the
+        swap's own for the layer and scans the keys it reads."""
+        ref = self._cache_layers.get(layer_idx)
+        layer = None if ref is None else ref()
+        if layer is not None and layer.keys is k and layer.values is v:
+            holder, plan, finite = layer, layer.decode_plan, layer.keys_finite()
+        else:
+            holder, plan, finite = None, self._row_plans.get(layer_idx), False
+        if self.mode == "plsh":
+            parts, _ = self._decode_partitions(layer_idx, key_offset + k.shape[-2], training)
+            if not isinstance(plan, DecodePlan) or plan.partitions is not parts:
+                plan = DecodePlan(parts)
+        elif not isinstance(plan, AlibiDecodePlan):
+            plan = AlibiDecodePlan(self.slopes, self.window)
+        if holder is None:
+            self._row_plans[layer_idx] = plan
+        else:
+            holder.decode_plan = plan
+        return plan.step(q, k, v, key_offset, scale, finite)  # (arguments the model built: no checks)
 
     def _kernel(
         self,
@@ -255,6 +302,16 @@ class AttentionSwap:
                 return self._attend(layer_idx, training, q, k, v, key_valid, scale)
         return self._attend(layer_idx, training, q, k, v, key_valid, scale)
 
+    def _all_valid(self, key_valid: torch.Tensor) -> bool:
+        """``bool(key_valid.all())``, remembered for the last mask found all valid: the layers of one model call get
+        the same mask tensor (unchanged: its version counter says so), so only the first layer reads it."""
+        seen = self._valid_seen
+        if seen is not None and seen[0] is key_valid and seen[1] == key_valid._version:
+            return True
+        ok = bool(key_valid.all())
+        self._valid_seen = (key_valid, key_valid._version) if ok else None
+        return ok
+
     def _attend(
         self,
         layer_idx: int,
@@ -269,6 +326,10 @@ class AttentionSwap:
         or whose cache dropped keys go row group by row group (:func:`split_rows`), so that each group may decode."""
         lq, lk = q.shape[-2], k.shape[-2]
         dropped = key_valid is not None and key_valid.shape[-1] != lk
+        if lq == 1 and (dropped or lk > 1) and not torch.compiler.is_compiling():
+            if key_valid is None or self._all_valid(key_valid):  # a decoded token, no padding: a decoding plan
+                offset = 0 if key_valid is None else key_valid.shape[-1] - lk
+                return self._decode_row(layer_idx, training, q, k, v, scale, offset)
         if torch.compiler.is_compiling():
             if dropped:
                 raise ValueError("a KV cache that drops keys (LiveKeyCache) is not supported under torch.compile")

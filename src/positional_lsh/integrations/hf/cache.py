@@ -5,7 +5,10 @@ Block starts only grow with the position, so once a query at position ``i`` runs
 :meth:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap.key_reach` (positional LSH: the longest block of
 the layer's partitions minus one, :func:`positional_lsh.ops.decode.key_reach`; windowed ALiBi: the window; exact ALiBi
 or a slope of 0: every key stays). Each layer of the cache drops them, so decoding holds about ``reach`` keys per
-layer whatever the length of the prompt, and each new token copies only those.
+layer whatever the length of the prompt. The keys and values sit in buffers with room to grow: a new token writes
+its key and value there (no copy of the cache per token; a full buffer moves to a fresh one a quarter larger), and
+each one is checked for NaN and inf once, when it comes in, so that the attention's decoding plan (which the layer
+keeps, :class:`~positional_lsh.ops.decode.DecodePlan`) need not scan the keys it reads.
 
 Positions stay absolute: ``get_seq_length()`` counts every token seen, and the mask the swap's mask function hands
 down covers the whole sequence, so the attention reads the position of its first cached key from the difference
@@ -19,12 +22,31 @@ top later does not change which swap a cache asks: build the cache from the swap
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 __all__ = ["LiveKeyCache"]
+
+
+@dataclass(eq=False)
+class _Store:
+    """The buffers of a :class:`LiveKeyLayer`: ``(B, H, capacity, d)`` keys and values, of which positions
+    ``lo .. hi - 1`` are cached, and the views of them the layer handed out last."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lo: int
+    hi: int
+    keys_view: torch.Tensor | None = None
+    values_view: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.keys_view is None or self.values_view is None:
+            self.keys_view, self.values_view = self.keys, self.values
 
 
 class LiveKeyLayer(DynamicLayer):
@@ -34,9 +56,16 @@ class LiveKeyLayer(DynamicLayer):
         swap: the model's :class:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap`.
         layer_idx: the layer's index (its partitions).
 
+    The cached keys and values are views of buffers with room to grow (:class:`_Store`): a decoded token writes its
+    key and value there instead of copying the cache (``torch.cat``), as long as autograd is off.
+
     Attributes:
         offset: position of the first cached key (the keys before it were dropped).
         cumulative_length: tokens seen so far (the next query's position).
+        nonfinite_end: one past the last position whose key or value had a NaN or inf when it came in (0: none).
+        decode_plan: the attention's decoding plan for this layer (set and read by the swap's attention: the
+            :class:`~positional_lsh.ops.decode.DecodePlan` or :class:`~positional_lsh.ops.decode.AlibiDecodePlan`
+            that consecutive tokens reuse), or ``None``.
     """
 
     is_croppable = False
@@ -47,6 +76,9 @@ class LiveKeyLayer(DynamicLayer):
         self.layer_idx = layer_idx
         self.offset = 0
         self.cumulative_length = 0
+        self.nonfinite_end = 0
+        self.decode_plan: Any = None
+        self._store: _Store | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -57,18 +89,77 @@ class LiveKeyLayer(DynamicLayer):
         first_query = self.cumulative_length  # position of this call's first query
         self.cumulative_length += key_states.shape[-2]
         reach = self.swap.key_reach(self.layer_idx, training=bool(self.swap.model.training))
-        old_keys, old_values = self.keys, self.values  # set (possibly empty) once initialized
-        stored = old_keys.shape[-2] if old_keys is not None and old_keys.dim() == 4 else 0
+        stored = self.cached_length()
         drop = 0 if reach is None else min(stored, max(0, first_query - reach - self.offset))
-        if stored == 0 or old_keys is None or old_values is None:  # (a copy: the new states may be views)
+        if not math.isfinite(key_states.sum().item() + value_states.sum().item()):  # (an overflow: only slower)
+            self.nonfinite_end = self.cumulative_length
+        if stored == 0 or self.keys is None or self.values is None:  # (a copy: the new states may be views)
             keys = key_states.clone(memory_format=torch.contiguous_format)
             values = value_states.clone(memory_format=torch.contiguous_format)
+            self._store = _Store(keys, values, 0, keys.shape[-2])
+        elif self._appendable(self.keys, self.values, key_states, value_states):
+            store = self._store
+            if store is None or self.keys is not store.keys_view or self.values is not store.values_view:
+                # Something replaced the cached tensors (a beam reorder, a crop, ...): they become the buffers, full.
+                self._store = _Store(self.keys, self.values, 0, stored)
+            keys, values = self._append(drop, key_states, value_states)
         else:
-            keys = torch.cat([old_keys[..., drop:, :], key_states], dim=-2)
-            values = torch.cat([old_values[..., drop:, :], value_states], dim=-2)
+            keys = torch.cat([self.keys[..., drop:, :], key_states], dim=-2)
+            values = torch.cat([self.values[..., drop:, :], value_states], dim=-2)
+            self._store = None
         self.keys, self.values = keys, values
         self.offset += drop
+        self.swap.attach_cache_layer(self.layer_idx, self)
         return keys, values
+
+    @staticmethod
+    def _appendable(
+        keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> bool:
+        """Whether the new states may be written into buffers (:class:`_Store`) after the cached ``keys, values``:
+        autograd is off (an in-place write would invalidate the views it saved) and the new states match the
+        cached ones in batch, heads, head size, dtype and device (otherwise ``torch.cat`` gives its error)."""
+        if torch.is_grad_enabled() or keys.dim() != 4 or key_states.dim() != 4 or value_states.dim() != 4:
+            return False
+        kb, kh, _, kd = keys.shape
+        vb, vh, _, vd = values.shape
+        ks, vs = key_states.shape, value_states.shape
+        return (
+            ks[0] == kb and ks[1] == kh and ks[3] == kd and vs[0] == vb and vs[1] == vh and vs[3] == vd
+            and key_states.dtype == keys.dtype and value_states.dtype == values.dtype
+            and key_states.device == keys.device and value_states.device == values.device
+        )  # fmt: skip
+
+    def _append(
+        self, drop: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop ``drop`` keys and append the new ones in the buffers. Full buffers (or inference-mode ones outside
+        inference mode) move to fresh ones a quarter larger than what they then hold, so earlier views stay valid and
+        a token copies ``O(1)`` keys on average (about four)."""
+        store = self._store
+        assert store is not None
+        lo, hi, new = store.lo + drop, store.hi, key_states.shape[-2]
+        frozen = store.keys.is_inference() and not torch.is_inference_mode_enabled()
+        if hi + new > store.keys.shape[-2] or frozen:
+            live = hi - lo
+            width = live + new + max(64, (live + new) // 4)  # geometric growth: O(1) copies per token
+            b, h, _, d = store.keys.shape
+            keys = store.keys.new_empty((b, h, width, d))
+            values = store.values.new_empty((b, h, width, store.values.shape[3]))
+            keys[..., :live, :].copy_(store.keys[..., lo:hi, :])
+            values[..., :live, :].copy_(store.values[..., lo:hi, :])
+            store.keys, store.values, lo, hi = keys, values, 0, live
+        store.keys[..., hi : hi + new, :].copy_(key_states)
+        store.values[..., hi : hi + new, :].copy_(value_states)
+        store.lo, store.hi = lo, hi + new
+        store.keys_view = store.keys[..., lo : hi + new, :]
+        store.values_view = store.values[..., lo : hi + new, :]
+        return store.keys_view, store.values_view
+
+    def keys_finite(self) -> bool:
+        """Whether every cached key and value is finite (checked when they came in): the attention may then skip
+        its scan for non-finite keys."""
+        return self.nonfinite_end <= self.offset
 
     def get_seq_length(self) -> int:
         """Tokens seen so far (including the dropped ones): positions stay absolute."""
@@ -83,10 +174,20 @@ class LiveKeyLayer(DynamicLayer):
         keys = self.keys
         return keys.shape[-2] if self.is_initialized and keys is not None and keys.dim() == 4 else 0
 
+    def held_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The tensors that hold the cached keys and values: the buffers of which they are views, or themselves."""
+        store = self._store
+        if store is not None and self.keys is store.keys_view and self.values is store.values_view:
+            return store.keys, store.values
+        return self.keys, self.values
+
     def reset(self) -> None:
         super().reset()
         self.offset = 0
         self.cumulative_length = 0
+        self.nonfinite_end = 0
+        self.decode_plan = None
+        self._store = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last tokens (``tokens_to_remove < 0``); refused once keys were dropped (they may be needed
@@ -161,10 +262,10 @@ class LiveKeyCache(DynamicCache):
         return [layer.cached_length() for layer in self._live_layers()]
 
     def memory_bytes(self) -> int:
-        """Bytes of the cached keys and values, all layers."""
+        """Bytes held for the cached keys and values, all layers: their buffers, with the room to grow."""
         total = 0
         for layer in self._live_layers():
-            keys, values = layer.keys, layer.values
+            keys, values = layer.held_tensors()
             if layer.cached_length() and keys is not None and values is not None:
                 total += keys.numel() * keys.element_size()
                 total += values.numel() * values.element_size()

@@ -60,12 +60,29 @@ def padding_mask_interface(
             "static, sliding-window and other fixed-size caches are not supported: use the default DynamicCache"
         )
     if attention_mask is None:
-        return torch.ones((), dtype=torch.bool, device=device).expand(batch_size, kv_length)
+        return _true(device).expand(batch_size, kv_length)
     if attention_mask.dim() != 2 or attention_mask.shape[-1] < kv_length:
         raise ValueError(
             f"attention_mask must be a 2-D (batch, {kv_length}) padding mask, got shape {tuple(attention_mask.shape)}"
         )
     return attention_mask[:, -kv_length:].to(torch.bool)
+
+
+_TRUE: dict[torch.device, torch.Tensor] = {}
+
+
+def _true(device: torch.device | str) -> torch.Tensor:
+    """A 0-dim ``True`` on ``device``, made once per device (the all-valid mask is an expanded view of it: decoding
+    builds one per token), as a normal tensor even when first asked for in inference mode (an inference tensor could
+    not be saved for a later backward). Under ``torch.compile`` a fresh one (no tensor held across graphs)."""
+    if torch.compiler.is_compiling():
+        return torch.ones((), dtype=torch.bool, device=device)
+    dev = torch.device(device)
+    true = _TRUE.get(dev)
+    if true is None:
+        with torch.inference_mode(False):
+            true = _TRUE[dev] = torch.ones((), dtype=torch.bool, device=dev)
+    return true
 
 
 def _traced_causal(

@@ -1,9 +1,10 @@
 """The RoPE family (Llama, Mistral, Qwen2, Qwen3) in the paper's setup, through transformers' attention registry.
 
 The rotary embedding is neutralized (it returns ``cos = 1, sin = 0``, so ``apply_rotary_pos_emb`` is the
-identity) and :func:`attention_function`, registered under ``"positional_lsh"`` in transformers'
-``AttentionInterface``, runs the swap's attention; :func:`install` selects it with
-``model.set_attn_implementation`` after :func:`check_installable` has found the rotary embeddings.
+identity; a decoded token gets the previous token's ones and zeros, not a fresh ``cos``/``sin`` to discard) and
+:func:`attention_function`, registered under ``"positional_lsh"`` in transformers' ``AttentionInterface``, runs
+the swap's attention; :func:`install` selects it with ``model.set_attn_implementation`` after
+:func:`check_installable` has found the rotary embeddings.
 """
 
 from __future__ import annotations
@@ -57,9 +58,26 @@ def attention_function(
 
 
 def _neutral_rotary(original: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., Any]:
+    # The last one-position call's key and (cos, sin): every decoded token asks for the same ones and zeros (eager
+    # only; keyed by the position ids' shape, the dtype and device, and inference mode, whose tensors autograd
+    # cannot save). Nothing modifies them: the model multiplies q and k by them.
+    held: dict[str, tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]]] = {}
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x = args[0] if args else kwargs.get("x")
+        pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
+        key = None
+        if isinstance(x, torch.Tensor) and isinstance(pos, torch.Tensor) and pos.dim() > 0 and pos.shape[-1] == 1:
+            if not torch.compiler.is_compiling():
+                key = (tuple(pos.shape), x.dtype, x.device, torch.is_inference_mode_enabled())
+                last = held.get("last")
+                if last is not None and last[0] == key:
+                    return last[1]
         cos, sin = original(*args, **kwargs)
-        return torch.ones_like(cos), torch.zeros_like(sin)
+        out = (torch.ones_like(cos), torch.zeros_like(sin))
+        if key is not None:
+            held["last"] = (key, out)
+        return out
 
     return forward
 
