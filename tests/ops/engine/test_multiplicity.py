@@ -164,19 +164,19 @@ def test_integer_row_bounds_equal_the_general_ones(causal, monkeypatch):
 def test_many_small_kernel_calls_reuse_their_buffers_exactly(causal, monkeypatch):
     # Groups split into one-tile calls reuse the forward's and the backward's buffers (counts, mask, gathered q, k, v)
     # from call to call, at shapes that shrink and grow: the result is still the oracle's, gradients included.
-    monkeypatch.setattr(mult, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(mult, "CHUNK_ELEMENTS", 1)
     monkeypatch.setattr(mult, "TILE_HEIGHTS", (16,))
     q, k, v = _qkv(2, 6, 3, 150, 150, 8, grad=True)
     parts = sample_partitions(150, SLOPES, 5, generator=4)
     out = plsh_attention(q, k, v, partitions=parts, causal=causal, method="multiplicity")
     plan = multiplicity_plan(parts, list(range(6)), 3, 150, causal)
-    assert len(mult._calls(plan, q.device, 2, 8)) > len(plan.groups) > 1  # several calls per group
+    assert len(mult.kernel_calls(plan, q.device, 2, 8)) > len(plan.groups) > 1  # several calls per group
     _check(out, dense_plsh_attention(q, k, v, parts, causal=causal), (q, k, v))
 
 
 def test_log_table_is_the_log_of_every_count():
     for dtype in (torch.float32, torch.float64):
-        table = mult._log_table(9, dtype, torch.device("cpu"))
+        table = mult.log_count_table(9, dtype, torch.device("cpu"))
         assert table[0] == -math.inf and table.dtype == dtype
         torch.testing.assert_close(table[1:], torch.arange(1, 10, dtype=dtype).log(), rtol=0, atol=0)
 
@@ -187,13 +187,13 @@ def test_repeated_draws_and_block_moves_stay_exact(events, causal, monkeypatch):
     # At T = 64 and small sigma most draws repeat: the plan keeps each head's distinct partitions with their sample
     # counts as weights. Causal counts come from the T starts of each row or from the blocks' moves down the rows
     # (multiplicity._move_events), forced here either way: both are the oracle's, gradients included.
-    monkeypatch.setattr(mult, "_ROW_START_NS", 1e9 if events == "moves" else 0.0)
+    monkeypatch.setattr(mult, "ROW_START_NS", 1e9 if events == "moves" else 0.0)
     q, k, v = _qkv(1, 4, 2, 190, 190, 8, grad=True)
     parts = sample_partitions(190, [2.0, 0.5, 0.1, 0.02], 64, generator=5)
     plan = multiplicity_plan(parts, list(range(4)), 2, 190, causal)
     distinct = {int(h): int((w > 0).sum()) for g in plan.groups for h, w in zip(g.head, g.weight, strict=True)}
     assert distinct[0] < 16 and all(int(g.weight.sum(1).min()) == 64 for g in plan.groups)
-    calls = mult._calls(plan, q.device, 1, 8)
+    calls = mult.kernel_calls(plan, q.device, 1, 8)
     assert any(c.moves is not None for c in calls) == (causal and events == "moves")
     out = plsh_attention(q, k, v, partitions=parts, causal=causal, method="multiplicity")
     _check(out, dense_plsh_attention(q, k, v, parts, causal=causal), (q, k, v))

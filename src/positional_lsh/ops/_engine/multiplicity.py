@@ -31,7 +31,7 @@ over the call's scores) into its tiles' query heads.
 All of it is device-agnostic torch: gathers, ``scatter_add_``, ``cumsum``, ``log`` and the attention kernels
 of :mod:`positional_lsh.ops._engine.kernels` (CPU: torch's fused flash op with ``attn_mask``; elsewhere: chunked
 matmul). The number of kernel calls is the number of groups (a handful per head), split further only to cap
-the memory of one call (:data:`_CHUNK_ELEMENTS`). Each head's tile height is the cheapest by the cost model
+the memory of one call (:data:`CHUNK_ELEMENTS`). Each head's tile height is the cheapest by the cost model
 (:mod:`positional_lsh.ops._engine.cost`).
 
 The backend (:class:`MultiplicityBackend`, the rows ``("multiplicity", "flash")`` and ``("multiplicity", "math")``
@@ -54,11 +54,18 @@ from positional_lsh.ops.partitions.bounds import block_bounds, exact_floor, inte
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
+    "CHUNK_ELEMENTS",
+    "MOVE_EVENT_NS",
     "MULTIPLICITY_FLASH",
     "MULTIPLICITY_MATH",
+    "ROW_START_NS",
+    "ROW_SUM_ENTRY_NS",
+    "ROW_SUM_NS",
     "MultiplicityBackend",
     "MultiplicityPlan",
     "Tiling",
+    "kernel_calls",
+    "log_count_table",
     "multiplicity_plan",
     "row_bounds",
     "tile_rows",
@@ -72,7 +79,7 @@ _BOUNDS_ELEMENTS = 2**18
 # One kernel call's mask has at most about this many entries, and its per-row bounds as many (tile row, sample)
 # pairs: small enough for the mask, its counts and the gathered keys to stay in the cache between the passes
 # (2**21: about 20 % faster than 2**23 at n = 32768, T = 8, one thread).
-_CHUNK_ELEMENTS = 2**21
+CHUNK_ELEMENTS = 2**21
 
 
 @dataclass(frozen=True)
@@ -273,9 +280,9 @@ def multiplicity_plan(
 
 def _chunks(group: _Group, batch: int, d: int) -> list[_Group]:
     """Split a group so that one call's mask (and its gathered keys and values) and its per-row bounds each have
-    about ``_CHUNK_ELEMENTS`` entries at most."""
+    about ``CHUNK_ELEMENTS`` entries at most."""
     per_tile = max(group.tile * group.k_len + 2 * batch * group.k_len * d // 8, group.tile * group.pitch.shape[1])
-    size = max(1, _CHUNK_ELEMENTS // max(1, per_tile))
+    size = max(1, CHUNK_ELEMENTS // max(1, per_tile))
     return group.split(size) if group.head.shape[0] > size else [group]
 
 
@@ -299,10 +306,10 @@ class _Call:
 # A causal call's counts come from its block moves (:func:`_move_events`) where that is estimated cheaper than the T
 # start events of every row: ns per (row, sample) start (its bounds and scatter), per move event, per row of the
 # running sum down the rows (one torch op) and per entry it adds (measured on one core at n = 32768).
-_ROW_START_NS = 8.0
-_MOVE_EVENT_NS = 10.0
-_ROW_SUM_NS = 3000.0
-_ROW_SUM_ENTRY_NS = 0.35
+ROW_START_NS = 8.0
+MOVE_EVENT_NS = 10.0
+ROW_SUM_NS = 3000.0
+ROW_SUM_ENTRY_NS = 0.35
 
 
 def _move_events(g: _Group, pos: torch.Tensor, n: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -331,8 +338,8 @@ def _move_events(g: _Group, pos: torch.Tensor, n: int, num_samples: int) -> tupl
     most = int(moves.max()) if moves.numel() else 0
     distinct = g.pitch.shape[1]
     count = num * (distinct + 2 * tile) + 2 * int(moves.sum())
-    by_moves = count * _MOVE_EVENT_NS + tile * _ROW_SUM_NS + num * tile * (kl + 1) * _ROW_SUM_ENTRY_NS
-    if by_moves >= num * tile * distinct * _ROW_START_NS:
+    by_moves = count * MOVE_EVENT_NS + tile * ROW_SUM_NS + num * tile * (kl + 1) * ROW_SUM_ENTRY_NS
+    if by_moves >= num * tile * distinct * ROW_START_NS:
         return None
     width = kl + 1
     base = torch.arange(num, device=pos.device)[:, None] * (tile * width)  # (N, 1) offset of each tile
@@ -359,7 +366,7 @@ def _move_events(g: _Group, pos: torch.Tensor, n: int, num_samples: int) -> tupl
     return torch.cat([x.flatten() for x in idx]), torch.cat([x.flatten() for x in val])
 
 
-def _calls(plan: MultiplicityPlan, device: torch.device, batch: int, d: int) -> tuple[_Call, ...]:
+def kernel_calls(plan: MultiplicityPlan, device: torch.device, batch: int, d: int) -> tuple[_Call, ...]:
     """The kernel calls of ``plan`` for inputs of ``batch`` rows and head dim ``d`` on ``device`` (cached on the
     plan: a forward's backward, and repeated calls with the same partitions, reuse them)."""
     key = (str(device), batch, d)
@@ -443,14 +450,14 @@ class _Workspace:
         return buf[:numel].view(shape)
 
     def log_table(self, num_samples: int, dtype: torch.dtype) -> torch.Tensor:
-        """:func:`_log_table` of ``num_samples`` (built once per forward or backward)."""
+        """:func:`log_count_table` of ``num_samples`` (built once per forward or backward)."""
         key = f"log_table_{num_samples}_{dtype}"
         if key not in self.buffers:
-            self.buffers[key] = _log_table(num_samples, dtype, self.device)
+            self.buffers[key] = log_count_table(num_samples, dtype, self.device)
         return self.buffers[key]
 
 
-def _log_table(num_samples: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def log_count_table(num_samples: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``[-inf, log 1, ..., log T]`` as ``dtype``: ``log c`` of every possible count (the values of ``c.log()``)."""
     table = torch.arange(num_samples + 1, dtype=dtype, device=device).log_()
     table[0] = -math.inf
@@ -541,7 +548,7 @@ class MultiplicityBackend:
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cd, device=q.device)
         b, d = q.shape[0], q.shape[-1]
         ws = _Workspace(q.device)
-        for c in _calls(plan, q.device, b, d):
+        for c in kernel_calls(plan, q.device, b, d):
             mask = _mask(c, plan, cd, ws)
             qg = _gather(q, c.q_index, c.rows.shape, ws, "q").to(cd)
             kg = _gather(k, c.kv_index, c.keys.shape, ws, "k").to(cd)
@@ -564,7 +571,7 @@ class MultiplicityBackend:
         hkv, n = k.shape[1], k.shape[2]
         dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
         ws = _Workspace(q.device)
-        for c in _calls(plan, q.device, b, d):
+        for c in kernel_calls(plan, q.device, b, d):
             mask = _mask(c, plan, cd, ws)
             qg = _gather(q, c.q_index, c.rows.shape, ws, "q").to(cd)
             kg = _gather(k, c.kv_index, c.keys.shape, ws, "k").to(cd)
