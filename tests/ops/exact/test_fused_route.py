@@ -44,10 +44,12 @@ def routes(monkeypatch):
     return seen
 
 
-@pytest.fixture(params=["one-chunk", "many-chunks"])
+@pytest.fixture(params=["dense-bias", "reversed-one-chunk", "reversed-many-chunks"])
 def fused_rows(request, monkeypatch):
-    """The default rows per call (one chunk at these sizes), or 3 rows per call (many chunks, a short last one)."""
-    if request.param == "many-chunks":
+    """The fused route's layouts: keys in order with a dense bias (what decoding and short chunks get), or keys
+    reversed with the strided line, in one chunk (the default rows per call) or in 3-row chunks (a short last one)."""
+    monkeypatch.setattr(alibi_module, "FUSED_DENSE_RATIO", 10**9 if request.param == "dense-bias" else 0)
+    if request.param == "reversed-many-chunks":
         monkeypatch.setattr(alibi_module, "FUSED_ROWS", 3)
 
 
@@ -126,6 +128,7 @@ def test_fused_route_decay_families_equal_their_oracle(family, params, causal, f
 
 
 @pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.usefixtures("fused_rows")
 def test_fused_and_banks_routes_agree(causal, monkeypatch):
     q, k, v = _qkv(2, 4, 2, 10, 10, 8, seed=7)
     m = torch.tensor([0.37, 0.11, 0.0, 0.73], dtype=F64, requires_grad=True)
@@ -138,6 +141,7 @@ def test_fused_and_banks_routes_agree(causal, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+@pytest.mark.usefixtures("fused_rows")
 def test_fused_route_with_key_padding_and_non_finite_keys(routes):
     q, k, v = _qkv(2, 2, 2, 9, 9, 4, seed=9)
     mask = torch.ones(2, 9, dtype=torch.bool)
@@ -157,6 +161,7 @@ def test_fused_route_with_key_padding_and_non_finite_keys(routes):
     assert torch.equal(nan, want)
 
 
+@pytest.mark.usefixtures("fused_rows")
 def test_fused_route_with_worker_threads_matches_one_thread():
     q, k, v = (t.detach().float() for t in _qkv(3, 4, 2, 40, 40, 8, seed=11))
     up = torch.randn(3, 4, 40, 8, generator=torch.Generator().manual_seed(0))
@@ -172,6 +177,22 @@ def test_fused_route_with_worker_threads_matches_one_thread():
         torch.set_num_threads(threads)
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_key_order_by_query_rows(monkeypatch):
+    """Decoding and short chunks keep the keys in order (dense bias); long prefills reverse them (strided line)."""
+    keys = []
+    real = alibi_module.attend
+    monkeypatch.setattr(alibi_module, "attend", lambda q, k, *a, **kw: keys.append(k) or real(q, k, *a, **kw))
+    g = torch.Generator().manual_seed(0)
+    for lq in (1, 15, 16, 300):  # Hq = 4, Hkv = 2, d = 16: keys in order while 4 Lq < 2 * 2 * 16
+        q = torch.randn(1, 4, lq, 16, generator=g)
+        k, v = (torch.randn(1, 2, 300, 16, generator=g) for _ in range(2))
+        keys.clear()
+        torch.testing.assert_close(alibi_attention(q, k, v), naive_alibi(q, k, v, alibi_slopes(4), causal=True).float(),
+                                   rtol=0, atol=2e-6)  # fmt: skip
+        in_order = torch.equal(keys[0][..., 0, :], k[..., 0, :])  # the first key a call sees: key 0, or its last
+        assert in_order == (lq < 16) and len(keys) == (1 if lq < 16 else -(-lq // FUSED_ROWS))
 
 
 def test_float32_fused_route_is_torch_sdpa_with_the_float_mask():

@@ -79,6 +79,11 @@ GRAD_ELEMENTS = 2**16  # scores per call of the parameter-gradient pass (a sub-b
 #: measured fastest (64-384 tried) at n = 512-4096, 1 thread, batch 2, H = 8, d = 64 (docs/benchmarks.md, "Short
 #: contexts"). Bidirectional calls take every row at once (nothing to skip).
 FUSED_ROWS = 128
+#: The ``"fused"`` route keeps the keys in order, with a dense bias, while ``Hq * Lq < FUSED_DENSE_RATIO * Hkv * d``
+#: (the bias then has fewer entries than this many copies of ``k``, which the reversed order would copy twice).
+#: Measured (1 thread, H = 8, d = 64, Lk = 2048): decoding 1.8 ms with the dense bias, 13 ms reversed; Lq = 16:
+#: 2.6 against 3.1 ms; Lq = 64: 11.5 against 9.9 ms; square n = 128: about even.
+FUSED_DENSE_RATIO = 2
 #: The routes of the exact ops (:func:`exact_route`).
 EXACT_ROUTES = ("fused", "banks")
 
@@ -393,30 +398,48 @@ def _fused_chunks(q_len: int, k_len: int, causal: bool) -> list[_Chunk]:
 
 
 class _FusedPlan:
-    """The ``"fused"`` route of one call: its chunks and every chunk's bias as a view of one line per head.
+    """The ``"fused"`` route of one call: its chunks, its key order, and every chunk's bias from one line per head.
 
     Against keys in reverse order (``kr[x] = k[Lk - 1 - x]``), chunk ``c``'s keys ``[lo, hi)`` are the slice
     ``kr[Lk - hi : Lk - lo]``, whose column ``x`` is key ``hi - 1 - x``; query row ``r`` (position ``q0 + a + r``)
     then has ``i - j = r + x + q0 + a - hi + 1``, which grows along rows and along columns alike. So the chunk's
     bias is the view of the line (bias at ``i - j = first + t``) with strides ``(1, 1)`` from entry
     ``q0 + a - hi + 1 - first``: positive strides, which the fused kernel reads as any mask.
+
+    Reversing costs a copy of ``k`` and ``v`` per pass (and of ``dk, dv`` in the backward). With few query rows
+    (decoding, short chunks: ``Hq Lq <`` :data:`FUSED_DENSE_RATIO` ``Hkv d``) the keys stay in order and one call
+    takes a dense ``(1, Hq, Lq, Lk)`` bias copied from the reversed line (no more entries than that many copies of
+    ``k``).
     """
 
-    def __init__(self, spec: _Toeplitz, q_len: int, k_len: int, causal: bool, dtype: torch.dtype,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(self, spec: _Toeplitz, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+        q_len, k_len = q.shape[2], k.shape[2]
         self.q0 = k_len - q_len
         self.k_len = k_len
-        self.chunks = _fused_chunks(q_len, k_len, causal)
+        self.reversed = q.shape[1] * q_len >= FUSED_DENSE_RATIO * k.shape[1] * k.shape[3]
+        self.chunks = _fused_chunks(q_len, k_len, causal and self.reversed)
         self.first = min((self.q0 + c.a - c.hi + 1 for c in self.chunks), default=0)
         last = max((self.q0 + c.b - 1 - c.lo for c in self.chunks), default=0)
-        self.line = spec.line(self.first, max(self.first, last), causal, dtype, device)
+        self.line = spec.line(self.first, max(self.first, last), causal, q.dtype, q.device)
+        self.dense = None
+        if not self.reversed:  # bias[r, j] = line[q0 + r - j - first] = flipped[r' + j], r' = Lq - 1 - r
+            flipped = self.line.flip(-1)
+            width = flipped.shape[1]
+            view = flipped.as_strided((1, flipped.shape[0], q_len, k_len), (0, width, 1, 1))
+            self.dense = view.flip(-2) if q_len > 1 else view
 
     def keys(self, c: _Chunk) -> slice:
-        """Chunk ``c``'s keys in the reversed key order."""
-        return slice(self.k_len - c.hi, self.k_len - c.lo)
+        """Chunk ``c``'s keys in the plan's key order."""
+        return slice(self.k_len - c.hi, self.k_len - c.lo) if self.reversed else slice(c.lo, c.hi)
+
+    def order(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (B, H, Lk, d)`` (keys, values or their gradients) in the plan's key order, or back (an involution)."""
+        return x.flip(2) if self.reversed else x
 
     def bias(self, heads: slice, c: _Chunk) -> torch.Tensor:
-        """``(1, heads, rows, keys)``: chunk ``c``'s bias for query ``heads`` against the reversed keys (a view)."""
+        """``(1, heads, rows, keys)``: chunk ``c``'s bias for query ``heads`` against its keys (a view)."""
+        if self.dense is not None:
+            return self.dense[:, heads]
         line = self.line
         width = line.shape[1]
         start = line.storage_offset() + heads.start * width + self.q0 + c.a - c.hi + 1 - self.first
@@ -444,8 +467,8 @@ def _fused_forward(
     causal: bool, scale: float,
 ) -> None:  # fmt: skip
     """The ``"fused"`` route's forward into ``out`` and ``lse`` (inputs in the flash kernel's layout)."""
-    plan = _FusedPlan(spec, q.shape[2], k.shape[2], causal, q.dtype, q.device)
-    kr, vr = k.flip(2), v.flip(2)
+    plan = _FusedPlan(spec, q, k, causal)
+    kr, vr = plan.order(k), plan.order(v)
     group = q.shape[1] // k.shape[1]
 
     def run(item: tuple[slice, slice]) -> None:
@@ -469,8 +492,8 @@ def _fused_backward(
     """``(dq, dk, dv)`` of the ``"fused"`` route against the saved ``out`` and ``lse`` (float32 or float64, its own
     accumulation dtype). The last chunk's keys are every key: its key gradients initialise the sums (walked last to
     first), which the other chunks add to."""
-    plan = _FusedPlan(spec, q.shape[2], k.shape[2], causal, q.dtype, q.device)
-    kr, vr = k.flip(2), v.flip(2)
+    plan = _FusedPlan(spec, q, k, causal)
+    kr, vr = plan.order(k), plan.order(v)
     group = q.shape[1] // k.shape[1]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dkr, dvr = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (k, v))
@@ -494,7 +517,7 @@ def _fused_backward(
 
     items = _fused_items(q, k)
     run_all(run, items, pool_size(len(items), q.device))
-    return dq, dkr.flip(2), dvr.flip(2)
+    return dq, plan.order(dkr), plan.order(dvr)
 
 
 def _toeplitz_forward(
