@@ -1,7 +1,8 @@
-"""The benchmark scripts: benchmarks/gpu_check.py, the prepared device check, run tiny on the CPU: its correctness
+"""The benchmark scripts run tiny on the CPU. benchmarks/gpu_check.py, the prepared device check: its correctness
 section (every backend and method against the float64 oracle; the Triton rows in Triton's interpreter), its speed
 section's logic, its files, and that it stops cleanly at its time budget. What it measures on a GPU is not
-tested here (no GPU)."""
+tested here (no GPU). benchmarks/short_context.py: its defaults, its table and target lines, its pair counts, and
+that its timed exact calls compute the same attention."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TINY = ["--device", "cpu", "--check-len", "24", "--check-dim", "16", "--check-samples", "2", "--lengths", "48",
         "--samples", "2", "--heads", "2", "--dim", "16", "--repeats", "1", "--no-compile"]  # fmt: skip
@@ -68,3 +70,51 @@ def test_stops_cleanly_at_its_budget(gpu_check, tmp_path, monkeypatch):
     assert rows[0].status.startswith("ok") and all(r.status == "skipped (budget)" for r in rows[1:])
     assert any(r.section == "speed" for r in rows)
     assert "skipped (budget)" in (tmp_path / "gpu_check.md").read_text() and (tmp_path / "gpu_check.csv").exists()
+
+
+# ---- benchmarks/short_context.py: its pieces at a tiny size -------------------------------------------------------
+
+
+@pytest.fixture
+def short_context(monkeypatch):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "short_context.py"
+    spec = importlib.util.spec_from_file_location("short_context", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "short_context", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_context_defaults_are_the_issue_shape(short_context):
+    args = short_context.parser().parse_args([])
+    assert (args.batch, args.heads, args.dim, args.samples, args.threads) == (2, 8, 64, 8, 1)
+    assert args.lengths == [512, 1024, 2048, 4096]
+
+
+def test_short_context_runs_tiny(short_context, capsys):
+    threads = torch.get_num_threads()
+    try:
+        rows = short_context.main(["--lengths", "16,24", "--batch", "1", "--heads", "2", "--dim", "8",
+                                   "--samples", "2", "--repeats", "1", "--gemm-size", "32"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert len(rows) == 2 * len(short_context.METHODS) * len(short_context.PASSES)
+    assert {(r.method, r.mode) for r in rows} == {(m, p) for m in short_context.METHODS for p in short_context.PASSES}
+    for r in rows:
+        assert r.seconds > 0 and r.gflops > 0 and r.peak_pct > 0
+        if r.method == "sdpa-mask":
+            assert r.ratio == 1.0
+        exact = r.n * (r.n + 1) // 2 * 2  # n (n + 1) / 2 pairs per head, 2 heads, batch 1
+        assert (r.pairs == exact) if r.method in ("sdpa-mask", "alibi_attention") else (0 < r.pairs <= exact)
+    text = capsys.readouterr().out
+    assert "| n | method | pass |" in text and "% of GEMM peak" in text
+    assert "- alibi_attention <= 1.1x sdpa-mask at n <= 24" in text and "plsh T=8 fresh" in text
+
+
+def test_short_context_calls_compute_the_same_attention(short_context):
+    """The timed exact calls agree: the library's exact op is SDPA with the prebuilt mask."""
+    fns, _ = short_context.calls(40, 1, 2, 8, 2)
+    torch.testing.assert_close(fns[("alibi_attention", "fwd")](), fns[("sdpa-mask", "fwd")](), rtol=0, atol=2e-6)
+    a, b = fns[("alibi_attention", "fwd+bwd")](), fns[("sdpa-mask", "fwd+bwd")]()
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)

@@ -297,7 +297,9 @@ def test_worker_pool_slope_grad_matches_sequential():
             results.append(torch.autograd.grad(alibi_attention(q, k, v, m, window=[5.0, 50.0, 9.0, 0.0]), m, up)[0])
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(results[0], results[1])
+    # the pieces are independent: equal up to the BLAS's thread-dependent rounding of a float32 sum (as in
+    # tests/ops/test_attention.py's worker-pool test; seen here after other tests changed the allocator's state)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
 
 
 # ---- the built-in decay families -------------------------------------------------------------------------------
