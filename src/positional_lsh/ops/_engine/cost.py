@@ -53,9 +53,10 @@ TILE_COST = 6500.0
 """Multiplicity form: per tile (its rows' gathers and writes, the kernel's per-query-block setup)."""
 CALL_COST = 40000.0
 """Multiplicity form: per kernel call (a dozen torch ops of mask and index work; the indices are planned once)."""
-BOUND_COST = 2.5
-"""Multiplicity form: per (query row, sample): block bounds and the start events (an upper bound: repeated draws
-are counted once, and causal calls of integer pitches take the blocks' moves instead)."""
+BOUND_COST = 5.5
+"""Multiplicity form: per (query row, sample): block bounds and the start events of the kernel calls (2.5 ns) and
+planning them (3 ns at T = 256); an upper bound where draws repeat (counted once) and for causal calls of integer
+pitches (which take the blocks' moves instead)."""
 ENTRY_COST = 0.82
 """Per-sample path: one score entry of a block ..."""
 BLOCK_COST = 420.0

@@ -335,9 +335,8 @@ def _move_events(g: _Group, pos: torch.Tensor, n: int, num_samples: int) -> tupl
     # Block beginnings inside the tile's rows: end0, end0 + b, ... while <= the last row.
     w = g.weight  # (N, U): samples per distinct partition
     moves = torch.where((end0 <= last) & (w > 0), (last - end0) // b + 1, 0)  # (N, U)
-    most = int(moves.max()) if moves.numel() else 0
     distinct = g.pitch.shape[1]
-    count = num * (distinct + 2 * tile) + 2 * int(moves.sum())
+    count = num * (distinct + 2 * tile) + 2 * int(moves.sum())  # the events
     by_moves = count * MOVE_EVENT_NS + tile * ROW_SUM_NS + num * tile * (kl + 1) * ROW_SUM_ENTRY_NS
     if by_moves >= num * tile * distinct * ROW_START_NS:
         return None
@@ -346,16 +345,21 @@ def _move_events(g: _Group, pos: torch.Tensor, n: int, num_samples: int) -> tupl
     k0 = g.k_start[:, None]
     idx = [base + (start0 - k0)]  # row 0: the first row's starts
     val = [w]
-    if most:
-        m = torch.arange(most, device=pos.device)
-        beta = end0[..., None] + m * b[..., None]  # (N, T, most)
-        ok = m < moves[..., None]
-        prev = torch.where(m == 0, start0[..., None], beta - b[..., None])
-        row = (beta - first[..., None]) * width
-        at = base[..., None] + row
-        idx += [torch.where(ok, at + (prev - k0[..., None]), 0), torch.where(ok, at + (beta - k0[..., None]), 0)]
-        one = ok.to(torch.int32) * w[..., None]
-        val += [-one, one]
+    total = int(moves.sum())
+    if total:  # every move once (no padding to the most moves of a sample): its tile, sample and number
+        flat_moves = moves.flatten()
+        owner = torch.repeat_interleave(torch.arange(flat_moves.numel(), device=pos.device), flat_moves)
+        first_of = torch.cumsum(flat_moves, 0) - flat_moves
+        m = torch.arange(total, device=pos.device) - first_of[owner]
+        tile_of = owner // moves.shape[1]
+        step = b.flatten()[owner]
+        beta = end0.flatten()[owner] + m * step
+        prev = torch.where(m == 0, start0.flatten()[owner], beta - step)
+        at = base[tile_of, 0] + (beta - first[tile_of, 0]) * width
+        kk = k0[tile_of, 0]
+        idx += [at + (prev - kk), at + (beta - kk)]
+        wm = w.flatten()[owner]
+        val += [-wm, wm]
     r = torch.arange(tile, device=pos.device)
     diag = (first + r + 1 - k0).clamp(max=kl)  # (N, tile) key column i + 1 of row i
     minus_t = torch.full(diag.shape, -num_samples, dtype=torch.int32, device=pos.device)
