@@ -166,6 +166,7 @@ def test_many_small_kernel_calls_reuse_their_buffers_exactly(causal, monkeypatch
     # from call to call, at shapes that shrink and grow: the result is still the oracle's, gradients included.
     monkeypatch.setattr(mult, "CHUNK_ELEMENTS", 1)
     monkeypatch.setattr(mult, "TILE_HEIGHTS", (16,))
+    monkeypatch.setattr(mult, "WHOLE_TILE_ROWS", 0)
     q, k, v = _qkv(2, 6, 3, 150, 150, 8, grad=True)
     parts = sample_partitions(150, SLOPES, 5, generator=4)
     out = plsh_attention(q, k, v, partitions=parts, causal=causal, method="multiplicity")

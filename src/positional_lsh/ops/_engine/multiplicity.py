@@ -61,6 +61,7 @@ __all__ = [
     "ROW_START_NS",
     "ROW_SUM_ENTRY_NS",
     "ROW_SUM_NS",
+    "WHOLE_TILE_ROWS",
     "MultiplicityBackend",
     "MultiplicityPlan",
     "Tiling",
@@ -72,6 +73,8 @@ __all__ = [
     "tilings",
 ]
 
+#: Calls of at most this many query rows may take one tile of all of them (:func:`tilings`).
+WHOLE_TILE_ROWS = 1024
 # Key-window lengths are rounded up to one of this many sizes per octave (fewer distinct shapes, fewer calls).
 _STEPS_PER_OCTAVE = 4
 # Planning evaluates block bounds over at most about this many (tile, sample, head) entries at once.
@@ -200,7 +203,9 @@ def tilings(partitions: Partitions, heads: list[int], q_len: int, causal: bool) 
     lo_fine = torch.cat(lo_cols, 1)  # (fine tiles, heads)
     end_fine = (fine_last + 1)[:, None].expand_as(lo_fine) if causal else torch.cat(end_cols, 1)
     best: dict[int, Tiling] = {}
-    for tile in TILE_HEIGHTS:
+    # Short calls may also take one tile of all rows (fewer, larger kernel calls; the cost model weighs the pairs).
+    heights = TILE_HEIGHTS if q_len > WHOLE_TILE_ROWS else (*TILE_HEIGHTS, q_len)
+    for tile in heights:
         tile = min(tile, q_len)
         step = tile // unit if tile < q_len else fine.numel()  # one tile: first row 0, last row Lq - 1
         first_idx = torch.arange(0, fine.numel(), step)
@@ -327,6 +332,9 @@ def _move_events(g: _Group, pos: torch.Tensor, n: int, num_samples: int) -> tupl
     """
     num, tile = pos.shape
     kl = g.k_len
+    distinct = g.pitch.shape[1]
+    if num * distinct * ROW_START_NS <= ROW_SUM_NS:  # the running sum's one op per row alone costs more
+        return None
     whole = integer_pitch_shift(g.pitch, g.shift)
     assert whole is not None
     b = whole[0]  # (N, U) int64 pitches
@@ -335,7 +343,6 @@ def _move_events(g: _Group, pos: torch.Tensor, n: int, num_samples: int) -> tupl
     # Block beginnings inside the tile's rows: end0, end0 + b, ... while <= the last row.
     w = g.weight  # (N, U): samples per distinct partition
     moves = torch.where((end0 <= last) & (w > 0), (last - end0) // b + 1, 0)  # (N, U)
-    distinct = g.pitch.shape[1]
     count = num * (distinct + 2 * tile) + 2 * int(moves.sum())  # the events
     by_moves = count * MOVE_EVENT_NS + tile * ROW_SUM_NS + num * tile * (kl + 1) * ROW_SUM_ENTRY_NS
     if by_moves >= num * tile * distinct * ROW_START_NS:
@@ -380,10 +387,10 @@ def kernel_calls(plan: MultiplicityPlan, device: torch.device, batch: int, d: in
     calls = []
     lq, n = plan.q_len, plan.k_len
     for group in plan.groups:
+        integer = integer_pitch_shift(group.pitch, group.shift) is not None  # once per group, not per call
         for g in _chunks(group.to(device), batch, d):
             rows, real = tile_rows(g, lq)
             keys = _keys(g, n)
-            integer = integer_pitch_shift(g.pitch, g.shift) is not None
             pos = rows + (n - lq)
             moves = _move_events(g, pos, n, plan.num_samples) if integer and plan.causal and bool(real.all()) else None
             q_index = (g.head[:, None] * lq + rows).flatten()
@@ -547,7 +554,8 @@ class MultiplicityBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every group's masked call, its rows written into ``out``/``lse`` (no merge: each row is in one tile); the
         rows of heads outside ``plan.heads`` stay 0 and ``-inf``. ``out`` in ``q``'s dtype."""
-        cd = acc_dtype(q.dtype)
+        cd, in_dtype = acc_dtype(q.dtype), q.dtype
+        q, k, v = (x.to(cd) for x in (q, k, v))  # half inputs: converted once, not per gathered tile
         out = torch.zeros(q.shape, dtype=cd, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cd, device=q.device)
         b, d = q.shape[0], q.shape[-1]
@@ -561,7 +569,7 @@ class MultiplicityBackend:
             # Padded rows repeat row Lq-1 of the same tile: they write the same values.
             out.view(b, -1, d).index_copy_(1, c.q_index, o.flatten(1, 2).to(out.dtype))
             lse.view(b, -1).index_copy_(1, c.q_index, l.flatten(1, 2).to(lse.dtype))
-        return out.to(q.dtype), lse
+        return out.to(in_dtype), lse
 
     def backward(
         self, plan: MultiplicityPlan, saved: Saved, dout: torch.Tensor, scale: float, dist_grad: bool
@@ -571,6 +579,8 @@ class MultiplicityBackend:
         q, k, v, out, lse = saved
         (dq, dk, dv), dist = accumulators(saved, dist_grad)
         cd = acc_dtype(q.dtype)
+        out_dtypes = (q.dtype, k.dtype, v.dtype)
+        q, k, v, out, dout = (x.to(cd) for x in (q, k, v, out, dout))  # half inputs: converted once
         b, hq, lq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
@@ -594,7 +604,7 @@ class MultiplicityBackend:
                 w = (c.pos[:, :, None] - c.keys[:, None, :]).abs().to(cd).unsqueeze(0)
                 total = attend_bias_grad(dg, qg, kg, vg, og, lg, w, causal=False, scale=scale, bias=mask.unsqueeze(0))
                 dist.index_add_(0, c.g.head, total.sum(0).to(dist.dtype))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dist
+        return dq.to(out_dtypes[0]), dk.to(out_dtypes[1]), dv.to(out_dtypes[2]), dist
 
 
 MULTIPLICITY_FLASH = MultiplicityBackend("flash")
