@@ -554,8 +554,7 @@ class MultiplicityBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every group's masked call, its rows written into ``out``/``lse`` (no merge: each row is in one tile); the
         rows of heads outside ``plan.heads`` stay 0 and ``-inf``. ``out`` in ``q``'s dtype."""
-        cd, in_dtype = acc_dtype(q.dtype), q.dtype
-        q, k, v = (x.to(cd) for x in (q, k, v))  # half inputs: converted once, not per gathered tile
+        cd, in_dtype = acc_dtype(q.dtype), q.dtype  # half inputs: each gathered tile converted (in the cache)
         out = torch.zeros(q.shape, dtype=cd, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cd, device=q.device)
         b, d = q.shape[0], q.shape[-1]
@@ -580,7 +579,6 @@ class MultiplicityBackend:
         (dq, dk, dv), dist = accumulators(saved, dist_grad)
         cd = acc_dtype(q.dtype)
         out_dtypes = (q.dtype, k.dtype, v.dtype)
-        q, k, v, out, dout = (x.to(cd) for x in (q, k, v, out, dout))  # half inputs: converted once
         b, hq, lq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
