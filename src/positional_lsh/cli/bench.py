@@ -372,12 +372,13 @@ def _ratio_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
     return out
 
 
-def format_table(rows: list[BenchRow]) -> str:
-    """The rows as a Markdown table."""
+def format_table(rows: list[BenchRow], peak: float | None = None) -> str:
+    """The rows as a Markdown table; with ``peak`` (the run's fp32 GEMM GFLOP/s) each row's useful GFLOP/s also as a
+    percentage of it."""
     lines = [
         "| method | T | n | pass | median s | runs | peak MiB | rel. error | × vs flex-exact (fwd) | × vs sdpa-mask "
-        "| pairs (M) | useful GFLOP/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| pairs (M) | useful GFLOP/s | % of fp32 GEMM peak |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for d in _ratio_rows(rows):
 
@@ -388,7 +389,8 @@ def format_table(rows: list[BenchRow]) -> str:
             f"| {d['method']} | {d['samples'] or ''} | {d['seq_len']} | {d['mode']} | {d['seconds']:.4f} "
             f"| {d['repeats']} | {f(d['peak_mib'], '.0f')} | {f(d['rel_error'], '.3g')} "
             f"| {f(d['speedup_vs_flex-exact'], '.1f')} | {f(d['speedup_vs_sdpa-mask'], '.1f')} "
-            f"| {f(None if d['pairs'] is None else d['pairs'] / 1e6, '.1f')} | {f(d['useful_gflops'], '.2f')} |"
+            f"| {f(None if d['pairs'] is None else d['pairs'] / 1e6, '.1f')} | {f(d['useful_gflops'], '.2f')} "
+            f"| {f(None if peak is None or d['useful_gflops'] is None else 100 * d['useful_gflops'] / peak, '.1f')} |"
         )
     return "\n".join(lines)
 
@@ -414,9 +416,8 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict[str, object]) 
         writer.writerows(dicts)
     written.append(csv_path)
     md = out_dir / "bench.md"
-    md.write_text(
-        "# plsh bench\n\n" + "".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n" + format_table(rows) + "\n"
-    )
+    header = "# plsh bench\n\n" + "".join(f"- {k}: {v}\n" for k, v in meta.items())
+    md.write_text(header + "\n" + format_table(rows, _peak(meta)) + "\n")
     written.append(md)
     written.append(_plot(rows, out_dir / "bench.png", meta))
     if any(r.samples is not None for r in rows):
@@ -493,6 +494,11 @@ def _plot_times(
 
 # ------------------------------------------------------------------------------------------ command line
 
+def _peak(meta: dict[str, object]) -> float | None:
+    value = meta.get(_PEAK32)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 _PEAK32 = "GEMM peak fp32 (torch.matmul 1024², GFLOP/s)"
 _PEAK16 = "GEMM peak bf16 (torch.matmul 1024², GFLOP/s)"
 
@@ -522,7 +528,7 @@ def run_bench_command(cfg: BenchConfig) -> list[BenchRow]:
     for n in cfg.lengths:  # one length at a time, writing the outputs after each: long runs keep partial results
         rows += run_benchmark(dataclasses.replace(cfg, lengths=(n,)))
         paths = write_outputs(rows, Path(cfg.out), meta)
-    print(format_table(rows))
+    print(format_table(rows, _peak(meta)))
     print(f"GEMM peaks ({torch.get_num_threads()} threads): fp32 {meta[_PEAK32]} GFLOP/s, bf16 {meta[_PEAK16]} GFLOP/s")
     for a, b, e in growth_exponents(rows):
         print(f"plsh T=8 fwd time growth {a}->{b}: n^{e:.2f}")
