@@ -20,15 +20,19 @@ Computation. Queries are cut into tiles of ``tile`` consecutive rows (per head, 
 keys are one window ``[k_start, k_start + k_len)`` covering the union of its rows' intervals (both ends are
 monotone in ``i``, so the first and last row fix it). Tiles with equal ``(tile, k_len)`` (``k_len`` rounded
 up to a few sizes per octave) form a *group*: one batched attention call over ``(B, tiles, tile, k_len)``
-with the additive float mask ``log c`` (``-inf`` outside), built on the device by a scatter of the ``T``
-block starts (and ends) of every row followed by a cumulative sum over keys — ``O(T + k_len)`` per row.
+with the additive float mask ``log c`` (``-inf`` outside), built on the device from int32 counts: a scatter of
+the block starts (and ends) of every row in each head's distinct partitions, weighted by how many samples drew
+each (or, causal with integer pitches, the blocks' moves summed down the rows: :func:`_move_events`), an integer
+cumulative sum over keys — ``O(U + k_len)`` per row, ``U <= T`` — and a lookup of ``log c`` in the table of its
+``T + 1`` values (:func:`log_count_table`). Groups are split into calls of about :data:`CHUNK_ELEMENTS` mask
+entries, whose index tensors are planned once (:func:`kernel_calls`).
 Each query row lives in exactly one tile, so the call's ``(out, lse)`` are final: no merge. The backward
 is the same attention's backward with the saved ``out``/``lse`` and the mask rebuilt, its key gradients
 scatter-added back (tiles share keys). The surrogate slope gradient (``dist_grad``) adds each masked call's
 ``sum_ij dS_ij |i - j|`` over its rows and union keys (``ops._engine.kernels.attend_bias_grad``, one more math pass
 over the call's scores) into its tiles' query heads.
 
-All of it is device-agnostic torch: gathers, ``scatter_add_``, ``cumsum``, ``log`` and the attention kernels
+All of it is device-agnostic torch: gathers, ``scatter_add_``, ``cumsum``, ``index_select`` and the attention kernels
 of :mod:`positional_lsh.ops._engine.kernels` (CPU: torch's fused flash op with ``attn_mask``; elsewhere: chunked
 matmul). The number of kernel calls is the number of groups (a handful per head), split further only to cap
 the memory of one call (:data:`CHUNK_ELEMENTS`). Each head's tile height is the cheapest by the cost model
@@ -327,8 +331,9 @@ def _move_events(g: _Group, pos: torch.Tensor, n: int, num_samples: int) -> tupl
     row from ``beta`` on removes an event at ``p`` and adds one at ``beta``. So the rows' events are a running sum
     down the rows of a sparse array: the first row's ``T`` starts, ``-1`` at ``(beta, p)`` and ``+1`` at
     ``(beta, beta)`` per move, and the diagonal (``-T`` at ``(r, r + 1)``, undone by ``+T`` at ``(r + 1, r + 1)``).
-    Returns the flat indices into ``(N, tile, k_len + 1)`` and int32 values of those events (the running sum over
-    rows and then over keys is :func:`_mask`'s). All rows must be real (consecutive positions ``pos``).
+    Each event carries its distinct partition's weight (``g.weight``: how many samples drew it). Returns the flat
+    indices into ``(N, tile, k_len + 1)`` and int32 values of those events (the running sum over rows and then over
+    keys is :func:`_mask`'s). All rows must be real (consecutive positions ``pos``).
     """
     num, tile = pos.shape
     kl = g.k_len
