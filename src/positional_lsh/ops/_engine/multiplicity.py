@@ -527,6 +527,18 @@ def _gather(
     return x[:, index // length, index % length].view(b, *shape, *rest)
 
 
+def _call_inputs(
+    c: _Call, plan: MultiplicityPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cd: torch.dtype, ws: _Workspace
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One kernel call's mask and its gathered ``q, k, v`` tiles in the accumulation dtype ``cd`` (half inputs are
+    converted tile by tile, in the cache: a whole-tensor conversion paged in a fresh copy and was slower)."""
+    mask = _mask(c, plan, cd, ws)
+    qg = _gather(q, c.q_index, c.rows.shape, ws, "q").to(cd)
+    kg = _gather(k, c.kv_index, c.keys.shape, ws, "k").to(cd)
+    vg = _gather(v, c.kv_index, c.keys.shape, ws, "v").to(cd)
+    return mask, qg, kg, vg
+
+
 def _keys(g: _Group, n: int) -> torch.Tensor:
     return (g.k_start[:, None] + torch.arange(g.k_len, device=g.k_start.device)).clamp(max=n - 1)
 
@@ -559,21 +571,18 @@ class MultiplicityBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every group's masked call, its rows written into ``out``/``lse`` (no merge: each row is in one tile); the
         rows of heads outside ``plan.heads`` stay 0 and ``-inf``. ``out`` in ``q``'s dtype."""
-        cd, in_dtype = acc_dtype(q.dtype), q.dtype  # half inputs: each gathered tile converted (in the cache)
+        cd = acc_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=cd, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cd, device=q.device)
         b, d = q.shape[0], q.shape[-1]
         ws = _Workspace(q.device)
         for c in kernel_calls(plan, q.device, b, d):
-            mask = _mask(c, plan, cd, ws)
-            qg = _gather(q, c.q_index, c.rows.shape, ws, "q").to(cd)
-            kg = _gather(k, c.kv_index, c.keys.shape, ws, "k").to(cd)
-            vg = _gather(v, c.kv_index, c.keys.shape, ws, "v").to(cd)
+            mask, qg, kg, vg = _call_inputs(c, plan, q, k, v, cd, ws)
             o, l = attend(qg, kg, vg, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0))
             # Padded rows repeat row Lq-1 of the same tile: they write the same values.
             out.view(b, -1, d).index_copy_(1, c.q_index, o.flatten(1, 2).to(out.dtype))
             lse.view(b, -1).index_copy_(1, c.q_index, l.flatten(1, 2).to(lse.dtype))
-        return out.to(in_dtype), lse
+        return out.to(q.dtype), lse
 
     def backward(
         self, plan: MultiplicityPlan, saved: Saved, dout: torch.Tensor, scale: float, dist_grad: bool
@@ -583,16 +592,12 @@ class MultiplicityBackend:
         q, k, v, out, lse = saved
         (dq, dk, dv), dist = accumulators(saved, dist_grad)
         cd = acc_dtype(q.dtype)
-        out_dtypes = (q.dtype, k.dtype, v.dtype)
         b, hq, lq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
         ws = _Workspace(q.device)
         for c in kernel_calls(plan, q.device, b, d):
-            mask = _mask(c, plan, cd, ws)
-            qg = _gather(q, c.q_index, c.rows.shape, ws, "q").to(cd)
-            kg = _gather(k, c.kv_index, c.keys.shape, ws, "k").to(cd)
-            vg = _gather(v, c.kv_index, c.keys.shape, ws, "v").to(cd)
+            mask, qg, kg, vg = _call_inputs(c, plan, q, k, v, cd, ws)
             og = _gather(out, c.q_index, c.rows.shape, ws, "out").to(cd)
             lg = _gather(lse.unsqueeze(-1), c.q_index, c.rows.shape).squeeze(-1).to(cd)
             # Padding rows get a zero upstream gradient, so they contribute nothing.
@@ -607,7 +612,7 @@ class MultiplicityBackend:
                 w = (c.pos[:, :, None] - c.keys[:, None, :]).abs().to(cd).unsqueeze(0)
                 total = attend_bias_grad(dg, qg, kg, vg, og, lg, w, causal=False, scale=scale, bias=mask.unsqueeze(0))
                 dist.index_add_(0, c.g.head, total.sum(0).to(dist.dtype))
-        return dq.to(out_dtypes[0]), dk.to(out_dtypes[1]), dv.to(out_dtypes[2]), dist
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dist
 
 
 MULTIPLICITY_FLASH = MultiplicityBackend("flash")
