@@ -11,14 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from positional_lsh.lm.data.tokenizer import DEFAULT_VOCAB_SIZE
-from positional_lsh.lm.train_config import (
-    AUTOCAST_CHOICES,
-    check_betas,
-    check_nonnegative_numbers,
-    check_out_dir,
-    check_step_counts,
-)
+from positional_lsh.lm.train_config import BaseTrainConfig
 from positional_lsh.ops._checks import check_bool, check_choice, check_int, positive_int
 from positional_lsh.ops.options import BACKENDS, METHODS
 from positional_lsh.ops.partitions.schemes import get_scheme
@@ -93,11 +86,11 @@ def inapplicable_settings(position: str, finetune: str) -> dict[str, str]:
 
 
 @dataclass
-class HFTrainConfig:
-    """Settings of :func:`train_hf` (``plsh train-hf``); see the module docstring.
+class HFTrainConfig(BaseTrainConfig):
+    """Settings of :func:`train_hf` (``plsh train-hf``): those of
+    :class:`~positional_lsh.lm.train_config.BaseTrainConfig` (as ``plsh train``, with their own defaults) and these.
 
     Attributes:
-        out_dir: the run directory.
         config: from scratch: a transformers ``config.json``, a folder holding one, or a :data:`BUILTIN_CONFIGS`
             name. Exactly one of ``config`` and ``checkpoint``.
         checkpoint: fine-tune: a local ``save_pretrained`` folder, a peft adapter folder or a ``plsh train-hf`` run.
@@ -110,17 +103,16 @@ class HFTrainConfig:
         window: ``window-alibi``'s largest kept distance.
         partition_seed: seed of the training partitions (default: ``seed``).
         attn_backend, plsh_method: passed to the attention (how it computes, not what).
-        data, tokenizer, vocab_size, cache_dir: the data (see the module docstring); ``vocab_size``: of a trained BPE.
         seq_len: training window length in tokens.
-        batch_size, grad_accum, steps, lr, min_lr, warmup, weight_decay, beta1, beta2, grad_clip: as ``plsh train``.
-        eval_interval, eval_batches, ckpt_interval, seed: as ``plsh train``.
         dtype: weights dtype (``"float32"``; ``"bfloat16"`` for a frozen LoRA base).
-        autocast: ``"auto"``, ``"float32"`` (off), ``"bfloat16"``, ``"float16"``.
         gradient_checkpointing: recompute activations in the backward (same gradients, less memory).
-        device, threads, stop_after, progress: as ``plsh train``.
     """
 
-    out_dir: str
+    batch_size: int = 8
+    steps: int = 1000
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    eval_batches: int = 8
     config: str | None = None
     checkpoint: str | None = None
     finetune: str = "full"
@@ -137,36 +129,12 @@ class HFTrainConfig:
     partition_seed: int | None = None
     attn_backend: str = "auto"
     plsh_method: str = "auto"
-    data: str | None = None
-    tokenizer: str | None = None
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    cache_dir: str | None = None
     seq_len: int = 512
-    batch_size: int = 8
-    grad_accum: int = 1
-    steps: int = 1000
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    eval_interval: int = 250
-    eval_batches: int = 8
-    ckpt_interval: int = 500
-    seed: int = 0
     dtype: str = "float32"
-    autocast: str = "auto"
     gradient_checkpointing: bool = False
-    device: str = "auto"
-    threads: int | None = None
-    stop_after: int | None = None
-    progress: bool = True
 
-    def validate(self) -> None:
+    def validate(self, positive: tuple[str, ...] = (), nonnegative: tuple[str, ...] = ()) -> None:
         """Raise ``TypeError``/``ValueError`` naming the first bad field (nothing is loaded)."""
-        check_out_dir(self)
         if (self.config is None) == (self.checkpoint is None):
             raise ValueError("give exactly one of config (train from scratch) and checkpoint (fine-tune), got "
                              f"config={self.config!r}, checkpoint={self.checkpoint!r}")  # fmt: skip
@@ -175,21 +143,15 @@ class HFTrainConfig:
             raise ValueError("finetune='lora' needs a checkpoint to fine-tune (a model from a config trains fully)")
         check_choice("position", self.position, HF_POSITIONS)
         check_choice("dtype", self.dtype, WEIGHT_DTYPES)
-        check_choice("autocast", self.autocast, AUTOCAST_CHOICES)
         check_choice("attn_backend", self.attn_backend, BACKENDS)
         check_choice("plsh_method", self.plsh_method, METHODS)
         get_scheme(self.scheme)
-        check_step_counts(self, ("lora_r", "num_samples", "vocab_size", "seq_len", "batch_size", "grad_accum",
-                                 "steps", "eval_interval", "eval_batches", "ckpt_interval"))  # fmt: skip
+        super().validate(("lora_r", "num_samples", "seq_len", *positive), ("lora_dropout", *nonnegative))
         if self.partition_seed is not None:
             check_int("partition_seed", self.partition_seed, minimum=0)
         positive_int("lora_alpha", self.lora_alpha)
-        check_nonnegative_numbers(self, ("lr", "min_lr", "weight_decay", "grad_clip", "lora_dropout"))
-        if self.lr <= 0 or self.min_lr > self.lr:
-            raise ValueError(f"lr must be > 0 and min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.lora_dropout >= 1:
             raise ValueError(f"lora_dropout must be < 1, got {self.lora_dropout}")
-        check_betas(self)
         check_bool("gradient_checkpointing", self.gradient_checkpointing)
         if self.sigma is not None and self.slopes is not None:
             raise ValueError("give sigma (one slope 1/sigma for every head) or slopes (one per head), not both")

@@ -78,8 +78,10 @@ def default_cache_dir() -> Path:
 
 
 @dataclass
-class TrainConfig:
-    """Training hyperparameters (the model's are in :class:`~positional_lsh.lm.config.ModelConfig`).
+class BaseTrainConfig:
+    """The settings ``plsh train`` (:class:`TrainConfig`) and ``plsh train-hf``
+    (:class:`~positional_lsh.integrations.hf_train_config.HFTrainConfig`) share: the run directory, the data, the
+    optimizer and the run's schedule. Each subclass sets its own defaults and adds its own settings.
 
     Attributes:
         out_dir: the run directory: checkpoint files, ``trainer_state.pt``, ``log.jsonl``, ``train_config.json``.
@@ -96,17 +98,14 @@ class TrainConfig:
         grad_clip: global gradient-norm clip (0 disables).
         eval_interval, eval_batches: validate every ``eval_interval`` steps on ``eval_batches`` fixed batches.
         ckpt_interval: save a resumable checkpoint every this many steps (and at the end).
-        seed: seeds the model initialization, the data order and (unless the model config sets its own) the
+        seed: seeds the model initialization, the data order and (unless the run sets their own seed) the
             positional-LSH training partitions.
         autocast: ``"auto"`` (see :func:`resolve_autocast_dtype`), ``"float32"`` (off), ``"bfloat16"``, ``"float16"``.
         device: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``...
         threads: torch intra-op threads (``None``: torch's default).
-        save_dtype: storage dtype of the exported weights (``"float32"``, ``"float16"``, ``"bfloat16"``).
         stop_after: stop (with a resumable checkpoint) once this step is reached, to split one run into several
             jobs; the learning-rate schedule still follows ``steps``.
         progress: show a progress bar.
-        context_parallel: ``C`` > 1 splits every sequence over ``C`` consecutive ranks (``position="plsh"`` only;
-            ``C`` must divide the world size: world = data x context); see ``docs/distributed.md``.
     """
 
     out_dir: str
@@ -131,25 +130,43 @@ class TrainConfig:
     autocast: str = "auto"
     device: str = "auto"
     threads: int | None = None
-    save_dtype: str = "float32"
     stop_after: int | None = None
     progress: bool = True
-    context_parallel: int = 1
 
-    def validate(self) -> None:
-        """Raise ``TypeError``/``ValueError`` naming the first bad field."""
+    _POSITIVE = ("vocab_size", "batch_size", "grad_accum", "steps", "eval_interval", "eval_batches", "ckpt_interval")
+
+    def validate(self, positive: tuple[str, ...] = (), nonnegative: tuple[str, ...] = ()) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the first bad field of the shared settings; a subclass passes
+        its own ``positive`` counts (ints > 0) and ``nonnegative`` numbers (finite, >= 0) to be checked with them."""
         check_out_dir(self)
-        check_step_counts(self, ("vocab_size", "batch_size", "grad_accum", "steps", "eval_interval", "eval_batches",
-                                 "ckpt_interval", "context_parallel"))  # fmt: skip
-        check_nonnegative_numbers(self, ("lr", "min_lr", "weight_decay", "grad_clip"))
+        check_step_counts(self, (*self._POSITIVE, *positive))
+        check_nonnegative_numbers(self, ("lr", "min_lr", "weight_decay", "grad_clip", *nonnegative))
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
         check_betas(self)
         check_choice("autocast", self.autocast, AUTOCAST_CHOICES)
-        check_choice("save_dtype", self.save_dtype, ("float32", "float16", "bfloat16"))
 
+
+@dataclass
+class TrainConfig(BaseTrainConfig):
+    """Training hyperparameters of ``plsh train`` (the model's are in :class:`~positional_lsh.lm.config.ModelConfig`):
+    the settings of :class:`BaseTrainConfig` and these.
+
+    Attributes:
+        save_dtype: storage dtype of the exported weights (``"float32"``, ``"float16"``, ``"bfloat16"``).
+        context_parallel: ``C`` > 1 splits every sequence over ``C`` consecutive ranks (``position="plsh"`` only;
+            ``C`` must divide the world size: world = data x context); see ``docs/distributed.md``.
+    """
+
+    save_dtype: str = "float32"
+    context_parallel: int = 1
+
+    def validate(self, positive: tuple[str, ...] = (), nonnegative: tuple[str, ...] = ()) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the first bad field."""
+        super().validate(("context_parallel", *positive), nonnegative)
+        check_choice("save_dtype", self.save_dtype, ("float32", "float16", "bfloat16"))
 
 QUICK_PRESET: dict[str, Any] = {
     # ~1 minute on 2 CPU cores: a tiny model on the shipped corpus, for smoke tests and CI.
