@@ -20,7 +20,7 @@ peft = pytest.importorskip("peft")
 from positional_lsh.cli import eval as cli_eval  # noqa: E402
 from positional_lsh.cli import train_hf as cli  # noqa: E402
 from positional_lsh.integrations import hf  # noqa: E402
-from positional_lsh.integrations.hf import train as T  # noqa: E402
+from positional_lsh.integrations.hf import train_data as TD  # noqa: E402
 from positional_lsh.integrations.hf_train_config import HF_POSITIONS, PRESETS, HFTrainConfig  # noqa: E402
 from positional_lsh.lm import data as D  # noqa: E402
 from positional_lsh.lm.checkpoint import checkpoint_dir  # noqa: E402
@@ -215,7 +215,7 @@ def test_datasets_folder_as_data(tmp_path: Path, text_dir: Path) -> None:
                                "validation": datasets.Dataset.from_dict({"text": texts[6:8]}),
                                "test": datasets.Dataset.from_dict({"text": texts[8:]})})  # fmt: skip
     dd.save_to_disk(str(tmp_path / "ds"))
-    splits = T.load_training_splits(str(tmp_path / "ds"))
+    splits = TD.load_training_splits(str(tmp_path / "ds"))
     assert [len(splits[s]) for s in ("train", "validation", "test")] == [6, 2, 2]
     assert splits["train"][0].text == texts[0]
 

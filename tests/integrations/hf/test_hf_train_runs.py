@@ -18,6 +18,8 @@ pytest.importorskip("transformers")
 
 from positional_lsh.cli import train_hf as cli
 from positional_lsh.integrations.hf import train as T
+from positional_lsh.integrations.hf import train_data as TD
+from positional_lsh.integrations.hf import train_model as TM
 from positional_lsh.integrations.hf_train_config import BUILTIN_CONFIGS, HFTrainConfig
 from positional_lsh.lm import data as D
 from positional_lsh.lm.train_loop import step_label
@@ -96,7 +98,7 @@ def test_the_probe_leaves_the_run_unchanged(text_dir: Path, tok_file: Path, tmp_
     """The attention probe restores the swap's step and the random state: the run trains as without it."""
     cfg = HFTrainConfig(config="tiny-qwen3", out_dir=str(tmp_path / "x"), position="plsh", num_samples=4, sigma=16.0,
                         seq_len=16, seed=3)  # fmt: skip
-    model, _ = T.build_model(cfg, 300)
+    model, _ = TM.build_model(cfg, 300)
     swap = T.current_swap(model)
     assert swap is not None
     x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -104,7 +106,7 @@ def test_the_probe_leaves_the_run_unchanged(text_dir: Path, tok_file: Path, tmp_
     swap.set_step(0)
     torch.manual_seed(5)
     rng = torch.get_rng_state()
-    T.probe_attention(model, cfg, torch.device("cpu"), None)
+    TM.probe_attention(model, cfg, torch.device("cpu"), None)
     assert swap.step == 0 and torch.equal(torch.get_rng_state(), rng)
     assert torch.equal(model(input_ids=x, use_cache=False).logits, ref)
 
@@ -176,7 +178,7 @@ def test_hub_data_offline_is_one_line_before_any_retry(tmp_path: Path, capsys, m
     seen = _no_hub(monkeypatch)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(T, "hub_reachable", lambda timeout=3.0: False)  # simulated: no network in tests
+    monkeypatch.setattr(TD, "hub_reachable", lambda timeout=3.0: False)  # simulated: no network in tests
     out = tmp_path / "run"
     capsys.readouterr()
     assert cli.main(["--preset", "paper-qwen3-0.6b", "--device", "cpu", "--out", str(out)]) == 2
@@ -194,19 +196,19 @@ def test_hf_hub_offline_is_honoured_without_probing_the_network(tmp_path: Path, 
     def probe(timeout: float = 3.0) -> bool:
         raise AssertionError("HF_HUB_OFFLINE=1: the network must not be probed")
 
-    monkeypatch.setattr(T, "hub_reachable", probe)
+    monkeypatch.setattr(TD, "hub_reachable", probe)
     capsys.readouterr()
     assert cli.main(["--preset", "paper-qwen3-0.6b", "--device", "cpu", "--out", str(tmp_path / "run")]) == 2
     assert "offline" in one_line_error(capsys) and seen == [True]
 
 
 def test_hub_offline_reads_the_environment(monkeypatch) -> None:
-    monkeypatch.setattr(T, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(TD, "hub_reachable", lambda timeout=3.0: True)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    assert not T.hub_offline()
+    assert not TD.hub_offline()
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    assert T.hub_offline()
+    assert TD.hub_offline()
 
 
 # -- item 8: the memory estimate and --dry-run --------------------------------------------------------------------
@@ -217,15 +219,15 @@ def test_dry_run_prints_the_estimate_from_the_config_alone(tmp_path: Path, text_
     out = tmp_path / "run"
     capsys.readouterr()
     with monkeypatch.context() as m:  # no weights are loaded or built on a real device
-        m.setattr(T, "build_model", lambda *a, **k: pytest.fail("--dry-run built the model"))
-        m.setattr(T, "load_local_model", lambda *a, **k: pytest.fail("--dry-run loaded weights"))
+        m.setattr(TM, "build_model", lambda *a, **k: pytest.fail("--dry-run built the model"))
+        m.setattr(TM, "load_local_model", lambda *a, **k: pytest.fail("--dry-run loaded weights"))
         assert cli.main(["--out", str(out), *flags(text_dir, "--tokenizer", str(tok_file), "--dry-run")]) == 0
     printed = capsys.readouterr().out.splitlines()
     lines = [line for line in printed if line.startswith("plsh train-hf: memory estimate")]  # (and the preset's line)
     assert len(lines) == 1 and lines[0].startswith("plsh train-hf: memory estimate per process: parameters ")
     assert all(line.startswith("plsh train-hf: preset ") for line in printed if line not in lines)
     assert not out.exists()
-    model, _ = T.build_model(HFTrainConfig(config="tiny-qwen3", out_dir=str(out)), 300)
+    model, _ = TM.build_model(HFTrainConfig(config="tiny-qwen3", out_dir=str(out)), 300)
     n = sum(p.numel() for p in model.parameters())
     assert f"parameters {n:,} ({n:,} trained)" in lines[0] and "seq_len 32, T=4, batch 4" in lines[0]
     for part in ("gradients", "optimizer state", "activations"):
@@ -244,10 +246,10 @@ def test_memory_estimate_counts() -> None:
     d = dict(BUILTIN_CONFIGS["tiny-qwen3"])
     config = AutoConfig.for_model(d.pop("model_type"), **d)
     cfg = HFTrainConfig(config="tiny-qwen3", out_dir="x", seq_len=128, batch_size=2, num_samples=4, sigma=16.0)
-    m = T.estimate_memory(cfg, config, 1000, 100)
+    m = TM.estimate_memory(cfg, config, 1000, 100)
     assert m["params"] == 4000 and m["grads"] == 400 and m["optimizer"] == 800
-    more_t = T.estimate_memory(HFTrainConfig(**{**cfg.__dict__, "num_samples": 40}), config, 1000, 100)
-    ckpt = T.estimate_memory(HFTrainConfig(**{**cfg.__dict__, "gradient_checkpointing": True}), config, 1000, 100)
+    more_t = TM.estimate_memory(HFTrainConfig(**{**cfg.__dict__, "num_samples": 40}), config, 1000, 100)
+    ckpt = TM.estimate_memory(HFTrainConfig(**{**cfg.__dict__, "gradient_checkpointing": True}), config, 1000, 100)
     assert more_t["activations"] > m["activations"] > ckpt["activations"] > 0
 
 
@@ -257,7 +259,7 @@ def test_dry_run_of_a_lora_checkpoint_counts_the_adapters(tmp_path: Path, capsys
 
     d = dict(BUILTIN_CONFIGS["tiny-qwen3"])
     AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d)).save_pretrained(tmp_path / "m")
-    monkeypatch.setattr(T, "load_local_model", lambda *a, **k: pytest.fail("--dry-run loaded weights"))
+    monkeypatch.setattr(TM, "load_local_model", lambda *a, **k: pytest.fail("--dry-run loaded weights"))
     capsys.readouterr()
     assert cli.main(["--out", str(tmp_path / "run"), "--checkpoint", str(tmp_path / "m"), "--finetune", "lora",
                      "--device", "cpu", "--dry-run"]) == 0  # fmt: skip

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from positional_lsh.cli import eval as cli_eval
 from positional_lsh.cli import train_hf as cli
-from positional_lsh.integrations.hf import train as T
+from positional_lsh.integrations.hf import train_model as TM
 from positional_lsh.integrations.hf_train_config import BUILTIN_CONFIGS, PRESETS, HFTrainConfig
 from positional_lsh.lm import data as D
 from positional_lsh.lm.eval_models import load_for_eval
@@ -130,7 +130,7 @@ def test_attention_dropout_is_really_off(tmp_path: Path, text_dir: Path, tok_fil
     file = tmp_path / "config.json"
     file.write_text(json.dumps({**BUILTIN_CONFIGS["tiny-qwen3"], "attention_dropout": 0.1}), encoding="utf-8")
     cfg = HFTrainConfig(out_dir=str(tmp_path / "x"), config=str(file), num_samples=2, sigma=16.0)
-    model, _ = T.build_model(cfg, 300)
+    model, _ = TM.build_model(cfg, 300)
     assert model.config.attention_dropout == 0
     assert [m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")] == [0.0, 0.0]
     x = torch.randint(0, 300, (2, 16))
@@ -144,7 +144,7 @@ def test_attention_dropout_off_in_bloom_modules() -> None:
     from transformers import BloomConfig, BloomForCausalLM
 
     model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4, attention_dropout=0.2))
-    assert T.disable_attention_dropout(model) == pytest.approx(0.2)
+    assert TM.disable_attention_dropout(model) == pytest.approx(0.2)
     assert model.config.attention_dropout == 0
     assert all(m.self_attention.attention_dropout.p == 0 for m in model.transformer.h)
 
