@@ -83,10 +83,6 @@ class HaloPlan:
         """Number of key positions rank ``rank`` receives (left plus right halo)."""
         return (self.starts[rank] - self.left[rank]) + (self.right[rank] - self.ends[rank])
 
-    def sent_positions(self, rank: int) -> int:
-        """Number of key positions rank ``rank`` sends to other ranks."""
-        return sum(tr.length for tr in self.transfers if tr.src == rank)
-
     def incoming(self, rank: int) -> list[Transfer]:
         return [tr for tr in self.transfers if tr.dst == rank]
 

@@ -8,7 +8,6 @@ and :mod:`~positional_lsh.integrations.hf.masks`, so no replacement imports the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,20 +92,3 @@ def check_model_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> N
             continue
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"unsupported attention mask {shape}: {MASK_SUPPORT}")
-
-
-def set_instance_attr(obj: object, name: str, value: object, undo: list[Callable[[], None]]) -> None:
-    """Set ``obj.name = value`` in the instance ``__dict__``, appending to ``undo`` how to undo it exactly.
-
-    Used to install replacement forwards (and the swap attribute) without touching the class.
-    """
-    had, old = name in obj.__dict__, obj.__dict__.get(name)
-
-    def _undo() -> None:
-        if had:
-            obj.__dict__[name] = old
-        else:
-            obj.__dict__.pop(name, None)
-
-    obj.__dict__[name] = value
-    undo.append(_undo)

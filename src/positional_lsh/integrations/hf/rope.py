@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.forward import check_dropout, check_no_attentions, set_instance_attr, swap_of
+from positional_lsh.integrations.hf.forward import check_dropout, check_no_attentions, swap_of
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, key_validity
 
 
@@ -99,19 +99,16 @@ def check_installable(model: nn.Module) -> list[nn.Module]:
     return rotary
 
 
-def install(model: nn.Module, rotary: list[nn.Module], undo: list[Callable[[], None]]) -> None:
-    """Neutralize the rotary embeddings and select the registered attention, recording each change in ``undo``."""
+def install(model: nn.Module, rotary: list[nn.Module]) -> None:
+    """Neutralize the rotary embeddings and select the registered attention (the swap's installer records the
+    changes by comparing the instance attributes before and after)."""
     hf_model: Any = model  # a transformers PreTrainedModel: set_attn_implementation and config are untyped here
     cfg = hf_model.config
     if getattr(cfg, "sliding_window", None) is not None:
         # Mistral: a full-attention cache and the plain causal mask (ALiBi/positional LSH replace it).
-        old_window = cfg.sliding_window
         cfg.sliding_window = None
-        undo.append(lambda: setattr(cfg, "sliding_window", old_window))
     for m in rotary:
-        set_instance_attr(m, "forward", types.MethodType(_neutral_rotary(m.forward), m), undo)
-    old_impl = cfg._attn_implementation
+        m.__dict__["forward"] = types.MethodType(_neutral_rotary(m.forward), m)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    undo.append(lambda: hf_model.set_attn_implementation(old_impl))
     if cfg._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"{type(model).__name__} refused attn_implementation={ATTN_IMPLEMENTATION!r}")

@@ -325,10 +325,9 @@ def _install(outer: nn.Module, inner: PreTrainedModel, swap: AttentionSwap, fami
     watched = _watched(outer)
     before = _snapshot(watched)
     changes = SwapChanges(swap)
-    scratch: list[Any] = []  # the helpers' own undo closures: not used (the snapshot records everything)
     try:
         if family.registry:
-            rope.install(inner, rotary, scratch)
+            rope.install(inner, rotary)
         else:
             # Only selects the registered mask function (a (B, n) padding mask instead of (B, 1, n, n)).
             inner.config._attn_implementation_internal = ATTN_IMPLEMENTATION
