@@ -5,7 +5,7 @@
     python scripts/triton_resources.py --search --dims 64,128,256   # choose the configurations (BLOCK_TABLE rows)
 
 For every (architecture, dtype, head dim, causal) it compiles the three kernels at the configuration of
-``positional_lsh.ops._engine.triton.plan.BLOCK_TABLE`` (``positional_lsh.ops._tools.triton_compile.compile_report``),
+``positional_lsh.ops._engine.triton.plan.BLOCK_TABLE`` (``scripts/triton_compile.py``: ``compile_report``),
 and the ``dq`` kernel again with its slope-gradient switch on (``DIST_GRAD``; column "slope grad"), and prints one row
 per kernel: registers, stack bytes, spill instructions (STL/LDL), dynamic shared memory, and the static
 instruction mix of the kernel's main loop (the innermost loop with matrix instructions): ``mma`` (HMMA/HGMMA)
@@ -36,7 +36,7 @@ _MIX = ("mma", "int", "float", "mufu", "conv", "mem", "uniform", "other")
 
 def _one(job: tuple[int, str, int, bool, bool]) -> list[dict[str, object]]:
     warnings.filterwarnings("ignore")
-    from positional_lsh.ops._tools.triton_compile import compile_report
+    from triton_compile import compile_report
 
     arch, dtype, dim, causal, sass = job
     reports = compile_report(arch, _DTYPES[dtype], dim, causal, dist_grad=True, sass=sass)
@@ -45,7 +45,7 @@ def _one(job: tuple[int, str, int, bool, bool]) -> list[dict[str, object]]:
 
 def _search(job: tuple[int, str, int]) -> tuple[tuple[int, str, int], dict[str, int], bool, list[str]]:
     warnings.filterwarnings("ignore")
-    from positional_lsh.ops._tools.triton_compile import search_config
+    from triton_compile import search_config
 
     arch, dtype, dim = job
     lines: list[str] = []

@@ -488,8 +488,8 @@ def test_every_test_module_sits_under_the_folder_of_its_package(sources, parsed)
 # The op layer's private engine, its one op registration per op, and where tests live
 # ------------------------------------------------------------------------------------------------------------------
 
-PRIVATE_ENGINE = ("positional_lsh.ops._engine", "positional_lsh.ops._tools")
-ENGINE_RULE = "nothing outside the op layer imports its private engine (ops._engine, ops._tools): call the public ops"
+PRIVATE_ENGINE = ("positional_lsh.ops._engine",)
+ENGINE_RULE = "nothing outside the op layer imports its private engine (ops._engine): call the public ops"
 INTEGRATION_RULE = (
     "the transformers integration reaches the op layer only through its public API (names in the __all__ of a public "
     "module of positional_lsh.ops, or the validators of ops._checks)"
@@ -513,7 +513,7 @@ PLACEMENT_RULE = "a test module sits under the folder of the package it tests, a
 
 
 def engine_violations(imports: Iterable[Import]) -> list[str]:
-    """Modules of the package outside the op layer that import ``ops._engine`` or ``ops._tools``."""
+    """Modules of the package outside the op layer that import ``ops._engine``."""
     out = []
     for imp in imports:
         if not imp.importer.startswith("positional_lsh") or room_of(imp.importer) in (None, "ops"):

@@ -26,9 +26,11 @@ import torch
 pytest.importorskip("triton")
 
 from positional_lsh.ops._engine.triton.plan import block_config
-from positional_lsh.ops._tools.triton_compile import SHARED_LIMIT
 
 ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "scripts"))  # the compile tooling is developer tooling in scripts/, not in the package
+from triton_compile import SHARED_LIMIT  # noqa: E402
+
 ENV = {**os.environ, "TRITON_INTERPRET": "0"}
 KERNELS = ("fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel")
 
@@ -62,7 +64,9 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from positional_lsh.ops._tools.triton_compile import narrow_offsets
+import sys
+sys.path.insert(0, {scripts!r})
+from triton_compile import narrow_offsets
 
 @triton.jit
 def narrow(X, Y, stride, BLOCK: tl.constexpr):  # the old kernels' indexing: b * stride in int32
@@ -85,7 +89,7 @@ for fn in (narrow, wide):
 
 def test_the_offset_check_catches_32_bit_indexing(tmp_path):
     script = tmp_path / "offsets.py"  # triton reads a kernel's source from its file
-    script.write_text(_OFFSETS)
+    script.write_text(_OFFSETS.replace("{scripts!r}", repr(str(ROOT / "scripts"))))
     run = subprocess.run([sys.executable, str(script)], env=ENV, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     narrow, wide = (int(x) for x in run.stdout.split())

@@ -1,4 +1,4 @@
-"""The work model of the kernels' count (ops/_tools/triton_work.py): exact against an instrumented interpreter run, and
+"""The work model of the kernels' count (scripts/triton_work.py): exact against an instrumented interpreter run, and
 the targets of issue 17 (integer operations per computed score entry at T = 64; T = 256 against T = 8).
 
 The instrumented run counts, while ``block_count`` runs, every elementwise integer operation Triton's interpreter
@@ -9,13 +9,17 @@ and scalar arithmetic left out), and the calls of ``block_count``. The model mus
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from positional_lsh import alibi_slopes, plsh_attention, sample_partitions
 from positional_lsh.ops._engine.triton.plan import BlockConfig, block_config, build_layout
-from positional_lsh.ops._tools.triton_work import count_work
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))  # developer tooling, not in the package
+from triton_work import count_work
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")

@@ -18,8 +18,8 @@ pieces:
   every sample, sorted) and the *near table* (the counts of the keys next to the tile). Built on the tensors'
   device in ``O(H * n * T)`` elementwise work; ``O(H * n * width + H * n / BLOCK_M * T)`` memory, never ``n x n``.
 * :mod:`~positional_lsh.ops._engine.triton.kernels`: the kernels. Counting a score entry's ``c`` costs a few integer
-  operations whatever ``T`` is (:mod:`~positional_lsh.ops._tools.triton_work` computes how many).
-* :mod:`~positional_lsh.ops._tools.triton_compile`: ahead-of-time compilation for sm_80/sm_90 without a GPU (registers,
+  operations whatever ``T`` is (``scripts/triton_work.py`` computes how many).
+* ``scripts/triton_compile.py``: ahead-of-time compilation for sm_80/sm_90 without a GPU (registers,
   spills, shared memory, SASS), which the block table was chosen from.
 
 The entry point is ``plsh_attention(..., backend="triton")``, and on CUDA ``backend="auto"`` whenever the

@@ -3,7 +3,7 @@
 Flash-attention structure with fp32 accumulation. The count ``c[i,j]`` of a (query tile, key block) comes from the
 plan of :mod:`positional_lsh.ops._engine.triton.plan` through :func:`block_count`, whose cost does not grow with ``T``:
 a load from the near table next to the diagonal, and far from it a count over the tile's few *events* (the
-integer operations per score entry are those of :mod:`positional_lsh.ops._tools.triton_work`). Scores use base 2:
+integer operations per score entry are those of ``scripts/triton_work.py``). Scores use base 2:
 ``s2 = q.k * scale * log2(e)``; a kept entry's weight is ``c * 2^(s2 - m)`` (``log c`` is never taken; ``lse`` is
 returned in natural log). Offsets into ``q, k, v``, the outputs, ``lse``/``delta`` and the plan are 64-bit.
 
@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - tests/ops/engine/test_triton.py runs t
 __all__ = ["KERNEL_NAMES", "LN2", "LOG2E", "block_count", "bwd_dkdv_kernel", "bwd_dq_kernel", "fwd_kernel", "triton"]
 
 KERNEL_NAMES = ("fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel")
-"""The kernels of this module (the compile checks of :mod:`positional_lsh.ops._tools.triton_compile` cover each)."""
+"""The kernels of this module (the compile checks of ``scripts/triton_compile.py`` cover each)."""
 LOG2E = 1.4426950408889634
 """``log2(e)``: the kernels work in base 2 (the host passes ``scale * LOG2E``; the backward takes ``lse`` to base 2)."""
 LN2 = 0.6931471805599453

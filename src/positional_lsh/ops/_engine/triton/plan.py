@@ -25,7 +25,7 @@ positions; ``i_last`` its last real row) a key block is
 The ``T`` points ``(u, v)`` of each tile and side are *events*, sorted by ``u``: first the *stable* ones (``v`` above
 every row of the tile: they add a step in ``j`` only), then the *breaking* ones (the block ends inside the tile:
 a step in both ``i`` and ``j``). Per score entry a far block costs the kernels an add and a compare, plus one select
-per breaking event whose ``u`` falls inside the block — see :mod:`positional_lsh.ops._tools.triton_work` for the exact
+per breaking event whose ``u`` falls inside the block — see ``scripts/triton_work.py`` for the exact
 count. Which events lie below each key-block boundary is stored too (the *cuts*), so the kernels never search.
 Nothing here is ``O(n^2)``: events are ``O(H * n / BLOCK_M * T)`` integers, the near table ``O(H * n * width)`` small
 integers; building them costs ``O(H * n * T)`` elementwise work (the rows' block bounds).
@@ -116,7 +116,7 @@ DEFAULT_ARCH = 90
 """The architecture (``major * 10 + minor``) whose configurations are used where there is no GPU (the interpreter)."""
 
 # (arch, dtype, largest head dim) -> configuration, chosen by the ahead-of-time compile checks
-# (positional_lsh.ops._tools.triton_compile.search_config; `python scripts/triton_resources.py --search --dims
+# (scripts/triton_compile.py: search_config; `python scripts/triton_resources.py --search --dims
 # 64,128,256`,
 # triton 3.9.0, every launch with maxnreg=255): the first of its candidates, in order of preference (larger tiles
 # first), whose kernels compile causal and bidirectional without spills (stack 0) and within the architecture's shared

@@ -17,6 +17,8 @@ binder — and reads from the cubin:
 
 Triton's interpreter (``TRITON_INTERPRET=1``) replaces the kernels by Python functions, which cannot be compiled:
 run this in a process without it (``scripts/triton_resources.py`` and ``tests/ops/engine/test_triton_compile.py`` do).
+
+Developer tooling, not used at run time (not in the wheel): ``scripts/triton_resources.py`` imports it.
 """
 
 from __future__ import annotations
@@ -308,10 +310,6 @@ DKDV_CANDIDATES = (
     (32, 32, 8, 1), (16, 32, 4, 1), (32, 16, 8, 2), (32, 16, 4, 2), (16, 16, 2, 1), (16, 16, 4, 1),
 )  # fmt: skip
 """``(dkdv_m, dkdv_n, dkdv_warps, dkdv_stages)`` of the ``dk, dv`` kernel, in order of preference."""
-
-
-def _clean(reports: list[KernelReport], arch: int) -> bool:
-    return all(not r.spills and r.shared <= SHARED_LIMIT[arch] for r in reports)
 
 
 def _cost(reports: list[KernelReport], arch: int) -> tuple[int, int]:
