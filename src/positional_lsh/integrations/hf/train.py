@@ -10,9 +10,9 @@ random-number state and the swap's training step), SIGINT/SIGTERM stop with a ch
 refusals as one line (:class:`~positional_lsh.ops.errors.UserError`).
 
 * **The model**: from a transformers config (``config``: a ``config.json``, a folder holding one, or a built-in
-  name of :data:`BUILTIN_CONFIGS`; random weights from ``seed``), or from a local checkpoint (``checkpoint``: a
-  ``save_pretrained`` folder, a peft adapter folder, or a ``plsh train-hf`` run directory) to fine-tune, fully or
-  with LoRA (``finetune="lora"``, needs peft).
+  name of ``hf_train_config.BUILTIN_CONFIGS``; random weights from ``seed``), or from a local checkpoint
+  (``checkpoint``: a ``save_pretrained`` folder, a peft adapter folder, or a ``plsh train-hf`` run directory) to
+  fine-tune, fully or with LoRA (``finetune="lora"``, needs peft).
 * **Attention**: ``position`` ``plsh`` (:func:`~positional_lsh.integrations.hf.use_positional_lsh` with
   ``num_samples``, ``scheme``, fresh partitions every step), ``alibi``, ``window-alibi``
   (:func:`~positional_lsh.integrations.hf.use_alibi`) or ``native`` (the model's own); slopes ``sigma`` (one for
