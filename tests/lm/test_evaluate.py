@@ -392,3 +392,23 @@ def test_long_context_cost_accounting_against_dense_masks(monkeypatch):
     assert lc.window_entries(n, heads, f) == pytest.approx(float(sum(keep)) / (heads * n), rel=1e-12)
     g = lc.equal_cost_window_factor(n, heads, t)
     assert lc.window_entries(n, heads, g) == pytest.approx(lc.union_entries(n, heads, t), rel=0.05)
+
+
+def test_position_saved_reads_a_swap_recorded_only_in_config_json(eval_setup: tuple[Path, Path, Path],
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    """Issue 34 item 10: a folder whose swap is in config.json only (no positional_lsh_swap.json) is scored with it."""
+    transformers = pytest.importorskip("transformers")
+    hf = pytest.importorskip("positional_lsh.integrations.hf")
+    data, tok_file, _ = eval_setup
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(vocab_size=D.BPETokenizer.load(tok_file).vocab_size, n_layer=1, n_head=4,
+                                   hidden_size=32)  # fmt: skip
+    model = transformers.BloomForCausalLM(cfg)
+    hf.use_alibi(model, window=3.0)
+    model.save_pretrained(tmp_path / "bloom")
+    (tmp_path / "bloom" / hf.SWAP_FILE).unlink()
+    kw = dict(data=str(data), split="test", train_len=16, tokenizer=str(tok_file), cache_dir=None, seed=0)
+    adapter, _ = E.load_for_eval(tmp_path / "bloom", label="bloom", device=torch.device("cpu"), **kw)
+    swap = hf.current_swap(adapter.model)
+    assert swap is not None and swap.window is not None and float(swap.window[0]) == 3.0
+    assert adapter.own.startswith("window-alibi window 3")

@@ -272,14 +272,17 @@ def encode_with_hf_tokenizer(tokenizer: Any, docs: Sequence[D.Document]) -> torc
 def _apply_position(model: Any, folder: Path, attention: HFAttention, seed: int) -> tuple[Any, dict[str, Any] | None]:
     """Install the attention ``plsh eval`` scores ``model`` with: ``(own swap or None, saved settings or None)``."""
     from positional_lsh.integrations import hf
+    from positional_lsh.integrations.hf.saved import CONFIG_KEY, read_saved_swap
 
-    saved = hf.read_swap_settings(folder)
+    found = read_saved_swap(folder)  # the swap file, else the key of config.json
+    saved = None if found is None else found[0]
     pos = attention.position
     if pos == "saved":
         if saved is None:
             if attention.given():
-                raise UserError(f"{folder} holds no saved swap ({hf.SWAP_FILE}): {', '.join(attention.given())} "
-                                "need --position alibi, window-alibi or plsh")  # fmt: skip
+                raise UserError(f"{folder} holds no saved swap ({hf.SWAP_FILE}, or {CONFIG_KEY!r} in its "
+                                f"config.json): {', '.join(attention.given())} need --position alibi, window-alibi or "
+                                "plsh")  # fmt: skip
             return None, None
         pos = saved["position"]
         if pos != "plsh" and (attention.num_samples is not None or attention.scheme is not None):

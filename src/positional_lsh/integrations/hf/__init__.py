@@ -141,6 +141,21 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, attention_function)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, mask_function)
 
 
+def _register_falcon() -> None:
+    """Falcon picks its attention class by name in its own table (``FALCON_ATTENTION_CLASSES``), not through the
+    registry: the registered name builds its stock ``FalconAttention`` (the swap replaces its forward)."""
+    try:
+        from transformers.models.falcon import modeling_falcon
+    except ImportError:  # pragma: no cover - a transformers without Falcon
+        return
+    table = getattr(modeling_falcon, "FALCON_ATTENTION_CLASSES", None)
+    if isinstance(table, dict) and "eager" in table:
+        table.setdefault(ATTN_IMPLEMENTATION, table["eager"])
+
+
+_register_falcon()
+
+
 def __getattr__(name: str) -> object:
     """``SwapStepCallback`` is imported on first access: transformers' ``TrainerCallback`` needs accelerate."""
     if name == "SwapStepCallback":

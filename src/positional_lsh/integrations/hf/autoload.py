@@ -37,7 +37,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, padding_mask_interface
 from positional_lsh.integrations.hf.saved import CONFIG_KEY, SWAP_FILE, check_swap_settings, read_swap_settings
-from positional_lsh.integrations.hf.swap import apply_swap_settings, current_swap, model_family
+from positional_lsh.integrations.hf.swap import apply_swap_settings, current_swap, model_family, own_config
 from positional_lsh.ops.errors import UserError
 
 __all__ = ["mask_function", "note_model", "saved_settings_source"]
@@ -142,38 +142,52 @@ def _calling_model(config: PretrainedConfig) -> PreTrainedModel | None:
 
 
 def install_pending(config: PretrainedConfig, q_offset: object) -> None:
-    """Install the saved swap on the model built on ``config`` with the registered name, at its first call."""
+    """Install the saved swap on the model built on ``config`` with the registered name, at its first call.
+
+    Several models may share ``config`` (``from_config(config, ...)`` twice): the one whose forward is running (found
+    on the call stack) is installed; the others stay pending. A copy (``copy.deepcopy``) of such a model made before
+    its first call is found the same way.
+    """
     refs = _PENDING.pop(id(config), None)
-    models = [m for r in refs or [] if (m := r()) is not None and m.config is config]
-    if not models:
-        # A copy (copy.deepcopy) of such a model made before its first call: found on the call stack, once.
-        caller = _calling_model(config)
-        if caller is None:
-            return
-        models = [caller]
+    pending = [m for r in refs or [] if (m := r()) is not None and m.config is config]
+    caller = _calling_model(config)
+    if caller is None and pending:  # (not on the stack: the pending models of one model, e.g. ...ForCausalLM)
+        outer = _outermost(pending)
+        caller = outer if all(any(x is o for x in outer.modules()) for o in pending) else None
+    if caller is None:
+        if pending:
+            _PENDING[id(config)] = [weakref.ref(m) for m in pending]
+        return
+    inside = {id(x) for x in caller.modules()}
+    others = [m for m in pending if id(m) not in inside]
+    if others:
+        _PENDING[id(config)] = [weakref.ref(m) for m in others]
+    models = [caller, *(m for m in pending if id(m) in inside and m is not caller)]
     for key in [k for k, r in _INSTALLED.items() if r() is None]:
         del _INSTALLED[key]
-    _INSTALLED[id(config)] = weakref.ref(config)
-    model = _outermost(models)
+    if not others:
+        _INSTALLED[id(config)] = weakref.ref(config)
+    model = caller
     if current_swap(model) is not None:  # swapped by hand (use_positional_lsh / use_alibi / load_local_model)
         return
     settings = _settings(config, model_family(model))
     if settings is None:
-        _PENDING[id(config)] = [weakref.ref(m) for m in models]  # refused at every call, not only the first
-        del _INSTALLED[id(config)]
+        _PENDING[id(config)] = [weakref.ref(m) for m in models + others]  # refused at every call, not only the first
+        _INSTALLED.pop(id(config), None)
         raise UserError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the swap's settings, and this "
             f"{config.model_type} model has none (no {CONFIG_KEY!r} in its config, no {SWAP_FILE} in its folder): "
             "load a checkpoint saved by a swapped model, or install a swap with "
             "positional_lsh.integrations.hf.use_positional_lsh(model, ...) or use_alibi(model)"
         )
-    # Restoring the swap gives the model's own attention (transformers' default for it), not the registered name
-    # without a swap.
-    config._attn_implementation_internal = model.get_correct_attn_implementation(None)
+    # The model gets its own config (others may share this one), whose attention implementation is the model's own
+    # (transformers' default for it): restoring the swap gives that, not the registered name without a swap.
+    own = own_config(model)
+    own._attn_implementation_internal = model.get_correct_attn_implementation(None)
     try:
-        swap = apply_swap_settings(model, settings)
+        swap = apply_swap_settings(model, settings, source=saved_settings_source(config))
     except BaseException:
-        config._attn_implementation_internal = ATTN_IMPLEMENTATION
+        own._attn_implementation_internal = ATTN_IMPLEMENTATION
         raise
     if model.training and int(q_offset) == 0:  # type: ignore[call-overload]
         swap.advance_step()  # what the swap's forward pre-hook does at a training call (it was installed too late)

@@ -16,7 +16,8 @@ down covers the whole sequence, so the attention reads the position of its first
 ``ValueError`` (:func:`positional_lsh.ops.decode.plsh_decode`), e.g. a model switched to training mode mid-generation.
 
 Use it through the swap: ``model.generate(ids, use_cache=True, cache=swap.new_cache(), ...)``. Eager mode only
-(not under ``torch.compile``); cropping (assisted generation) is refused once keys were dropped. A swap stacked on
+(not under ``torch.compile``); cropping (assisted generation) works while the cache holds every key it was given
+(``is_croppable``: always with exact ALiBi, which drops none) and is refused once keys were dropped. A swap stacked on
 top later does not change which swap a cache asks: build the cache from the swap in effect.
 """
 
@@ -67,8 +68,6 @@ class LiveKeyLayer(DynamicLayer):
             :class:`~positional_lsh.ops.decode.DecodePlan` or :class:`~positional_lsh.ops.decode.AlibiDecodePlan`
             that consecutive tokens reuse), or ``None``.
     """
-
-    is_croppable = False
 
     def __init__(self, swap: Any, layer_idx: int) -> None:
         super().__init__()
@@ -188,6 +187,12 @@ class LiveKeyLayer(DynamicLayer):
         self.nonfinite_end = 0
         self.decode_plan = None
         self._store = None
+
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        """Whether :meth:`crop` can roll the layer back (transformers' assisted decoding asks): while it holds every
+        key it was given (always for exact ALiBi, which drops none)."""
+        return self.offset == 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last tokens (``tokens_to_remove < 0``); refused once keys were dropped (they may be needed

@@ -15,6 +15,7 @@ from torch import nn
 
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, MASK_SUPPORT, key_validity
+from positional_lsh.ops.padding import valid_runs
 
 
 def swap_of(module: nn.Module) -> AttentionSwap:
@@ -26,7 +27,10 @@ def swap_of(module: nn.Module) -> AttentionSwap:
     if not isinstance(swap, AttentionSwap) or not swap.active:
         raise RuntimeError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} is set but this model was not prepared with "
-            "positional_lsh.integrations.hf.use_positional_lsh or use_alibi"
+            "positional_lsh.integrations.hf.use_positional_lsh or use_alibi. A model built with "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} (from_pretrained, from_config) gets its saved swap at its "
+            "first eager call, which torch.compile cannot make: run one eager call before torch.compile, or install "
+            "the swap first (hf.apply_saved_swap(model, folder), hf.load_local_model(folder))"
         )
     return swap
 
@@ -88,7 +92,22 @@ def check_model_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> N
     """
     masks = [kwargs.get("attention_mask")] + [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
     for mask in masks:
-        if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        if mask is None:
+            continue
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            if not torch.compiler.is_compiling():
+                check_no_holes(mask)
             continue
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"unsupported attention mask {shape}: {MASK_SUPPORT}")
+
+
+def check_no_holes(mask: torch.Tensor) -> None:
+    """``ValueError`` (naming ``attention_mask`` and the rows) if a row of the ``(B, n)`` padding ``mask`` has padding
+    between valid positions: refused before any layer runs, so that a refused call leaves a KV cache as it was (one
+    host read of one number)."""
+    valid = mask != 0
+    runs = valid[:, :1].sum(-1) + (valid[:, 1:] & ~valid[:, :-1]).sum(-1)  # starts of valid runs, per row
+    if bool((runs > 1).any()):
+        valid_runs(valid, "attention_mask")  # raises, naming the rows
+

@@ -1,8 +1,10 @@
 """Loading a local transformers checkpoint (a ``save_pretrained`` folder, or a peft adapter folder), offline.
 
 When the folder holds a saved swap (:data:`~positional_lsh.integrations.hf.saved.SWAP_FILE`, written by a swapped
-model's ``save_pretrained`` or by ``plsh train-hf``), :func:`load_local_model` re-applies it at its saved training
-step and says so in one line on stderr.
+model's ``save_pretrained`` or by ``plsh train-hf``, or only the
+:data:`~positional_lsh.integrations.hf.saved.CONFIG_KEY` of its ``config.json``:
+:func:`~positional_lsh.integrations.hf.saved.read_saved_swap`), :func:`load_local_model` re-applies it at its saved
+training step and says so in one line on stderr.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from transformers import PreTrainedModel
 
 from positional_lsh.integrations.hf.autoload import Quiet
 from positional_lsh.integrations.hf.saved import (
-    SWAP_FILE,
     check_swap_settings,
     describe_swap_settings,
-    read_swap_settings,
+    read_saved_swap,
 )
 from positional_lsh.integrations.hf.swap import apply_swap_settings, model_family
 from positional_lsh.ops._checks import check_bool
@@ -90,7 +91,8 @@ def load_local_model(
         device: device to move the model to.
         attn_implementation: passed to ``from_pretrained`` (e.g. ``"eager"``, ``"sdpa"``).
         trust_remote_code: allow custom modeling code stored in the folder.
-        apply_swap: re-apply the swap saved in the folder (``positional_lsh_swap.json``), at its training step, and
+        apply_swap: re-apply the swap saved in the folder (``positional_lsh_swap.json``, else the
+            ``positional_lsh_swap`` key of ``config.json``), at its training step, and
             print one line on stderr saying so (unless ``quiet``). ``False``: the model's own attention.
         merge_adapter: for an adapter folder, merge the adapter into the base weights (``merge_and_unload``) and
             return the plain transformers model; ``False``: the ``PeftModel``.
@@ -115,7 +117,7 @@ def load_local_model(
     if not (weights_dir / "config.json").is_file():
         raise ValueError(f"path {str(folder)!r} has no config.json: not a transformers checkpoint folder")
     dtype = _resolve_dtype(dtype)
-    settings = read_swap_settings(folder) if apply_swap else None  # checked before anything is loaded
+    found = read_saved_swap(folder) if apply_swap else None  # checked before anything is loaded
     kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -135,11 +137,13 @@ def load_local_model(
     if device is not None:
         model = model.to(device)
     model.eval()
-    if settings is not None:
-        check_swap_settings(settings, folder / SWAP_FILE, family=model_family(model))
-        apply_swap_settings(model, settings)  # (then attn_implementation="positional_lsh" finds it installed)
+    if found is not None:
+        settings, source = found
+        check_swap_settings(settings, source, family=model_family(model))
+        # (then attn_implementation="positional_lsh" finds it installed)
+        apply_swap_settings(model, settings, source=source)
         if not quiet:
-            print(f"positional_lsh: re-applied the swap saved in {folder / SWAP_FILE}: "
+            print(f"positional_lsh: re-applied the swap saved in {source}: "
                   f"{describe_swap_settings(settings)} (hf.restore(model) for the model's own attention)",
                   file=sys.stderr, flush=True)  # fmt: skip
     tokenizer = None

@@ -26,6 +26,7 @@ __all__ = [
     "CONFIG_KEY",
     "SWAP_FILE",
     "check_swap_settings",
+    "read_saved_swap",
     "read_swap_settings",
     "swap_settings",
     "write_swap_settings",
@@ -97,8 +98,9 @@ def _numbers(file: object, name: str, value: object, *, positive: bool) -> list[
                                                        for v in value):  # fmt: skip
         raise UserError(f"{file}: {name!r} must be a non-empty list of numbers, got {value!r:.80}")
     out = [float(v) for v in value]
-    if any(not math.isfinite(v) and v != math.inf for v in out) or any(v < 0 or (positive and v == 0) for v in out):
-        raise UserError(f"{file}: {name!r} must hold numbers {'> 0' if positive else '>= 0'}, got {value!r:.80}")
+    if any(not math.isfinite(v) for v in out) or any(v < 0 or (positive and v == 0) for v in out):
+        raise UserError(f"{file}: {name!r} must hold finite numbers {'> 0' if positive else '>= 0'}, "
+                        f"got {value!r:.80}")  # fmt: skip
     return out
 
 
@@ -120,6 +122,28 @@ def read_swap_settings(folder: str | os.PathLike[str], *, family: str | None = N
         raise UserError(f"{file} is not valid JSON ({exc}); delete it to load the model with its own "
                         "attention") from None  # fmt: skip
     return check_swap_settings(s, file, family=family)
+
+
+def read_saved_swap(folder: str | os.PathLike[str], *, family: str | None = None) -> tuple[dict[str, Any], str] | None:
+    """The swap saved with the checkpoint in ``folder``, checked, and where it was read; ``None`` if none.
+
+    A swapped model's ``save_pretrained`` records it twice: :data:`SWAP_FILE` (read first: ``plsh train-hf`` adds
+    its training length there) and the :data:`CONFIG_KEY` of ``config.json`` (read when the folder has no
+    :data:`SWAP_FILE`, e.g. a model loaded with ``attn_implementation="positional_lsh"`` and saved before its first
+    call). Errors as :func:`read_swap_settings`, naming the file (and the key).
+    """
+    settings = read_swap_settings(folder, family=family)
+    if settings is not None:
+        return settings, str(Path(folder) / SWAP_FILE)
+    file = Path(folder) / "config.json"
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None  # (no config.json, or one transformers refuses when it loads it)
+    if not isinstance(record, dict) or record.get(CONFIG_KEY) is None:
+        return None
+    where = f"{file} ['{CONFIG_KEY}']"
+    return check_swap_settings(record[CONFIG_KEY], where, family=family), where
 
 
 def check_swap_settings(s: object, file: object, *, family: str | None = None) -> dict[str, Any]:

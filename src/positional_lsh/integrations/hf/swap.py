@@ -36,9 +36,13 @@ step ``c`` draws from ``layer_seed(layer_seed(seed, layer), c)``.
 
 from __future__ import annotations
 
+import copy
 import os
 import types
+import warnings
+import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,7 +55,15 @@ from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSw
 from positional_lsh.integrations.hf.cache import LiveKeyCache
 from positional_lsh.integrations.hf.forward import check_model_inputs, check_no_attentions
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION
-from positional_lsh.integrations.hf.saved import CONFIG_KEY, read_swap_settings, swap_settings, write_swap_settings
+from positional_lsh.integrations.hf.saved import (
+    CONFIG_KEY,
+    MAX_NUM_SAMPLES,
+    MAX_SEED,
+    SWAP_FILE,
+    read_swap_settings,
+    swap_settings,
+    write_swap_settings,
+)
 from positional_lsh.ops._checks import as_slopes, as_window, check_bool, check_int
 from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.options import (
@@ -71,6 +83,7 @@ __all__ = [
     "apply_swap_settings",
     "current_swap",
     "model_family",
+    "own_config",
     "restore",
     "unwrap_model",
     "use_alibi",
@@ -145,6 +158,41 @@ def _attention_modules(model: nn.Module, family: Family) -> list[nn.Module]:
             # any value at runtime.
             m.layer_idx = i  # type: ignore[assignment]  # pragma: no cover
     return mods
+
+
+# id(config) -> the config, for the configs own_config made (a model holding one needs no new copy).
+_OWN_CONFIGS: dict[int, weakref.ref[PretrainedConfig]] = {}
+
+
+def own_config(model: nn.Module) -> PretrainedConfig:
+    """Give ``model`` (a transformers model, or a peft model around one) a config object of its own; returns it.
+
+    transformers shares one config object between the models built from it (``from_config(cfg)``, ``Model(cfg)``),
+    and a swap changes its model's config (the attention implementation, Mistral's ``sliding_window``): so before
+    the first swap the model's modules get a deep copy of it (and of its sub-configs), kept after the swap is
+    restored. Equal values, another object: a swap then changes its own model only. A config this function made is
+    kept as it is.
+    """
+    cfg = unwrap_model(model).config
+    ref = _OWN_CONFIGS.get(id(cfg))
+    if ref is not None and ref() is cfg:
+        return cfg
+    mine = copy.deepcopy(cfg)
+    pairs: dict[int, Any] = {}
+    todo: list[tuple[Any, Any]] = [(cfg, mine)]
+    while todo:
+        old, new = todo.pop()
+        if isinstance(old, PretrainedConfig) and isinstance(new, PretrainedConfig) and id(old) not in pairs:
+            pairs[id(old)] = new
+            todo.extend((getattr(old, k, None), getattr(new, k, None)) for k in getattr(old, "sub_configs", {}) or {})
+    for module in model.modules():
+        for name, value in list(module.__dict__.items()):
+            if isinstance(value, PretrainedConfig) and id(value) in pairs:
+                module.__dict__[name] = pairs[id(value)]
+    for key in [k for k, r in _OWN_CONFIGS.items() if r() is None]:
+        del _OWN_CONFIGS[key]
+    _OWN_CONFIGS[id(mine)] = weakref.ref(mine)
+    return mine
 
 
 def current_swap(model: nn.Module) -> AttentionSwap | None:
@@ -252,15 +300,30 @@ class StepHook:
     """The base model's forward pre-hook of one swap: refuses ``output_attentions`` and advances the training step.
 
     It acts only while its swap is the one in effect (not shadowed by a swap stacked on top). A new step per
-    training-mode model call, except calls continuing a KV cache (they keep the step's partitions).
+    training-mode model call, except calls continuing a KV cache (they keep the step's partitions). Every input is
+    checked here, before any layer runs (a refused call changes no KV cache). ``registry``: the swap goes through
+    transformers' attention registry (the RoPE family), whose attention implementation is put back if it was changed
+    (``model.set_attn_implementation("eager")``), with a warning: the swap stays in force until it is restored.
     """
 
     swap: AttentionSwap
+    registry: bool = False
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module.__dict__.get(SWAP_ATTR) is not self.swap:
             return
-        check_no_attentions(kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False))
+        config: Any = module.config  # a transformers PretrainedConfig: read by name
+        if self.registry and config._attn_implementation != ATTN_IMPLEMENTATION:
+            changed = config._attn_implementation
+            self.swap.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            warnings.warn(
+                f"the attention implementation of this swapped model was changed to {changed!r}; the positional-LSH "
+                "swap stays in force (its rotary embedding is neutralized, so no other attention can run on it): "
+                "hf.restore(model) first for the model's own attention",
+                UserWarning,
+                stacklevel=2,
+            )
+        check_no_attentions(kwargs.get("output_attentions") or getattr(config, "output_attentions", False))
         check_model_inputs(args, kwargs)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, LiveKeyCache) and not torch.compiler.is_compiling():
@@ -273,7 +336,11 @@ class StepHook:
 @dataclass(eq=False)
 class SaveWithSwap:
     """A swapped model's ``save_pretrained``: the model's own, with the configs as before the swap, then the
-    swap's settings (:data:`~positional_lsh.integrations.hf.saved.SWAP_FILE`) in the same folder (main process)."""
+    swap's settings (:data:`~positional_lsh.integrations.hf.saved.SWAP_FILE`) in the same folder (main process).
+
+    It stays after the swap is restored: a model saved with no swap in effect writes no swap's settings, and
+    removes a :data:`~positional_lsh.integrations.hf.saved.SWAP_FILE` left in the folder by an earlier save (which
+    would re-apply a swap the model no longer has)."""
 
     owner: nn.Module
     original: Any
@@ -292,6 +359,8 @@ class SaveWithSwap:
         recorded = config.__dict__.get(CONFIG_KEY, _MISSING)
         if swap is not None:  # config.json describes the swap too (attn_implementation="positional_lsh" reads it)
             config.__dict__[CONFIG_KEY] = swap_settings(swap)
+        else:  # (a config loaded from a swapped checkpoint holds the key)
+            config.__dict__.pop(CONFIG_KEY, None)
         try:
             result = self.original(save_directory, *args, **kwargs)
         finally:
@@ -304,8 +373,11 @@ class SaveWithSwap:
                     obj.__dict__.pop(name, None)
                 else:
                     obj.__dict__[name] = value
-        if swap is not None and kwargs.get("is_main_process", True):
-            write_swap_settings(swap, save_directory)
+        if kwargs.get("is_main_process", True):
+            if swap is not None:
+                write_swap_settings(swap, save_directory)
+            elif os.path.isfile(stale := os.path.join(save_directory, SWAP_FILE)):
+                os.remove(stale)
         return result
 
 
@@ -322,6 +394,11 @@ def _install(outer: nn.Module, inner: PreTrainedModel, swap: AttentionSwap, fami
     below = current_swap(inner)
     mods = _attention_modules(inner, family)
     rotary = rope.check_installable(inner) if family.registry else []
+    # Kept after a restore (not recorded): the model's own config object, and its save_pretrained (SaveWithSwap).
+    own_config(outer)
+    for obj in {id(o): o for o in (inner, outer)}.values():
+        if not isinstance(obj.__dict__.get("save_pretrained"), SaveWithSwap):
+            obj.__dict__["save_pretrained"] = SaveWithSwap(obj, obj.save_pretrained)
     watched = _watched(outer)
     before = _snapshot(watched)
     changes = SwapChanges(swap)
@@ -336,11 +413,8 @@ def _install(outer: nn.Module, inner: PreTrainedModel, swap: AttentionSwap, fami
                 m.__dict__["forward"] = types.MethodType(fwd, m)
         for obj in {id(o): o for o in (*mods, inner.base_model, inner, outer)}.values():
             obj.__dict__[SWAP_ATTR] = swap
-        for obj in {id(o): o for o in (inner, outer)}.values():
-            old_save = obj.__dict__.get("save_pretrained", obj.save_pretrained)
-            obj.__dict__["save_pretrained"] = SaveWithSwap(obj, old_save)
         inner.__dict__[_STACK_ATTR] = [*inner.__dict__.get(_STACK_ATTR, []), changes]
-        handle = inner.base_model.register_forward_pre_hook(StepHook(swap), with_kwargs=True)
+        handle = inner.base_model.register_forward_pre_hook(StepHook(swap, family.registry), with_kwargs=True)
         changes.hook_module, changes.hook_id = inner.base_model, handle.id
         changes.entries = _diff(before)
     except BaseException:
@@ -414,8 +488,26 @@ def use_positional_lsh(
     inner = unwrap_model(model)
     if seed is not None:
         seed = check_int("seed", seed, minimum=0)
+        if seed > MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}] (a torch.Generator seed, 2**64 - 1 at most), got {seed}")
     resample_in_training = check_bool("resample_in_training", resample_in_training)
     backend, method = check_backend(backend), check_method(method)
+    with torch.device("cpu"):  # the swap's tensors, also for a model built under torch.device("meta")
+        return _use_positional_lsh(model, inner, num_samples, scheme, seed, slopes, resample_in_training, backend,
+                                   method)  # fmt: skip
+
+
+def _use_positional_lsh(
+    model: nn.Module,
+    inner: PreTrainedModel,
+    num_samples: int,
+    scheme: str,
+    seed: int | None,
+    slopes: Any,
+    resample_in_training: bool,
+    backend: str,
+    method: str,
+) -> AttentionSwap:
     family, m = _family_and_slopes(inner, slopes)
     # Validates num_samples and scheme (a layer's sampler is built the same way, AttentionSwap.sampler).
     PartitionSampler(m.numel(), m, num_samples=num_samples, scheme=scheme, seed=0, eval_seed=0)
@@ -424,6 +516,8 @@ def use_positional_lsh(
     layers = max(1, len(attention_modules(inner, family)))
     what = f"use_positional_lsh with num_samples={num_samples} ({m.numel()} heads, {layers} layers)"
     check_draw_size(num_samples, m.numel() * layers, what, scheme)
+    if num_samples > MAX_NUM_SAMPLES:  # (the bound of a saved swap: what save_pretrained writes must load)
+        raise ValueError(f"num_samples must be <= {MAX_NUM_SAMPLES} (2**20), got {num_samples}")
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
     swap = AttentionSwap(
@@ -473,9 +567,10 @@ def use_alibi(
             f"Triton kernels; use one of {ALIBI_BACKENDS} (the Triton kernels serve use_positional_lsh)"
         )
     backend = check_backend(backend, ALIBI_BACKENDS)
-    family, m = _family_and_slopes(inner, slopes)
-    win = as_window(window, m.numel())
-    swap = AttentionSwap(inner, family.name, "alibi", m, window=win, backend=backend)
+    with torch.device("cpu"):  # the swap's tensors, also for a model built under torch.device("meta")
+        family, m = _family_and_slopes(inner, slopes)
+        win = as_window(window, m.numel())
+        swap = AttentionSwap(inner, family.name, "alibi", m, window=win, backend=backend)
     _install(model, inner, swap, family)
     return swap
 
@@ -485,30 +580,37 @@ def use_alibi(
 # --------------------------------------------------------------------------------------------------
 
 
-def apply_swap_settings(model: nn.Module, settings: dict[str, Any]) -> AttentionSwap:
+def apply_swap_settings(model: nn.Module, settings: dict[str, Any], *, source: str | None = None) -> AttentionSwap:
     """Install the swap described by ``settings`` (as :func:`~positional_lsh.integrations.hf.saved.swap_settings`
     writes them, checked by ``read_swap_settings``), at the saved training step.
 
     ``backend`` and ``method`` are not re-applied (they choose how to compute, not what): the defaults are used.
-    Settings recording another model family than ``model``'s raise ``UserError``.
+    Settings recording another model family than ``model``'s raise ``UserError``; so do settings this model cannot
+    take (e.g. slopes for another number of heads), naming ``source`` (where they were read) when given.
     """
     recorded, family = settings.get("family"), model_family(model)
+    where = "these swap settings" if source is None else str(source)
     if recorded is not None and recorded != family:
-        raise UserError(f"these swap settings were saved for a {recorded!r} model, but this model is {family!r}")
+        raise UserError(f"{where} were saved for a {recorded!r} model, but this model is {family!r}")
     position = settings["position"]
-    if position == "plsh":
-        swap = use_positional_lsh(
-            model,
-            num_samples=settings["num_samples"],
-            scheme=settings["scheme"],
-            seed=settings["seed"],
-            slopes=settings["slopes"],
-            resample_in_training=settings.get("resample_in_training", True),
-        )
-    elif position in ("alibi", "window-alibi"):
-        swap = use_alibi(model, window=settings.get("window"), slopes=settings["slopes"])
-    else:
-        raise ValueError(f"settings['position'] must be 'plsh', 'alibi' or 'window-alibi', got {position!r}")
+    try:
+        if position == "plsh":
+            swap = use_positional_lsh(
+                model,
+                num_samples=settings["num_samples"],
+                scheme=settings["scheme"],
+                seed=settings["seed"],
+                slopes=settings["slopes"],
+                resample_in_training=settings.get("resample_in_training", True),
+            )
+        elif position in ("alibi", "window-alibi"):
+            swap = use_alibi(model, window=settings.get("window"), slopes=settings["slopes"])
+        else:
+            raise ValueError(f"settings['position'] must be 'plsh', 'alibi' or 'window-alibi', got {position!r}")
+    except (TypeError, ValueError) as exc:
+        if source is None:
+            raise
+        raise UserError(f"{source}: {exc}") from None
     swap.set_step(int(settings.get("step", 0)))
     return swap
 
@@ -517,4 +619,4 @@ def apply_saved_swap(model: nn.Module, folder: str | os.PathLike[str]) -> Attent
     """Re-apply the swap saved in ``folder`` (its :data:`~positional_lsh.integrations.hf.saved.SWAP_FILE`) to
     ``model``, e.g. after a plain ``from_pretrained(folder)``; ``None`` (nothing changed) if there is none."""
     settings = read_swap_settings(folder, family=model_family(model))
-    return None if settings is None else apply_swap_settings(model, settings)
+    return None if settings is None else apply_swap_settings(model, settings, source=str(Path(folder) / SWAP_FILE))
