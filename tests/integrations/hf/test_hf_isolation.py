@@ -232,13 +232,24 @@ def test_bad_saved_slopes_are_refused_naming_their_file(tmp_path, slopes, match,
             AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="positional_lsh")(token_ids())
 
 
-def test_compiling_before_the_first_call_names_the_cause():
-    config = tiny_config("qwen3")
-    model = _from_config(config, attn_implementation="positional_lsh")
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_model_compiled_before_its_first_call_gets_its_saved_swap(tmp_path, fullgraph):
+    model = tiny_model("qwen3")
+    hf.use_positional_lsh(model, num_samples=4, seed=3)
+    expected = _logits(model)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="positional_lsh").eval()
+    compiled = torch.compile(loaded, backend="eager", fullgraph=fullgraph)  # installed outside the graph
+    assert torch.equal(_logits(compiled), expected)
+    assert hf.current_swap(loaded) is not None
+
+
+def test_the_registered_name_without_a_swap_names_the_remedies():
     from positional_lsh.integrations.hf.forward import swap_of
 
+    model = _from_config(tiny_config("qwen3"), attn_implementation="positional_lsh")
     attn = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
-    with pytest.raises(RuntimeError, match=r"first eager call.*torch\.compile.*apply_saved_swap"):
+    with pytest.raises(RuntimeError, match=r"install a swap.*first call.*load_local_model.*apply_saved_swap"):
         swap_of(attn)
 
 

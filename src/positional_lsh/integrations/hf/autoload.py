@@ -13,8 +13,10 @@ runs (in the registered mask function, which transformers calls at the start of 
 embedding and the layers). transformers offers no hook after a model is built, so the models built with the
 registered name are noted when they are built (a torch module-registration hook: :func:`note_model`) and
 installed on first use (a copy made before that call is found on the call stack at its own first call).
-``hf.current_swap(model)`` is ``None`` until that first call; under ``torch.compile`` run one eager call first (or
-``hf.apply_saved_swap``).
+``hf.current_swap(model)`` is ``None`` until that first call. A model compiled before its first call installs it
+the same way, outside the graph (:func:`torch.compiler.disable`), at its first compiled call. Several models built
+with the name on one config are each installed at their own first call (the calling model is found on the call
+stack).
 
 A model built with the name and no saved settings raises one clear error at its first call (unless it was swapped
 by :func:`~positional_lsh.integrations.hf.use_positional_lsh` / ``use_alibi`` before). A swapped checkpoint loaded
@@ -197,10 +199,19 @@ def mask_function(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """The mask function registered as ``"positional_lsh"``: installs a pending saved swap (first call), then
     :func:`~positional_lsh.integrations.hf.masks.padding_mask_interface`."""
     config = kwargs.get("config")
-    if not torch.compiler.is_compiling() and isinstance(config, PretrainedConfig):
-        if id(config) in _PENDING or (CONFIG_KEY in config.__dict__ and not _installed(config)):
+    if isinstance(config, PretrainedConfig):
+        if torch.compiler.is_compiling():
+            if _PENDING and id(config) in _PENDING:  # (traced: no graph break once installed)
+                _install_outside_the_graph(config, kwargs.get("q_offset", 0))
+        elif id(config) in _PENDING or (CONFIG_KEY in config.__dict__ and not _installed(config)):
             install_pending(config, kwargs.get("q_offset", 0))
     return padding_mask_interface(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _install_outside_the_graph(config: PretrainedConfig, q_offset: object) -> None:
+    """A model compiled before its first call: :func:`install_pending` runs outside the graph (a graph break)."""
+    install_pending(config, q_offset)
 
 
 torch.nn.modules.module.register_module_module_registration_hook(note_model)

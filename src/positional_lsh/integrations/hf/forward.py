@@ -27,10 +27,10 @@ def swap_of(module: nn.Module) -> AttentionSwap:
     if not isinstance(swap, AttentionSwap) or not swap.active:
         raise RuntimeError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} is set but this model was not prepared with "
-            "positional_lsh.integrations.hf.use_positional_lsh or use_alibi. A model built with "
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} (from_pretrained, from_config) gets its saved swap at its "
-            "first eager call, which torch.compile cannot make: run one eager call before torch.compile, or install "
-            "the swap first (hf.apply_saved_swap(model, folder), hf.load_local_model(folder))"
+            "positional_lsh.integrations.hf.use_positional_lsh or use_alibi: install a swap with one of them, or load "
+            "a checkpoint saved by a swapped model (from_pretrained(folder, attn_implementation="
+            f"{ATTN_IMPLEMENTATION!r}) installs its swap at the first call; hf.load_local_model(folder) and "
+            "hf.apply_saved_swap(model, folder) at once)"
         )
     return swap
 
