@@ -105,9 +105,11 @@ def check_model_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> N
 def check_no_holes(mask: torch.Tensor) -> None:
     """``ValueError`` (naming ``attention_mask`` and the rows) if a row of the ``(B, n)`` padding ``mask`` has padding
     between valid positions: refused before any layer runs, so that a refused call leaves a KV cache as it was (one
-    host read of one number)."""
-    valid = mask != 0
-    runs = valid[:, :1].sum(-1) + (valid[:, 1:] & ~valid[:, :-1]).sum(-1)  # starts of valid runs, per row
-    if bool((runs > 1).any()):
+    host read of one number; two when some row has padding)."""
+    valid = mask if mask.dtype == torch.bool else mask != 0
+    if bool(valid.all()):
+        return
+    starts = valid[:, :1].sum(-1) + (valid[:, 1:] & ~valid[:, :-1]).sum(-1)  # valid runs per row
+    if bool((starts > 1).any()):
         valid_runs(valid, "attention_mask")  # raises, naming the rows
 
