@@ -61,6 +61,8 @@ Modules, each importing only those listed before it (no import cycle, no private
   rotary neutralization);
 * :mod:`~positional_lsh.integrations.hf.saved` — the swap's settings saved next to the weights
   (``positional_lsh_swap.json``): writing, reading and checking them;
+* :mod:`~positional_lsh.integrations.hf.configs` — a model's own config object before its first swap
+  (transformers shares one between the models built from it; a swap changes its own model only);
 * :mod:`~positional_lsh.integrations.hf.swap` — the API: :func:`use_positional_lsh`, :func:`use_alibi`,
   :func:`restore`, ... (installing, stacking and undoing; peft models; re-applying saved settings);
 * :mod:`~positional_lsh.integrations.hf.autoload` — ``attn_implementation="positional_lsh"`` on its own: the

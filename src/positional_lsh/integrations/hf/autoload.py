@@ -37,9 +37,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from positional_lsh.integrations.hf.configs import own_config
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, padding_mask_interface
 from positional_lsh.integrations.hf.saved import CONFIG_KEY, SWAP_FILE, check_swap_settings, read_swap_settings
-from positional_lsh.integrations.hf.swap import apply_swap_settings, current_swap, model_family, own_config
+from positional_lsh.integrations.hf.swap import apply_swap_settings, current_swap, model_family
 from positional_lsh.ops.errors import UserError
 
 __all__ = ["mask_function", "note_model", "saved_settings_source"]
@@ -184,7 +185,7 @@ def install_pending(config: PretrainedConfig, q_offset: object) -> None:
         )
     # The model gets its own config (others may share this one), whose attention implementation is the model's own
     # (transformers' default for it): restoring the swap gives that, not the registered name without a swap.
-    own = own_config(model)
+    own = own_config(model, model.config)
     own._attn_implementation_internal = model.get_correct_attn_implementation(None)
     try:
         swap = apply_swap_settings(model, settings, source=saved_settings_source(config))

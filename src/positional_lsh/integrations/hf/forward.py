@@ -112,4 +112,3 @@ def check_no_holes(mask: torch.Tensor) -> None:
     starts = valid[:, :1].sum(-1) + (valid[:, 1:] & ~valid[:, :-1]).sum(-1)  # valid runs per row
     if bool((starts > 1).any()):
         valid_runs(valid, "attention_mask")  # raises, naming the rows
-

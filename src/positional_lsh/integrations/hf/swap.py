@@ -36,11 +36,9 @@ step ``c`` draws from ``layer_seed(layer_seed(seed, layer), c)``.
 
 from __future__ import annotations
 
-import copy
 import os
 import types
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +51,7 @@ from positional_lsh.integrations.families import FAMILIES, Family, attention_mod
 from positional_lsh.integrations.hf import rope
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
 from positional_lsh.integrations.hf.cache import LiveKeyCache
+from positional_lsh.integrations.hf.configs import own_config
 from positional_lsh.integrations.hf.forward import check_model_inputs, check_no_attentions
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION
 from positional_lsh.integrations.hf.saved import (
@@ -83,7 +82,6 @@ __all__ = [
     "apply_swap_settings",
     "current_swap",
     "model_family",
-    "own_config",
     "restore",
     "unwrap_model",
     "use_alibi",
@@ -158,41 +156,6 @@ def _attention_modules(model: nn.Module, family: Family) -> list[nn.Module]:
             # any value at runtime.
             m.layer_idx = i  # type: ignore[assignment]  # pragma: no cover
     return mods
-
-
-# id(config) -> the config, for the configs own_config made (a model holding one needs no new copy).
-_OWN_CONFIGS: dict[int, weakref.ref[PretrainedConfig]] = {}
-
-
-def own_config(model: nn.Module) -> PretrainedConfig:
-    """Give ``model`` (a transformers model, or a peft model around one) a config object of its own; returns it.
-
-    transformers shares one config object between the models built from it (``from_config(cfg)``, ``Model(cfg)``),
-    and a swap changes its model's config (the attention implementation, Mistral's ``sliding_window``): so before
-    the first swap the model's modules get a deep copy of it (and of its sub-configs), kept after the swap is
-    restored. Equal values, another object: a swap then changes its own model only. A config this function made is
-    kept as it is.
-    """
-    cfg = unwrap_model(model).config
-    ref = _OWN_CONFIGS.get(id(cfg))
-    if ref is not None and ref() is cfg:
-        return cfg
-    mine = copy.deepcopy(cfg)
-    pairs: dict[int, Any] = {}
-    todo: list[tuple[Any, Any]] = [(cfg, mine)]
-    while todo:
-        old, new = todo.pop()
-        if isinstance(old, PretrainedConfig) and isinstance(new, PretrainedConfig) and id(old) not in pairs:
-            pairs[id(old)] = new
-            todo.extend((getattr(old, k, None), getattr(new, k, None)) for k in getattr(old, "sub_configs", {}) or {})
-    for module in model.modules():
-        for name, value in list(module.__dict__.items()):
-            if isinstance(value, PretrainedConfig) and id(value) in pairs:
-                module.__dict__[name] = pairs[id(value)]
-    for key in [k for k, r in _OWN_CONFIGS.items() if r() is None]:
-        del _OWN_CONFIGS[key]
-    _OWN_CONFIGS[id(mine)] = weakref.ref(mine)
-    return mine
 
 
 def current_swap(model: nn.Module) -> AttentionSwap | None:
@@ -395,7 +358,7 @@ def _install(outer: nn.Module, inner: PreTrainedModel, swap: AttentionSwap, fami
     mods = _attention_modules(inner, family)
     rotary = rope.check_installable(inner) if family.registry else []
     # Kept after a restore (not recorded): the model's own config object, and its save_pretrained (SaveWithSwap).
-    own_config(outer)
+    own_config(outer, inner.config)
     for obj in {id(o): o for o in (inner, outer)}.values():
         if not isinstance(obj.__dict__.get("save_pretrained"), SaveWithSwap):
             obj.__dict__["save_pretrained"] = SaveWithSwap(obj, obj.save_pretrained)
