@@ -23,9 +23,12 @@ most 250 objects rendered in full.
 from __future__ import annotations
 
 import ast
+import enum
 import importlib
 import inspect
+import math
 import pkgutil
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -406,15 +409,65 @@ def _split_parameters(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+LITERAL_TYPES = (str, int, float, bool, type(None))
+
+
+def literal_default(param: str, namespace: dict[str, Any]) -> str:
+    """``param`` (``name: T = DEFAULT``) with a default written as a constant's name (``DEFAULT_BACKEND``, looked up
+    in ``namespace``, the defining module's) shown as its value (``'auto'``) when the value is a plain literal
+    (:func:`is_literal`). ``autodoc_preserve_defaults`` keeps the source text, so that a default built by an
+    expression reads as written, but a constant's name hides the value that the one-line summaries (which
+    re-exports show) and the docstrings state."""
+    head, sep, default = param.rpartition("=")
+    text = default.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", text) or text in {"None", "True", "False"}:
+        return param
+    first, *rest = text.split(".")
+    value = namespace.get(first, MISSING)
+    for attr in rest:
+        value = lookup(value, attr)
+    return f"{head}{sep} {value!r}" if is_literal(value) else param
+
+
+def is_literal(value: Any) -> bool:
+    """A plain literal: a string, finite number, bool or ``None`` (not an enum member), or a tuple of them."""
+    if isinstance(value, tuple):
+        return all(is_literal(v) for v in value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return False  # repr "inf" is not Python; the name (math.inf) reads better
+    return isinstance(value, LITERAL_TYPES) and not isinstance(value, enum.Enum)
+
+
 def public_signature(
     app: Sphinx, what: str, name: str, obj: Any, options: Any, signature: str | None, return_annotation: str | None
 ) -> tuple[str, str | None] | None:
-    """A class's signature without its private (``_``-prefixed) parameters, such as a dataclass's internal fields,
-    and with ``...`` for a default made by a factory (``<factory>`` is not Python)."""
-    if what not in {"class", "exception"} or not signature or not signature.startswith("("):
+    """The rendered signature: a default that names a constant shows the constant's value (:func:`literal_default`);
+    a class's signature also drops its private (``_``-prefixed) parameters, such as a dataclass's internal fields,
+    and shows ``...`` for a default made by a factory (``<factory>`` is not Python)."""
+    if not signature or not signature.startswith("("):
         return None
-    params = [p for p in _split_parameters(signature[1:-1]) if not p.lstrip("*").startswith("_")]
-    return "(" + ", ".join(p.replace("<factory>", "...") for p in params) + ")", return_annotation
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    namespace = vars(module) if module is not None else {}
+    written = _split_parameters(signature[1:-1])
+    params = [literal_default(p, namespace) for p in written]
+    if what in {"class", "exception"}:
+        params = [p.replace("<factory>", "...") for p in params if not p.lstrip("*").startswith("_")]
+    elif params == written:
+        return None  # as autodoc wrote it
+    return "(" + ", ".join(params) + ")", return_annotation
+
+
+def break_after_dots(html: str) -> str:
+    """Navigation HTML with a ``<wbr>`` after each dot of a dotted name in its text (not in tags or attributes), so
+    that a narrow sidebar breaks ``positional_lsh.integrations.hf`` after a dot, never inside a word."""
+    return re.sub(r">([^<]+)<", lambda m: ">" + re.sub(r"(?<=\w)\.(?=\w)", ".<wbr>", m.group(1)) + "<", html)
+
+
+def navigation_breaks(app: Sphinx, pagename: str, templatename: str, context: dict[str, Any], doctree: Any) -> None:
+    """After furo has rendered its navigation tree and table of contents: :func:`break_after_dots` on both."""
+    for key in ("furo_navigation_tree", "toc"):
+        if isinstance(context.get(key), str):
+            context[key] = break_after_dots(context[key])
 
 
 def drop_type_docstrings(app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
@@ -456,4 +509,5 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("autodoc-process-signature", public_signature)
     app.connect("env-updated", register_aliases)
     app.connect("missing-reference", resolve_in_package)
+    app.connect("html-page-context", navigation_breaks, priority=900)  # after furo's own handler (500)
     return {"parallel_read_safe": False}

@@ -16,8 +16,12 @@ import importlib
 import importlib.util
 import inspect
 import io
+import math
+import os
 import pkgutil
+import re
 import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -265,6 +269,73 @@ def test_class_signatures_hide_private_parameters() -> None:
         None,
     )
     assert conf.public_signature(None, "function", "f", object, {}, sig, None) is None
+
+
+def test_a_default_named_by_a_constant_shows_its_value(api_build: tuple[Any, str]) -> None:
+    """Issue 34, item 6: ``plsh_attention``'s signature showed ``backend: str = DEFAULT_BACKEND`` where its one-line
+    summaries show ``'auto'``. A default written as a constant whose value is a literal shows the value; one built
+    by an expression keeps its source text."""
+    app, _ = api_build
+    objects = app.env.get_domain("py").objects
+    signature = _signature_nodes(app)[objects["positional_lsh.ops.attention.plsh_attention"].node_id].astext()
+    assert "backend: str = 'auto'" in signature and "method: str = 'auto'" in signature, signature
+    named = [sig.astext() for sig in _signature_nodes(app).values() if re.search(r"= DEFAULT_\w+", sig.astext())]
+    assert not named, named
+    conf = _conf()
+    namespace = {"DEFAULT": "auto", "SIZES": (1, 4), "make": len, "INF": math.inf}
+    assert conf.literal_default("backend: str = DEFAULT", namespace) == "backend: str = 'auto'"
+    assert conf.literal_default("sizes=SIZES", namespace) == "sizes= (1, 4)"
+    for kept in ("fn: Callable = make", "x: float = INF", "y: int | None = None", "z=dict(a=1)", "w=UNKNOWN"):
+        assert conf.literal_default(kept, namespace) == kept
+
+
+def test_navigation_breaks_dotted_names_only_after_a_dot() -> None:
+    html = '<a class="reference" href="hf.html">Hugging Face <code><span class="pre">a_b.c.hf</span></code></a>'
+    assert _conf().break_after_dots(html) == (
+        '<a class="reference" href="hf.html">Hugging Face <code><span class="pre">a_b.<wbr>c.<wbr>hf</span></code></a>'
+    )
+
+
+def _width_script() -> ModuleType:
+    """scripts/check_docs_width.py as a module."""
+    if "plsh_check_docs_width" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("plsh_check_docs_width", ROOT / "scripts" / "check_docs_width.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["plsh_check_docs_width"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["plsh_check_docs_width"]
+
+
+def test_the_guide_pages_fit_a_1280_px_window(tmp_path: Path) -> None:
+    """Issue 34, item 6: at 1280 px, wide tables pushed hf, implementation, theory, reliability (1328 px) and
+    distributed (1284 px) sideways, cutting off the text's right edge and the theme toggle, and the sidebar broke
+    ``positional_lsh.integrations.h`` / ``f``. Every guide page, built with the project's conf.py and theme (the API
+    pages as stubs: the reference takes a minute to build; ``scripts/check_docs_width.py`` measures the whole
+    site), is at most 1280 px wide in headless Chromium, and no navigation entry breaks inside a word."""
+    script = _width_script()
+    chromium = script.find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium (apt-get install chromium, or set $CHROME)")
+    src = tmp_path / "docs"
+    (src / "api").mkdir(parents=True)
+    for page in [*DOCS.glob("*.md"), DOCS / "bench.csv"]:
+        shutil.copy(page, src / page.name)
+    shutil.copytree(DOCS / "figures", src / "figures")
+    shutil.copy(ROOT / "CHANGELOG.md", tmp_path / "CHANGELOG.md")  # docs/changelog.md includes ../CHANGELOG.md
+    for page in (DOCS / "api").glob("*.rst"):
+        title = page.read_text(encoding="utf-8").splitlines()[:2]
+        toctree = [".. toctree::", "", *(f"   {p.stem}" for p in (DOCS / "api").glob("*.rst") if p.stem != "index")]
+        (src / "api" / page.name).write_text("\n".join(title + [""] + (toctree if page.stem == "index" else [])) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "sphinx", "-q", "-b", "html", "-c", str(DOCS), str(src), str(tmp_path / "site")]
+    subprocess.run(cmd, check=True, env=env, capture_output=True)
+    pages = script.measure_site(tmp_path / "site", chromium)
+    names = {p.path for p in pages}
+    assert {"hf.html", "implementation.html", "theory.html", "reliability.html", "distributed.html"} <= names
+    too_wide = {p.path: (p.width, p.widest) for p in pages if p.width > script.WIDTH}
+    assert not too_wide, f"pages wider than {script.WIDTH} px: {too_wide}"
+    broken = {p.path: p.broken for p in pages if p.broken}
+    assert not broken, f"navigation entries broken inside a word: {broken}"
 
 
 def test_a_reexport_points_to_its_home() -> None:
