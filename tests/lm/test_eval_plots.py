@@ -123,3 +123,92 @@ def test_own_plsh_swap_costs_as_the_sweep_row_of_its_t(tmp_path: Path) -> None:
     rows = E.evaluate_model(adapter, stream, factors=(1,), max_tokens=200, samples=(), progress=False)
     assert rows[0].kind == "own"
     assert rows[0].cost_per_query == pytest.approx(E.window_cost(5, 64) / 64)
+
+
+def issue_sweep(length: int) -> list[R.EvalRow]:
+    """The plsh-t1 model's sweep at ``length`` as docs/experiments.md reports it (ppl, cost per query): at L = 256,
+    T = 16 samples cost 553 entries per query, and its "equal-cost" window is exact ALiBi's 128.5 (issue 34, item 7)."""
+    table = {
+        256: ([(1, 151.89, 35), (4, 154.20, 138), (16, 156.77, 553), (64, 158.23, 2213)],
+              [(1, 149.16, 34.4), (4, 158.58, 78), (16, 158.67, 111), (64, 158.67, 128.5)], 158.67),
+        1024: ([(1, 151.07, 55), (4, 152.62, 219), (16, 155.32, 875), (64, 156.77, 3498)],
+               [(1, 147.48, 54.2), (4, 157.25, 181), (16, 157.44, 321), (64, 157.44, 443)], 157.44),
+    }  # fmt: skip
+    plsh, window, exact = table[length]
+    rows = [row("plsh-t1", "alibi", 256, length, exact)]
+    rows[0].cost_per_query = (length + 1) / 2
+    for (t, ppl, cost), (_, wppl, wcost) in zip(plsh, window, strict=True):
+        rows.append(row("plsh-t1", "plsh", 256, length, ppl, samples=t, scheme="discrete"))
+        rows[-1].cost_per_query = cost
+        rows.append(row("plsh-t1", "window", 256, length, wppl, samples=t))
+        rows[-1].cost_per_query = wcost
+    return rows
+
+
+def test_sweep_marks_capped_windows_and_where_plsh_is_never_cheaper(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 34, item 7: sweep.png labelled every window "equal cost", though at L = 256 the window of T = 16 is
+    exact ALiBi at 128.5 entries per query against T = 16's 553. A window that could not reach its T's cost is drawn
+    hollow, and the T from which positional LSH costs at least exact attention are shaded and named."""
+    rows = issue_sweep(256) + issue_sweep(1024)
+    sweep = [r for r in rows if r.kind in ("plsh", "window")]
+    capped = R.capped_windows(sweep)
+    assert sorted((r.eval_len, r.samples) for r in sweep if id(r) in capped) == [
+        (256, 4), (256, 16), (256, 64), (1024, 4), (1024, 16), (1024, 64)
+    ]  # fmt: skip  # T = 1's windows are 34.4 / 54.2 against 35 / 55: the rounding of an integer window
+    assert R.never_cheaper([r for r in sweep if r.eval_len == 256]) == 4  # 138 >= 128.5
+    assert R.never_cheaper([r for r in sweep if r.eval_len == 1024]) == 16  # 219 < 512.5 <= 875
+    figure = drawn_figures(monkeypatch, rows, tmp_path)["sweep.png"]
+    for ax, first in zip(sorted(figure.axes, key=lambda a: a.get_title()), (16, 4), strict=True):  # L=1024, L=256
+        labels = ax.get_legend_handles_labels()[1]
+        assert "windowed ALiBi, equal cost" not in labels
+        hollow = [line for line in ax.get_lines() if line.get_label().startswith("window capped")]
+        assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [4, 16, 64], ax.get_title()
+        assert any(label.startswith(f"T >= {first}: sampled plsh costs >= exact") for label in labels), labels
+
+
+def test_a_scheme_whose_cost_does_not_grow_with_t_does_not_hide_where_plsh_costs_more() -> None:
+    """The ALiBi-trained model's sweep as docs/experiments.md reports it (costs per query; its windows' in the
+    comment): ``fixed`` costs 48 at every T (identical samples, computed once), ``discrete`` and ``gamma`` grow."""
+    rows = []
+    for length, costs in ((256, (35, 138, 553, 2213)), (1024, (55, 219, 875, 3498)), (4096, (63, 252, 1008, 4030))):
+        for t, cost in zip((1, 4, 16, 64), costs, strict=True):
+            for scheme in ("discrete", "gamma", "fixed"):
+                rows.append(row("alibi", "plsh", 256, length, 150.0, samples=t, scheme=scheme))
+                rows[-1].cost_per_query = 48.0 if scheme == "fixed" else float(cost)
+    windows = {256: (34.4, 78, 111, 128.5), 1024: (54.3, 181, 321, 443), 4096: (62.2, 251.4, 757, 1285)}
+    for length, costs in windows.items():
+        for t, cost in zip((1, 4, 16, 64), costs, strict=True):
+            rows.append(row("alibi", "window", 256, length, 130.0, samples=t))
+            rows[-1].cost_per_query = cost
+    assert [R.never_cheaper([r for r in rows if r.eval_len == n]) for n in (256, 1024, 4096)] == [4, 16, 64]
+    capped = R.capped_windows(rows)
+    assert sorted((r.eval_len, r.samples) for r in rows if id(r) in capped) == [
+        (256, 4), (256, 16), (256, 64), (1024, 4), (1024, 16), (1024, 64), (4096, 16), (4096, 64)
+    ]  # fmt: skip  # at L = 4096 the window of T = 4 costs 251.4 against 252: not capped
+
+
+def test_sweep_without_capped_windows_marks_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    rows = [r for r in issue_sweep(1024) if r.samples in (None, 1)]
+    (ax,) = drawn_figures(monkeypatch, rows, tmp_path)["sweep.png"].axes
+    labels = ax.get_legend_handles_labels()[1]
+    assert not any(label.startswith(("window capped", "T >=")) for label in labels), labels
+
+
+def test_loss_by_position_drops_and_marks_thin_buckets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 34, item 7: with a stride below the window, only the first window scores the early positions, so the
+    plot mixed buckets of 16-32 tokens with buckets of 2,480 and showed their noise as spikes. Thin buckets are not
+    drawn; their positions are shaded, and every line says how many tokens each of its points holds."""
+    r = row("alibi", "own", 512, 2048, 100.0)
+    counts = [16, 32] * 6 + [2480] * 4  # positions below L - stride = 1536: the first window's tokens only
+    r.loss_by_position = [R.PositionBucket(k * 128, (k + 1) * 128, 5.6 if c < 100 else 4.3, c)
+                          for k, c in enumerate(counts)]  # fmt: skip
+    assert R.thin_buckets(r.loss_by_position) == [c < 248 for c in counts]
+    (ax,) = drawn_figures(monkeypatch, [r], tmp_path)["loss_by_position.png"].axes
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [(k * 128 + (k + 1) * 128 - 1) / 2 for k in range(12, 16)]
+    assert list(line.get_ydata()) == [4.3] * 4  # no 5.6 spike
+    assert "(2,480 tok/point)" in line.get_label()
+    shade = [p for p in ax.patches if p.get_label() == "not drawn: <= 32 tokens per bucket"]
+    assert len(shade) == 1 and len(ax.patches) == 12  # one shaded span per thin bucket, one legend entry

@@ -272,12 +272,65 @@ def _sample_count(row: EvalRow) -> int:
     return row.samples
 
 
+def exact_cost(length: int) -> float:
+    """Causal score entries per query of exact attention at ``length``: ``(L + 1) / 2`` (the rows' cost model)."""
+    return (length + 1) / 2
+
+
+def capped_windows(rows: Sequence[EvalRow]) -> set[int]:
+    """The ``id`` of each ``"window"`` row whose window could not match the cost of its ``T`` samples: the window
+    is capped at the whole sequence (exact ALiBi, ``(L + 1) / 2`` entries per query) for every head or some, so it
+    costs less than its ``T``. Its target is the ``discrete`` positional-LSH row of the same model, length and ``T``
+    (the window matches that scheme's expected cost); without one, a window at exact attention's cost is capped.
+    A window below its target by less than one entry per query is not: that is the rounding of an integer window
+    (each head's window is the largest whose cost fits, and one more position costs under one entry per query)."""
+    target = {(r.model, r.eval_len, r.samples): r.cost_per_query for r in rows
+              if r.kind == "plsh" and r.scheme == "discrete" and r.cost_per_query is not None}  # fmt: skip
+    out = set()
+    for r in rows:
+        if r.kind != "window" or r.cost_per_query is None:
+            continue
+        goal = target.get((r.model, r.eval_len, r.samples))
+        whole = r.cost_per_query >= exact_cost(r.eval_len) * (1 - 1e-9)
+        if (goal is not None and r.cost_per_query < goal - 1.0) or (goal is None and whole):
+            out.add(id(r))
+    return out
+
+
+def never_cheaper(rows: Sequence[EvalRow]) -> int | None:
+    """The smallest ``T`` from which every positional-LSH row of ``rows`` (one model and length) whose cost grows with
+    ``T`` costs at least as much as exact attention (``(L + 1) / 2`` score entries per query): the sweep is never
+    cheaper from there on. A scheme whose rows cost the same at every ``T`` (``fixed``: its identical samples are
+    computed once) does not count. ``None`` when some row at the largest ``T`` is cheaper, or no row has a cost."""
+    costs: dict[str | None, dict[int, float]] = {}
+    for r in rows:
+        if r.kind == "plsh" and r.samples is not None and r.cost_per_query is not None:
+            costs.setdefault(r.scheme, {})[r.samples] = r.cost_per_query
+    by_t: dict[int, list[float]] = {}
+    for by_samples in costs.values():
+        if len(by_samples) > 1 and len(set(by_samples.values())) == 1:
+            continue  # its cost does not grow with T
+        for t, cost in by_samples.items():
+            by_t.setdefault(t, []).append(cost)
+    first = None
+    for t in sorted(by_t, reverse=True):
+        if min(by_t[t]) < exact_cost(rows[0].eval_len):
+            break
+        first = t
+    return first
+
+
 def _plot_sweep(plt: Any, rows: Sequence[EvalRow], sweep: list[EvalRow], path: Path) -> Path:
     """One panel per (model, evaluation length) that has sweep rows: perplexity vs T per scheme, equal-cost
     windows, exact ALiBi. A row of panels per model; models trained at different lengths have different
-    evaluation lengths, so a row holds only its model's lengths, and no panel is left empty."""
+    evaluation lengths, so a row holds only its model's lengths, and no panel is left empty.
+
+    A window capped at the whole sequence (:func:`capped_windows`: it costs less than its ``T``) is drawn hollow,
+    and the ``T`` from which positional LSH costs at least as much as exact attention (:func:`never_cheaper`) on
+    are shaded: there a sweep point is not a cheaper approximation."""
     models = list(dict.fromkeys(r.model for r in sweep))
     lengths = {model: sorted({r.eval_len for r in sweep if r.model == model}) for model in models}
+    capped = capped_windows(sweep)
     cols = max(len(ls) for ls in lengths.values())
     fig, axes = plt.subplots(len(models), cols, figsize=(3.6 * cols, 3.2 * len(models)), squeeze=False)
     for i, model in enumerate(models):
@@ -291,24 +344,60 @@ def _plot_sweep(plt: Any, rows: Sequence[EvalRow], sweep: list[EvalRow], path: P
                 ax.plot([r.samples for r in pts], [r.ppl for r in pts], marker="o", label=f"plsh {scheme}")
             pts = sorted((r for r in sub if r.kind == "window"), key=_sample_count)
             if pts:
-                ax.plot([r.samples for r in pts], [r.ppl for r in pts], marker="s", label="windowed ALiBi, equal cost")
+                (line,) = ax.plot([r.samples for r in pts], [r.ppl for r in pts], marker="s",
+                                  label="windowed ALiBi, cost of T")  # fmt: skip
+                hollow = [r for r in pts if id(r) in capped]
+                if hollow:
+                    ax.plot([r.samples for r in hollow], [r.ppl for r in hollow], ls="none", marker="s", ms=9,
+                            mfc="white", mec=line.get_color(), label="window capped at L: cheaper than T")  # fmt: skip
             exact = [r for r in rows if r.model == model and r.eval_len == length and _is_exact_alibi(r)]
             if exact:
                 ax.axhline(exact[0].ppl, color="k", ls="--", lw=1, label="exact ALiBi")
-            _style_axes(ax, f"{model}, L={length}", "T (windows: equal cost)", "perplexity", 6, title_size=9)
+            first = never_cheaper(sub)
+            if first is not None:
+                top = max(r.samples for r in sub if r.samples is not None)
+                label = f"T >= {first}: sampled plsh costs >= exact ({exact_cost(length):g}/query)"
+                ax.axvspan(first / 2**0.25, top * 2**0.25, color="0.5", alpha=0.15, lw=0, label=label)
+            _style_axes(ax, f"{model}, L={length}", "T (windows: the cost of T samples)", "perplexity", 6,
+                        title_size=9)  # fmt: skip
     return _save(plt, fig, path)
+
+
+THIN_BUCKET_SHARE = 0.1
+"""A position bucket with fewer scored tokens than this share of its row's fullest bucket is *thin*: its mean loss
+is noise (16-32 tokens against 2,480 with a stride below the window, where only the first window scores the early
+positions). ``loss_by_position.png`` does not draw it; it shades its positions instead."""
+
+
+def thin_buckets(buckets: Sequence[PositionBucket]) -> list[bool]:
+    """Whether each bucket is thin (:data:`THIN_BUCKET_SHARE` of the fullest bucket's scored tokens)."""
+    most = max((b.count for b in buckets), default=0)
+    return [b.count < THIN_BUCKET_SHARE * most for b in buckets]
 
 
 def _plot_loss_by_position(plt: Any, rows: Sequence[EvalRow], path: Path) -> Path:
     """One panel per evaluation length / training length: mean loss vs position within the window (bucket
-    centres), one line per (model, attention)."""
+    centres), one line per (model, attention), labelled with its tokens per point. Thin buckets
+    (:func:`thin_buckets`) are not drawn: their positions are shaded and the legend says how few tokens they hold."""
     factors = sorted({r.factor for r in rows})
     fig, axes = plt.subplots(1, len(factors), figsize=(4.2 * len(factors), 3.6), squeeze=False)
     for ax, factor in zip(axes[0], factors, strict=True):
         sub = [r for r in rows if r.factor == factor]
+        shaded: dict[tuple[int, int], int] = {}  # thin positions [start, end) -> the most tokens such a bucket holds
         for r in sub:
-            xs = [(b.start + b.end - 1) / 2 for b in r.loss_by_position]
-            ax.plot(xs, [b.mean_loss for b in r.loss_by_position], marker=".", label=f"{r.model} — {r.attention}")
+            thin = thin_buckets(r.loss_by_position)
+            kept = [b for b, t in zip(r.loss_by_position, thin, strict=True) if not t]
+            for b, t in zip(r.loss_by_position, thin, strict=True):
+                if t:
+                    shaded[(b.start, b.end)] = max(shaded.get((b.start, b.end), 0), b.count)
+            xs = [(b.start + b.end - 1) / 2 for b in kept]
+            counts = sorted({b.count for b in kept})
+            per_point = f"{counts[0]:,}" if len(counts) == 1 else f"{counts[0]:,}-{counts[-1]:,}"
+            ax.plot(xs, [b.mean_loss for b in kept], marker=".",
+                    label=f"{r.model} — {r.attention} ({per_point} tok/point)")  # fmt: skip
+        for k, (start, end) in enumerate(sorted(shaded)):
+            label = f"not drawn: <= {max(shaded.values()):,} tokens per bucket" if k == 0 else None
+            ax.axvspan(start - 0.5, end - 0.5, color="0.5", alpha=0.15, lw=0, label=label)
         lengths = "/".join(str(n) for n in sorted({r.eval_len for r in sub}))
         _style_axes(ax, f"{factor:g}x (L={lengths})", "position within the window", "mean loss (nats)", 6,
                     title_size=9, log_x=False)  # fmt: skip
