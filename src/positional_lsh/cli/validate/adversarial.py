@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from positional_lsh.cli.validate.report import write_csv
 from positional_lsh.cli.validate.settings import ValidateConfig, derive_seed
+from positional_lsh.ops.errors import format_seconds
 from positional_lsh.ops.partitions.partition import sample_partitions
 from positional_lsh.theory.adversarial import adversarial_search
 
@@ -73,6 +74,10 @@ def run_adversarial(cfg: ValidateConfig, out: Path) -> tuple[dict[str, Path], di
     rows: list[dict[str, Any]] = []
     files: dict[str, Path] = {}
     cells = [(n, t) for n in cfg.adversarial_lengths for t in cfg.adversarial_samples]
+    seconds, _ = cfg.adversarial_seconds()
+    print(f"plsh validate: adversarial study: {len(cells)} cell{'s' if len(cells) > 1 else ''}, about "
+          f"{format_seconds(seconds)} (estimated for 1 thread on a 2-core CPU; a busier machine takes longer)",
+          file=sys.stderr)  # fmt: skip
     for n, t in tqdm(cells, desc="adversarial", disable=not cfg.progress, file=sys.stderr):
         seed = derive_seed(cfg.seed, "adversarial", n, t, cfg.adversarial_sigma)
         row, (res, parts) = adversarial_row(cfg, n, t, 1.0 / cfg.adversarial_sigma, seed)

@@ -21,6 +21,7 @@ __all__ = [
     "SLOPE_RANGE",
     "UNBIASED_TEST_SLOPES",
     "ValidateConfig",
+    "adversarial_cell_seconds",
     "command_line",
     "config_from_args",
     "derive_seed",
@@ -35,11 +36,46 @@ SLOPE_RANGE = (-0.6, -0.4)  # expected fitted slope of relative spectral error v
 UNBIASED_TEST_SLOPES = (0.5, 0.05)
 ADVERSARIAL_MAX_SECONDS = 600.0
 """The adversarial cells (``--adversarial`` or the report's) estimated above this many seconds are refused up front."""
-ADVERSARIAL_SECONDS_PER_SAMPLE = 5e-5
-"""Seconds per sample ``T`` of one adversarial cell besides its ``n^2`` term (see ``adversarial_seconds``):
-the masks are drawn, laid out block by block and averaged in Python loops over the samples."""
-ADVERSARIAL_SECONDS_PER_ENTRY = 1e-8
-"""Seconds per sample and per entry of the ``n x n`` mean mask of one adversarial cell (rebuilt by the oracles)."""
+# The time of one adversarial cell (``adversarial_cell_seconds``), term by term. Measured on the 2-core CPU with
+# torch at 1 thread (``--threads``' default) and the other cores busy (load 2-3), by timing each stage of
+# ``theory.adversarial.adversarial_search`` at n = 64 ... 4096, T = 1 ... 20000 (docs/theory.md, "The uniform
+# approximation theorem against adversarial inputs", has the estimate against whole runs).
+ADVERSARIAL_SECONDS_PER_SAMPLE = 2.5e-4
+"""Seconds per sample ``T`` of one cell: its draw, the mean mask's loop over its blocks and the row adversaries'
+per-sample work (2.3e-4 s measured at n = 64, T = 20000; 3.5e-4 s at n = 256, T = 2000)."""
+ADVERSARIAL_SECONDS_PER_ENTRY = 4.5e-9
+"""Seconds per sample and per entry of the ``n x n`` mean mask (built block by block; the oracles rebuild it):
+4.5e-9 s measured at n = 4096 between T = 1 and T = 64."""
+ADVERSARIAL_SECONDS_PER_ROW = 0.07
+"""Seconds per attacked row (at most ``2 * adversarial_rows``): four starts of 150 gradient steps on the row's
+scores (0.25-0.58 s for 8 rows at every n measured)."""
+ADVERSARIAL_SECONDS_BOUND = 1e-7
+"""Seconds per entry of ``n x n`` for the uniform bound (its rows sorted: 0.1 s at n = 1024, 1.2-1.9 s at 4096)."""
+ADVERSARIAL_SECONDS_REMEASURE = 3.2e-7
+"""Seconds per entry of ``n x n`` for re-measuring the adversaries' inputs and three Gaussian ones with the dense
+float64 oracles (0.28-0.40 s at n = 1024, 5.5 s at 4096)."""
+ADVERSARIAL_SECONDS_PGD = 5e-8
+"""Seconds per entry of ``n x n`` and gradient step of the full ``(q, k, v)`` ascent, which runs only up to
+``--adversarial-pgd-max-len``: 2 starts of 60 steps (6.3-7.2 s at n = 1024, 0.27-0.40 s at 256)."""
+ADVERSARIAL_PGD_STEPS = 2 * 60
+"""Gradient steps of the full ascent per cell (``adversarial_search``'s ``pgd_restarts * pgd_steps``)."""
+ADVERSARIAL_SECONDS_STARTUP = 2.0
+"""Seconds once per study: the first call of the dense oracles (1.5-2.6 s measured, 0.02 s afterwards at n = 256)."""
+
+
+def adversarial_cell_seconds(n: int, t: int, rows: int, pgd_max_len: int) -> dict[str, float]:
+    """The estimated seconds of one adversarial cell (``n``, ``T``), term by term: ``"samples"`` (per sample:
+    ``T * (ADVERSARIAL_SECONDS_PER_SAMPLE + ADVERSARIAL_SECONDS_PER_ENTRY * n^2)``), and the fixed cost of the cell
+    whatever its ``T``: ``"rows"`` (the row adversaries on at most ``2 * rows`` rows), ``"bound"`` (the uniform
+    bound), ``"remeasure"`` (the oracles) and ``"pgd"`` (the full ascent, 0 above ``pgd_max_len``)."""
+    entries = float(n) * n
+    return {
+        "samples": t * (ADVERSARIAL_SECONDS_PER_SAMPLE + ADVERSARIAL_SECONDS_PER_ENTRY * entries),
+        "rows": ADVERSARIAL_SECONDS_PER_ROW * min(2 * rows, n),
+        "bound": ADVERSARIAL_SECONDS_BOUND * entries,
+        "remeasure": ADVERSARIAL_SECONDS_REMEASURE * entries,
+        "pgd": ADVERSARIAL_SECONDS_PGD * ADVERSARIAL_PGD_STEPS * entries if n <= pgd_max_len else 0.0,
+    }
 
 
 @dataclass
@@ -250,17 +286,19 @@ class ValidateConfig:
         return [(n, t) for n in self.report_adversarial_lengths for t in self.report_adversarial_samples]
 
     def adversarial_seconds(self) -> tuple[float, str]:
-        """A lower bound on the adversarial study's time (seconds, one slope) and the flags that set it: every cell
-        costs about ``T * (ADVERSARIAL_SECONDS_PER_SAMPLE + ADVERSARIAL_SECONDS_PER_ENTRY * n^2)`` (measured: 1.1e-4 s
-        per sample at ``n = 64``, 1.9e-3 s at ``n = 256`` on 2 CPU cores)."""
+        """The adversarial study's estimated time (seconds, one slope) and the flags that set it: every cell's
+        :func:`adversarial_cell_seconds` (its samples and its fixed cost: the row adversaries, the bound, the
+        oracles, the full ascent up to ``--adversarial-pgd-max-len``), plus ``ADVERSARIAL_SECONDS_STARTUP`` once.
+        Measured on a 2-core CPU at 1 thread with the other core busy: within -10 % / +25 % of whole runs there
+        (docs/theory.md); a busier or slower machine takes longer, a faster one less."""
         cells = self.adversarial_cells()
         if not cells:
             return 0.0, ""
 
         def cell(c: tuple[int, int]) -> float:
-            return c[1] * (ADVERSARIAL_SECONDS_PER_SAMPLE + ADVERSARIAL_SECONDS_PER_ENTRY * c[0] ** 2)
+            return sum(adversarial_cell_seconds(*c, self.adversarial_rows, self.adversarial_pgd_max_len).values())
 
-        seconds = sum(map(cell, cells))
+        seconds = ADVERSARIAL_SECONDS_STARTUP + sum(map(cell, cells))
         n, t = max(cells, key=cell)
         flags = "--adversarial-lengths/--adversarial-samples" if self.adversarial else "--report-adversarial-*"
         return seconds, f"{flags} ({len(cells)} cell{'s' if len(cells) > 1 else ''}, the largest n={n}, T={t})"
