@@ -12,6 +12,7 @@ internal name of the package is text.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -343,3 +344,16 @@ def test_a_reexport_points_to_its_home() -> None:
     assert ".. automodule:: positional_lsh\n   :no-members:" in text
     assert ".. py:function:: plsh_attention(q, k, v, slopes=None, *, num_samples=8," in text
     assert "Documented at :func:`positional_lsh.ops.attention.plsh_attention`." in text
+
+
+def test_the_hf_limitations_describe_what_train_hf_offers() -> None:
+    """Issue 34, item 8: docs/hf.md's limitations said ``plsh train-hf``'s "memory is not estimated up front" while
+    ``--dry-run`` prints the estimate, and "no FSDP" while FSDP2 works with the swap."""
+    from positional_lsh.cli.train_hf import TrainHFCommand
+
+    assert "dry_run" in {f.name for f in dataclasses.fields(TrainHFCommand)}
+    text = (DOCS / "hf.md").read_text(encoding="utf-8")
+    limitations = text[text.index("\n## Limitations") :]
+    limitations = limitations[: limitations.find("\n## ", 1)] if "\n## " in limitations[1:] else limitations
+    assert "not estimated up front" not in limitations
+    assert "`--dry-run`" in limitations and "fully_shard" in limitations and '"version": 2' in limitations
