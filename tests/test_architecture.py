@@ -485,6 +485,11 @@ def test_every_test_module_sits_under_the_folder_of_its_package(sources, parsed)
     assert not offenders, "misplaced test modules:\n" + "\n".join(offenders)
 
 
+def test_the_swap_and_the_language_model_decode_through_the_one_kvcache_entry_point(sources) -> None:
+    offenders = decode_violations(sources)
+    assert not offenders, "decoding around the KV-cache entry point:\n" + "\n".join(offenders)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The op layer's private engine, its one op registration per op, and where tests live
 # ------------------------------------------------------------------------------------------------------------------
@@ -578,6 +583,53 @@ def custom_op_violations(sources: Iterable[Source]) -> list[str]:
     for module, names in CUSTOM_OPS.items():
         if seen.get(module, set()) != names:
             out.append(f"{module} registers {sorted(seen.get(module, set()))}, expected {sorted(names)}")
+    return out
+
+
+# Decoding: one public entry point of the op layer, which owns the decoding state and kernels; the decoders call it.
+KVCACHE_MODULE = "positional_lsh.ops.kvcache"
+KVCACHE_ENTRY = "plsh_attention_with_kvcache"
+DECODERS = ("positional_lsh.integrations.hf.attention_swap", "positional_lsh.lm.model")
+# The decoding kernels and plans (and the names they had before the entry point): nothing outside ops.kvcache uses them.
+DECODE_INTERNALS = {
+    "decode_rows", "attend_row", "_RowPlan", "_RampPlan", "DecodePlan", "AlibiDecodePlan", "plsh_decode",
+}  # fmt: skip
+DECODE_RULE = (
+    "the transformers swap and the language model decode through the op layer's one KV-cache entry point "
+    f"({KVCACHE_MODULE}.{KVCACHE_ENTRY}); no module of the package outside {KVCACHE_MODULE} builds decoding plans "
+    "or calls the decoding kernels"
+)
+
+
+def _names_used(tree: ast.AST) -> Iterable[tuple[int, str]]:
+    """``(line, name)`` of every name a module refers to: plain names, attributes and imported names."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.ImportFrom):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+
+
+def decode_violations(sources: Iterable[Source]) -> list[str]:
+    """Modules of the package other than ``KVCACHE_MODULE`` that name its decoding internals, and decoders of
+    ``DECODERS`` that never call ``KVCACHE_ENTRY``."""
+    out, calls = [], dict.fromkeys(DECODERS, False)
+    for src in sources:
+        if not src.module.startswith("positional_lsh") or src.module == KVCACHE_MODULE:
+            continue
+        for line, name in _names_used(src.tree):
+            if name in DECODE_INTERNALS:
+                out.append(f"{src.path}:{line}: {src.module} uses {name} -- rule: {DECODE_RULE}")
+        if src.module in calls:
+            callees = (
+                (getattr(n.func, "id", None), getattr(n.func, "attr", None))
+                for n in ast.walk(src.tree)
+                if isinstance(n, ast.Call)
+            )
+            calls[src.module] = any(KVCACHE_ENTRY in callee for callee in callees)
+    out += [f"{module} never calls {KVCACHE_ENTRY} -- rule: {DECODE_RULE}" for module, ok in calls.items() if not ok]
     return out
 
 
@@ -938,4 +990,17 @@ def test_checker_flags_long_modules() -> None:
     kernels = _fake_sources({"positional_lsh.ops._engine.triton.kernels": "x = 1\n" * 601})
     assert size_violations(kernels) == [
         f"positional_lsh/ops/_engine/triton/kernels.py: 601 lines (at most 600) -- rule: {SIZE_RULE}"
+
+
+def test_checker_flags_decoding_around_the_kvcache_entry_point() -> None:
+    sources = _fake_sources({
+        KVCACHE_MODULE: "def plsh_attention_with_kvcache(): ...\ndef decode_rows(): ...\nclass _RowPlan: ...\n",
+        DECODERS[0]: "from positional_lsh.ops import kvcache\ndef f(): return kvcache.plsh_attention_with_kvcache()\n",
+        DECODERS[1]: "from positional_lsh.ops.kvcache import decode_rows\ndef g(): return decode_rows()\n",
+        "tests.ops.test_kvcache": "from positional_lsh.ops.kvcache import decode_rows\n",
+    })  # fmt: skip
+    assert decode_violations(sources) == [
+        f"positional_lsh/lm/model.py:1: {DECODERS[1]} uses decode_rows -- rule: {DECODE_RULE}",
+        f"positional_lsh/lm/model.py:2: {DECODERS[1]} uses decode_rows -- rule: {DECODE_RULE}",
+        f"{DECODERS[1]} never calls {KVCACHE_ENTRY} -- rule: {DECODE_RULE}",
     ]

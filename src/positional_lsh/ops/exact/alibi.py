@@ -168,15 +168,11 @@ class _Toeplitz:
         (``-m_h |i - j|`` or ``log k_theta_h(|i - j|)``, ``-inf`` beyond the window and, when ``causal``, for
         ``j > i``), computed in float64 and rounded once to ``dtype``. Every bias entry of a call is one of these
         ``O(Lq + Lk)`` values: the ``"fused"`` route's bias is a strided view of this line."""
-        rel = torch.arange(first, last + 1, dtype=torch.float64)
-        dist = rel.abs()
         if self.family is None:
-            line = dist[None] * -self.values[:, :1]
-            if self.window is not None:
-                line = line.masked_fill(dist[None] > self.window[:, None], -math.inf)
-        else:
-            family = self.family
-            line = torch.stack([family.log_k(dist, self.values[h]) for h in range(self.values.shape[0])])
+            return bias_line(first, last, self.values[:, 0], self.window, causal=causal, dtype=dtype, device=device)
+        rel = torch.arange(first, last + 1, dtype=torch.float64)
+        family = self.family
+        line = torch.stack([family.log_k(rel.abs(), self.values[h]) for h in range(self.values.shape[0])])
         if causal:
             line = line.masked_fill(rel[None] < 0, -math.inf)
         return line.to(device=device, dtype=dtype).contiguous()
@@ -207,6 +203,24 @@ class _Toeplitz:
             return log_k.to(dtype), None
         weights = self.family.grad_log_k(dist.to(weight_dtype), theta.to(weight_dtype))
         return log_k.to(dtype), weights.masked_fill_(torch.isneginf(log_k)[None], 0.0)
+
+
+def bias_line(
+    first: int, last: int, slopes: torch.Tensor, window: torch.Tensor | None, *, causal: bool, dtype: torch.dtype,
+    device: torch.device | str | None,
+) -> torch.Tensor:  # fmt: skip
+    """The ALiBi ramp: ``(H, last - first + 1)`` contiguous, entry ``x`` of head ``h`` the bias at ``i - j = first +
+    x``: ``-slopes[h] |i - j|``, ``-inf`` beyond ``window[h]`` and, when ``causal``, for ``j > i``; computed in float64
+    (``slopes``, ``window``: ``(H,)`` float64) and rounded once to ``dtype``. Every bias entry of an exact ALiBi call
+    is one of these values: the ``"fused"`` route's bias and a decoded token's bias row are views of it."""
+    rel = torch.arange(first, last + 1, dtype=torch.float64)
+    dist = rel.abs()
+    line = dist[None] * -slopes[:, None]
+    if window is not None:
+        line = line.masked_fill(dist[None] > window[:, None], -math.inf)
+    if causal:
+        line = line.masked_fill(rel[None] < 0, -math.inf)
+    return line.to(device=device, dtype=dtype).contiguous()
 
 
 def _head_items(q: torch.Tensor, k: torch.Tensor, window: torch.Tensor | None) -> list[tuple[list[int], slice]]:
