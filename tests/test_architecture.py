@@ -504,7 +504,7 @@ OP_HELPERS = ("positional_lsh.ops._checks",)  # validators any room may share (n
 # Every torch.library.custom_op of the package: one registration (forward, backward) per op, in the op's module.
 CUSTOM_OPS = {
     "positional_lsh.ops._engine.op": {"positional_lsh::plsh_forward", "positional_lsh::plsh_backward"},
-    "positional_lsh.ops.exact.alibi": {"positional_lsh::exact_forward", "positional_lsh::exact_backward"},
+    "positional_lsh.ops.exact.op": {"positional_lsh::exact_forward", "positional_lsh::exact_backward"},
     "positional_lsh.ops.partitions.sampling": {"positional_lsh::sample_partitions"},
 }
 CUSTOM_OP_RULE = "one custom-op registration per op (docs/architecture.md, CUSTOM_OPS): no other module registers one"

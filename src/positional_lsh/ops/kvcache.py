@@ -54,7 +54,8 @@ from positional_lsh.ops._checks import (
 from positional_lsh.ops._engine.engine import rows_reaching
 from positional_lsh.ops._engine.kernels import acc_dtype, nonfinite_keys
 from positional_lsh.ops.attention import plsh_attention
-from positional_lsh.ops.exact.alibi import alibi_attention, bias_line
+from positional_lsh.ops.exact.alibi import alibi_attention
+from positional_lsh.ops.exact.toeplitz import bias_line
 from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend, check_method
 from positional_lsh.ops.padding import check_key_padding_mask, row_groups
 from positional_lsh.ops.partitions.bounds import block_bounds
@@ -504,7 +505,7 @@ class _RampPlan:
     """Exact or windowed causal ALiBi for one query at a time: the ALiBi half of a :class:`DecodeState`.
 
     The bias of the query at ``i`` on keys ``j0 .. i`` is ``-m_h (i - j)`` (``-inf`` beyond ``window[h]``): a view of
-    one per-head ramp over distances (:func:`~positional_lsh.ops.exact.alibi.bias_line`), kept by the plan and
+    one per-head ramp over distances (:func:`~positional_lsh.ops.exact.toeplitz.bias_line`), kept by the plan and
     doubled when a row outgrows it. A token then costs the three kernel calls of :func:`attend_row`.
     """
 
