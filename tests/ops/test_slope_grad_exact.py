@@ -396,7 +396,8 @@ def test_truncated_linear_visits_only_keys_within_its_width(monkeypatch, small_c
     """Its support is the window: each kernel call's keys stay within the width (and the result is still exact)."""
     keys = []
     real = toeplitz_module.attend
-    monkeypatch.setattr(toeplitz_module, "attend", lambda q, k, *a, **kw: keys.append(k.shape[-2]) or real(q, k, *a, **kw))
+    spy = lambda q, k, *a, **kw: keys.append(k.shape[-2]) or real(q, k, *a, **kw)  # noqa: E731
+    monkeypatch.setattr(toeplitz_module, "attend", spy)
     q, k, v = _qkv(1, 2, 2, 40, 40, 4, seed=16)
     theta = torch.tensor([[3.5], [6.0]], dtype=F64, requires_grad=True)  # reach 3 and 5
     out = decay_attention(q, k, v, "truncated-linear", theta, causal=False)

@@ -106,11 +106,9 @@ class DecodeState:
     sequence (``DecodeState()``) and pass it as ``state=`` with every call of that layer; the entry point fills it.
     It holds no keys, and is rebuilt by the entry point when the partitions or the slopes change."""
 
-    __slots__ = ("_alibi", "_plsh")
-
-    def __init__(self) -> None:
-        self._plsh: _RowPlan | None = None
-        self._alibi: _RampPlan | None = None
+    # Filled by the entry point (instance attributes then shadow these empty defaults).
+    _plsh: _RowPlan | None = None
+    _alibi: _RampPlan | None = None
 
 
 def plsh_attention_with_kvcache(

@@ -3,19 +3,19 @@
 
 ``softmax_j(scale * q_i . k_j - m_h |i - j|) v_j``, the bias added after scaling, optionally restricted to
 ``|i - j| <= window[h]``. Chunked over queries, with a recomputing backward against the saved output and
-log-sum-exp: never an ``n x n`` tensor. Two routes (:func:`exact_route`): ``"fused"`` (torch's fused CPU flash
-kernel, every head in one call per :data:`FUSED_ROWS` query rows, the bias a strided view of one ``O(n)`` line per
-head against the keys in reverse order: no bias construction, and it skips the causal triangle) whenever the
-kernel is that op and no window drops a key; ``"banks"`` otherwise (per head, one Toeplitz bias bank per head of
-which every chunk's bias is a view, each chunk on the keys its window keeps).
+log-sum-exp: never an ``n x n`` tensor. Two routes (``exact.fused.exact_route``): ``"fused"`` (``exact.fused``:
+torch's fused CPU flash kernel, every head in one call per ``FUSED_ROWS`` query rows, the bias a strided view of one
+``O(n)`` line per head against the keys in reverse order: no bias construction, and it skips the causal triangle)
+whenever the kernel is that op and no window drops a key; ``"banks"`` otherwise (``exact.toeplitz``: per head, one
+Toeplitz bias bank per head of which every chunk's bias is a view, each chunk on the keys its window keeps).
 A ``slopes`` tensor that requires grad gets ``dL/dm_h = -sum_{b,i,j} dS_ij |i - j|`` from one more pass of score
 recomputation per chunk in that backward (``ops._engine.kernels.attend_bias_grads`` with the weight
 ``d bias / dm = -|i - j|``, a view of a per-head Toeplitz distance bank). :func:`decay_attention` is the same op for
 the built-in decay families (:data:`~positional_lsh.ops.partitions.decays.DECAY_FAMILIES`, bias
 ``log k_theta(|i - j|)``), with ``params.grad``. Both take a ``key_padding_mask`` (:mod:`positional_lsh.ops.padding`).
 
-One custom-op registration serves both, eager and compiled: ``positional_lsh::exact_forward(q, k, v, theta,
-window, kind, causal, scale, backend, check=False, key_padding_mask=None) -> (out, lse)`` (``theta``: the slopes
+One custom-op registration (``exact.op``) serves both, eager and compiled: ``positional_lsh::exact_forward(q, k, v,
+theta, window, kind, causal, scale, backend, check=False, key_padding_mask=None) -> (out, lse)`` (``theta``: the slopes
 ``(Hq,)``, or a decay family's parameters ``(Hq, P)``) and its backward ``positional_lsh::exact_backward``,
 connected by ``torch.library.register_autograd``, which gives ``theta`` its exact gradient when autograd needs it.
 ``torch.compile(fullgraph=True)`` traces a call as that one opaque op; the values a trace cannot read (slopes,

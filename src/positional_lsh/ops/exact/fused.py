@@ -34,7 +34,8 @@ def exact_route(window: torch.Tensor | None, k_len: int, backend: str, device: t
       entry ``>= k_len - 1``, the largest distance a call has), at every length: one kernel call per
       :data:`FUSED_ROWS` query rows (causal; bidirectional: all rows) for all heads and batch rows together, the
       keys in reverse order so that the bias, which depends on ``i - j`` only, is a strided view (with positive
-      strides) of one ``O(Lq + Lk)`` line per head (:meth:`~positional_lsh.ops.exact.toeplitz.Toeplitz.line`): no ``n x n`` tensor and no bias
+      strides) of one ``O(Lq + Lk)`` line per head
+      (:meth:`~positional_lsh.ops.exact.toeplitz.Toeplitz.line`): no ``n x n`` tensor and no bias
       construction. Causal calls skip the masked triangle above each call's rows.
     * ``"banks"`` otherwise (a window that cuts, the math kernel, other devices): per head, query chunks of about
       :data:`CHUNK_ELEMENTS` bias entries, views of one Toeplitz bank per head, each chunk on the keys it keeps.
