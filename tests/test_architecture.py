@@ -588,16 +588,17 @@ def custom_op_violations(sources: Iterable[Source]) -> list[str]:
 
 # Decoding: one public entry point of the op layer, which owns the decoding state and kernels; the decoders call it.
 KVCACHE_MODULE = "positional_lsh.ops.kvcache"
+KVCACHE_KERNELS = "positional_lsh.ops._decode"  # its private kernels and plans
 KVCACHE_ENTRY = "plsh_attention_with_kvcache"
 DECODERS = ("positional_lsh.integrations.hf.attention_swap", "positional_lsh.lm.model")
 # The decoding kernels and plans (and the names they had before the entry point): nothing outside ops.kvcache uses them.
 DECODE_INTERNALS = {
-    "decode_rows", "attend_row", "_RowPlan", "_RampPlan", "DecodePlan", "AlibiDecodePlan", "plsh_decode",
+    "decode_rows", "attend_row", "RowPlan", "RampPlan", "DecodePlan", "AlibiDecodePlan", "plsh_decode",
 }  # fmt: skip
 DECODE_RULE = (
     "the transformers swap and the language model decode through the op layer's one KV-cache entry point "
-    f"({KVCACHE_MODULE}.{KVCACHE_ENTRY}); no module of the package outside {KVCACHE_MODULE} builds decoding plans "
-    "or calls the decoding kernels"
+    f"({KVCACHE_MODULE}.{KVCACHE_ENTRY}); no module of the package outside it and {KVCACHE_KERNELS} builds decoding "
+    "plans or calls the decoding kernels"
 )
 
 
@@ -613,11 +614,11 @@ def _names_used(tree: ast.AST) -> Iterable[tuple[int, str]]:
 
 
 def decode_violations(sources: Iterable[Source]) -> list[str]:
-    """Modules of the package other than ``KVCACHE_MODULE`` that name its decoding internals, and decoders of
-    ``DECODERS`` that never call ``KVCACHE_ENTRY``."""
+    """Modules of the package other than ``KVCACHE_MODULE`` and ``KVCACHE_KERNELS`` that name the decoding internals,
+    and decoders of ``DECODERS`` that never call ``KVCACHE_ENTRY``."""
     out, calls = [], dict.fromkeys(DECODERS, False)
     for src in sources:
-        if not src.module.startswith("positional_lsh") or src.module == KVCACHE_MODULE:
+        if not src.module.startswith("positional_lsh") or src.module in (KVCACHE_MODULE, KVCACHE_KERNELS):
             continue
         for line, name in _names_used(src.tree):
             if name in DECODE_INTERNALS:
@@ -994,7 +995,8 @@ def test_checker_flags_long_modules() -> None:
 
 def test_checker_flags_decoding_around_the_kvcache_entry_point() -> None:
     sources = _fake_sources({
-        KVCACHE_MODULE: "def plsh_attention_with_kvcache(): ...\ndef decode_rows(): ...\nclass _RowPlan: ...\n",
+        KVCACHE_MODULE: "from positional_lsh.ops._decode import RowPlan\ndef plsh_attention_with_kvcache(): ...\n",
+        KVCACHE_KERNELS: "def decode_rows(): ...\nclass RowPlan: ...\n",
         DECODERS[0]: "from positional_lsh.ops import kvcache\ndef f(): return kvcache.plsh_attention_with_kvcache()\n",
         DECODERS[1]: "from positional_lsh.ops.kvcache import decode_rows\ndef g(): return decode_rows()\n",
         "tests.ops.test_kvcache": "from positional_lsh.ops.kvcache import decode_rows\n",

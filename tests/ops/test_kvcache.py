@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from positional_lsh import alibi_attention, dense_plsh_attention, plsh_attention, sample_partitions
-from positional_lsh.ops import kvcache
-from positional_lsh.ops.kvcache import DecodeState, decode_rows, key_reach, plsh_attention_with_kvcache
+from positional_lsh.ops import _decode, kvcache
+from positional_lsh.ops._decode import decode_rows
+from positional_lsh.ops.kvcache import DecodeState, key_reach, plsh_attention_with_kvcache
 from positional_lsh.ops.partitions.bounds import block_bounds
 
 from conftest import naive_alibi, naive_estimator, naive_mean_mask
@@ -235,7 +236,7 @@ def test_state_equals_the_dense_oracle_token_by_token(scheme, b, hkv, monkeypatc
     # One state decodes every position in turn (rebuilding its row at block boundaries, and its window of blocks
     # every 7 positions here), then positions out of order; each row equals the float64 oracle's, with every key
     # and with the keys a cache would have dropped; partitions of the same draw for another length reuse the state.
-    monkeypatch.setattr(kvcache, "DECODE_PLAN_WINDOW", 7)
+    monkeypatch.setattr(_decode, "DECODE_PLAN_WINDOW", 7)
     n = 48
     parts = sample_partitions(n, SLOPES, 5, scheme=scheme, generator=7)
     longer = parts.with_seq_len(2 * n)

@@ -17,9 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import positional_lsh.ops._decode as decode
 import positional_lsh.ops._engine.multiplicity as mult
 import positional_lsh.ops._engine.triton.plan as triton_plan
-import positional_lsh.ops.kvcache as decode
 import positional_lsh.ops.partitions.partition as partition
 from positional_lsh import Partitions, get_scheme, plsh_attention, sample_partitions, scheme_names
 from positional_lsh.ops.partitions import bounds

@@ -164,7 +164,7 @@ class AttentionSwap:
         if held is None or held[0] != key or held[1].seq_len < seq_len:
             length = max(2 * seq_len, 1024)  # redrawn about log2(n) times in a generation of n tokens
             parts = self.partitions(layer_idx, length, training=training)
-            held = (key, parts, key_reach(parts))
+            held = (key, parts, key_reach(parts, backend=self.backend, method=self.method or "auto"))
             self._decoding[layer_idx] = held
         return held[1], held[2]
 
@@ -178,8 +178,7 @@ class AttentionSwap:
         drop dead keys.
         """
         if self.mode == "plsh":
-            parts = self._decode_partitions(layer_idx, 1, training)[0]
-            return key_reach(parts, backend=self.backend, method=self.method or "auto")
+            return self._decode_partitions(layer_idx, 1, training)[1]
         if self.window is None:
             return None
         return int(torch.floor(self.window).max().item())
