@@ -18,6 +18,9 @@ def block_counts(
     first: torch.Tensor | int,
     width: int,
     weight: torch.Tensor | None = None,
+    *,
+    events: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``c[..., x] = sum_t weight[..., t] * [start[..., t] <= first + x < end[..., t]]`` for ``x in [0, width)``.
 
@@ -27,6 +30,8 @@ def block_counts(
         first: the key of column 0: an int, or an int64 tensor of the rows' shape ``(...)`` (one per row).
         width: the number of keys (columns), ``>= 0``; blocks are clipped to them.
         weight: int32 ``(..., T)`` (broadcastable), how many samples each block stands for; default 1 each.
+        events, out: optional int32 buffers ``(..., width + 1)`` (zeroed here) and ``(..., width)`` for a caller that
+            reuses its memory across calls.
 
     Returns:
         int32 ``(..., width)``, exact (an integer prefix sum).
@@ -34,8 +39,11 @@ def block_counts(
     base = first if isinstance(first, int) else first[..., None]
     lo = (start - base).clamp_(0, width)
     hi = (end - base).clamp_(0, width)
-    events = torch.zeros((*lo.shape[:-1], width + 1), dtype=torch.int32, device=lo.device)
+    if events is None:
+        events = torch.zeros((*lo.shape[:-1], width + 1), dtype=torch.int32, device=lo.device)
+    else:
+        events.zero_()
     ones = torch.ones((), dtype=torch.int32, device=lo.device).expand(lo.shape) if weight is None else weight
     events.scatter_add_(-1, lo, ones.expand(lo.shape))
     events.scatter_add_(-1, hi, ones.expand(lo.shape).neg())
-    return events[..., :width].cumsum(-1, dtype=torch.int32)
+    return torch.cumsum(events[..., :width], -1, dtype=torch.int32, out=out)
