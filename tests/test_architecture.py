@@ -485,6 +485,11 @@ def test_every_test_module_sits_under_the_folder_of_its_package(sources, parsed)
     assert not offenders, "misplaced test modules:\n" + "\n".join(offenders)
 
 
+def test_the_swap_and_the_language_model_decode_through_the_one_kvcache_entry_point(sources) -> None:
+    offenders = decode_violations(sources)
+    assert not offenders, "decoding around the KV-cache entry point:\n" + "\n".join(offenders)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The op layer's private engine, its one op registration per op, and where tests live
 # ------------------------------------------------------------------------------------------------------------------
@@ -499,7 +504,7 @@ OP_HELPERS = ("positional_lsh.ops._checks",)  # validators any room may share (n
 # Every torch.library.custom_op of the package: one registration (forward, backward) per op, in the op's module.
 CUSTOM_OPS = {
     "positional_lsh.ops._engine.op": {"positional_lsh::plsh_forward", "positional_lsh::plsh_backward"},
-    "positional_lsh.ops.exact.alibi": {"positional_lsh::exact_forward", "positional_lsh::exact_backward"},
+    "positional_lsh.ops.exact.op": {"positional_lsh::exact_forward", "positional_lsh::exact_backward"},
     "positional_lsh.ops.partitions.sampling": {"positional_lsh::sample_partitions"},
 }
 CUSTOM_OP_RULE = "one custom-op registration per op (docs/architecture.md, CUSTOM_OPS): no other module registers one"
@@ -578,6 +583,54 @@ def custom_op_violations(sources: Iterable[Source]) -> list[str]:
     for module, names in CUSTOM_OPS.items():
         if seen.get(module, set()) != names:
             out.append(f"{module} registers {sorted(seen.get(module, set()))}, expected {sorted(names)}")
+    return out
+
+
+# Decoding: one public entry point of the op layer, which owns the decoding state and kernels; the decoders call it.
+KVCACHE_MODULE = "positional_lsh.ops.kvcache"
+KVCACHE_KERNELS = "positional_lsh.ops._decode"  # its private kernels and plans
+KVCACHE_ENTRY = "plsh_attention_with_kvcache"
+DECODERS = ("positional_lsh.integrations.hf.attention_swap", "positional_lsh.lm.model")
+# The decoding kernels and plans (and the names they had before the entry point): nothing outside ops.kvcache uses them.
+DECODE_INTERNALS = {
+    "decode_rows", "attend_row", "RowPlan", "RampPlan", "DecodePlan", "AlibiDecodePlan", "plsh_decode",
+}  # fmt: skip
+DECODE_RULE = (
+    "the transformers swap and the language model decode through the op layer's one KV-cache entry point "
+    f"({KVCACHE_MODULE}.{KVCACHE_ENTRY}); no module of the package outside it and {KVCACHE_KERNELS} builds decoding "
+    "plans or calls the decoding kernels"
+)
+
+
+def _names_used(tree: ast.AST) -> Iterable[tuple[int, str]]:
+    """``(line, name)`` of every name a module refers to: plain names, attributes and imported names."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.ImportFrom):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+
+
+def decode_violations(sources: Iterable[Source]) -> list[str]:
+    """Modules of the package other than ``KVCACHE_MODULE`` and ``KVCACHE_KERNELS`` that name the decoding internals,
+    and decoders of ``DECODERS`` that never call ``KVCACHE_ENTRY``."""
+    out, calls = [], dict.fromkeys(DECODERS, False)
+    for src in sources:
+        if not src.module.startswith("positional_lsh") or src.module in (KVCACHE_MODULE, KVCACHE_KERNELS):
+            continue
+        for line, name in _names_used(src.tree):
+            if name in DECODE_INTERNALS:
+                out.append(f"{src.path}:{line}: {src.module} uses {name} -- rule: {DECODE_RULE}")
+        if src.module in calls:
+            callees = (
+                (getattr(n.func, "id", None), getattr(n.func, "attr", None))
+                for n in ast.walk(src.tree)
+                if isinstance(n, ast.Call)
+            )
+            calls[src.module] = any(KVCACHE_ENTRY in callee for callee in callees)
+    out += [f"{module} never calls {KVCACHE_ENTRY} -- rule: {DECODE_RULE}" for module, ok in calls.items() if not ok]
     return out
 
 
@@ -874,12 +927,11 @@ MAX_OPS_LINES = 500
 """No module of the op layer (``positional_lsh.ops`` and below) exceeds this many lines..."""
 OPS_LINE_EXCEPTIONS = {"positional_lsh.ops._engine.triton.kernels": 600}
 """...except the Triton kernels file, which may reach 600."""
-# Known offenders, being split by work in progress (issue 31: exact/ into banks, fused route, op and entry points;
-# the multiplicity form into plan, mask and backend; Segment moved out of partition.py). Temporary: the lead empties
-# this set after merging those splits. A listed module that no longer exceeds its limit fails the suite too
-# (test_the_line_limit_allow_list_holds_only_offenders), so that the list cannot outlive its reason.
+# Known offenders, being split by work in progress (issue 31: the multiplicity form into plan, mask and backend;
+# Segment moved out of partition.py). Temporary: the lead empties this set after merging those splits. A listed
+# module that no longer exceeds its limit fails the suite too (test_the_line_limit_allow_list_holds_only_offenders),
+# so that the list cannot outlive its reason.
 KNOWN_OVER_LIMIT = frozenset({
-    "positional_lsh.ops.exact.alibi",
     "positional_lsh.ops._engine.multiplicity",
     "positional_lsh.ops.partitions.partition",
 })  # fmt: skip
@@ -938,4 +990,19 @@ def test_checker_flags_long_modules() -> None:
     kernels = _fake_sources({"positional_lsh.ops._engine.triton.kernels": "x = 1\n" * 601})
     assert size_violations(kernels) == [
         f"positional_lsh/ops/_engine/triton/kernels.py: 601 lines (at most 600) -- rule: {SIZE_RULE}"
+    ]
+
+
+def test_checker_flags_decoding_around_the_kvcache_entry_point() -> None:
+    sources = _fake_sources({
+        KVCACHE_MODULE: "from positional_lsh.ops._decode import RowPlan\ndef plsh_attention_with_kvcache(): ...\n",
+        KVCACHE_KERNELS: "def decode_rows(): ...\nclass RowPlan: ...\n",
+        DECODERS[0]: "from positional_lsh.ops import kvcache\ndef f(): return kvcache.plsh_attention_with_kvcache()\n",
+        DECODERS[1]: "from positional_lsh.ops.kvcache import decode_rows\ndef g(): return decode_rows()\n",
+        "tests.ops.test_kvcache": "from positional_lsh.ops.kvcache import decode_rows\n",
+    })  # fmt: skip
+    assert decode_violations(sources) == [
+        f"positional_lsh/lm/model.py:1: {DECODERS[1]} uses decode_rows -- rule: {DECODE_RULE}",
+        f"positional_lsh/lm/model.py:2: {DECODERS[1]} uses decode_rows -- rule: {DECODE_RULE}",
+        f"{DECODERS[1]} never calls {KVCACHE_ENTRY} -- rule: {DECODE_RULE}",
     ]

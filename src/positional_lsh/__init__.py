@@ -17,6 +17,7 @@ import importlib.metadata
 from typing import Any
 
 from positional_lsh.ops import (
+    DecodeState,
     Partitions,
     PartitionSampler,
     PositionalLSHAttention,
@@ -29,6 +30,7 @@ from positional_lsh.ops import (
     dense_plsh_attention,
     get_scheme,
     plsh_attention,
+    plsh_attention_with_kvcache,
     register_scheme,
     sample_partitions,
     scheme_names,
@@ -44,6 +46,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "DecodeState",
     "ModelConfig",
     "PartitionSampler",
     "Partitions",
@@ -60,6 +63,7 @@ __all__ = [
     "load_checkpoint",
     "load_shipped_model",
     "plsh_attention",
+    "plsh_attention_with_kvcache",
     "register_scheme",
     "sample_partitions",
     "scheme_names",

@@ -185,6 +185,27 @@ def test_generate_with_cache_equals_recomputation(position: str) -> None:
     torch.testing.assert_close(step[:, 0], full[:, 10], rtol=1e-4, atol=1e-4)
 
 
+def test_plsh_generate_decodes_through_the_kvcache_entry_point(monkeypatch) -> None:
+    # Every decoded token of every layer is one call of the op layer's KV-cache entry point, with the layer's one
+    # DecodeState and the model's backend and method; the prompt is the module's plsh_attention call.
+    import positional_lsh.lm.model as model_module
+
+    calls: list[dict] = []
+    real = model_module.plsh_attention_with_kvcache
+    spy = lambda *a, **kw: calls.append(kw) or real(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(model_module, "plsh_attention_with_kvcache", spy)
+    for method in ("auto", "samples"):
+        calls.clear()
+        model = tiny("plsh", num_samples=3, attn_backend="math", plsh_method=method)
+        prompt = ids(batch=2, length=7)
+        a = model.generate(prompt, 6, temperature=0.0, use_cache=True)
+        assert torch.equal(a, model.generate(prompt, 6, temperature=0.0, use_cache=False))
+        assert len(calls) == 5 * model.cfg.n_layer  # the first new token comes from the prompt's call
+        assert {(c["backend"], c["method"]) for c in calls} == {("math", method)}
+        states = {id(c["state"]) for c in calls}
+        assert states == {id(block.attn._decode_state) for block in model.blocks}
+
+
 def test_generate_sampling_is_seeded_and_stops() -> None:
     model = tiny("alibi")
     prompt = ids(batch=1, length=5)

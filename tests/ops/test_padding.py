@@ -213,7 +213,7 @@ def test_custom_ops_with_a_mask_pass_opcheck():
     from torch.library import opcheck
 
     from positional_lsh.ops._engine.op import plsh_backward, plsh_forward
-    from positional_lsh.ops.exact.alibi import exact_backward, exact_forward
+    from positional_lsh.ops.exact.op import exact_backward, exact_forward
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 10, 4, 8, generator=g).transpose(1, 2).requires_grad_()

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-import positional_lsh.ops.exact.alibi as alibi_module
+import positional_lsh.ops.exact.fused as fused_module
+import positional_lsh.ops.exact.toeplitz as toeplitz_module
 from positional_lsh import alibi_attention, decay_attention
 from positional_lsh.ops.exact.reference import alibi_attention_reference
 from positional_lsh.ops.partitions.decays import (
@@ -56,16 +57,16 @@ def _assert_matches_reference(out, ref, inputs):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(alibi_module, "CHUNK_ELEMENTS", 24)  # a few query rows per chunk: multi-chunk backward
-    monkeypatch.setattr(alibi_module, "GRAD_ELEMENTS", 12)  # and the parameter pass in sub-blocks of them
+    monkeypatch.setattr(toeplitz_module, "CHUNK_ELEMENTS", 24)  # a few query rows per chunk: multi-chunk backward
+    monkeypatch.setattr(toeplitz_module, "GRAD_ELEMENTS", 12)  # and the parameter pass in sub-blocks of them
 
 
 @pytest.fixture(params=["chunks", "sub-blocks"])
 def chunking(request, monkeypatch):
     """Many chunks with sub-blocks, or one chunk per head whose parameter pass runs in one-row sub-blocks."""
     many = request.param == "chunks"
-    monkeypatch.setattr(alibi_module, "CHUNK_ELEMENTS", 24 if many else 2**22)
-    monkeypatch.setattr(alibi_module, "GRAD_ELEMENTS", 12 if many else 1)
+    monkeypatch.setattr(toeplitz_module, "CHUNK_ELEMENTS", 24 if many else 2**22)
+    monkeypatch.setattr(toeplitz_module, "GRAD_ELEMENTS", 12 if many else 1)
 
 
 # (hq, hkv, lq, lk, causal, window): causal and bidirectional, windowed (one and per-head), GQA, Lq < Lk
@@ -157,8 +158,9 @@ def test_only_the_slopes_require_grad(monkeypatch):
     up = _up(alibi_attention(q, k, v, m.detach()))
     full = torch.autograd.grad(alibi_attention(q, k, v, m, window=3.0), m, up)[0]
     calls = []
-    real = alibi_module.attend_backward
-    monkeypatch.setattr(alibi_module, "attend_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for module in (toeplitz_module, fused_module):  # the two routes
+        real = module.attend_backward
+        monkeypatch.setattr(module, "attend_backward", lambda *a, _r=real, **kw: calls.append(1) or _r(*a, **kw))
     alone = torch.autograd.grad(alibi_attention(q.detach(), k.detach(), v.detach(), m, window=3.0), m, up)[0]
     assert not calls and torch.equal(alone, full)
 
@@ -170,12 +172,12 @@ def test_no_slope_grad_changes_nothing(backend, dtype, monkeypatch):
     outputs and q/k/v gradients as with slopes that do."""
     if backend == "flash" and dtype == torch.bfloat16:
         backend = "auto"  # explicit flash refuses half types
-    monkeypatch.setattr(alibi_module, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(toeplitz_module, "CHUNK_ELEMENTS", 64)
     q, k, v = _qkv(2, 4, 2, 9, 13, 8, dtype=dtype, seed=8)
     m = _slopes(4)
     calls = []
-    real = alibi_module.attend_bias_grads
-    monkeypatch.setattr(alibi_module, "attend_bias_grads", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = toeplitz_module.attend_bias_grads
+    monkeypatch.setattr(toeplitz_module, "attend_bias_grads", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     runs = []
     for slopes in (m, m.detach(), m.detach().tolist()):
         out = alibi_attention(q, k, v, slopes, window=4.0, backend=backend)
@@ -393,8 +395,9 @@ def test_exponential_family_is_alibi():
 def test_truncated_linear_visits_only_keys_within_its_width(monkeypatch, small_chunks):
     """Its support is the window: each kernel call's keys stay within the width (and the result is still exact)."""
     keys = []
-    real = alibi_module.attend
-    monkeypatch.setattr(alibi_module, "attend", lambda q, k, *a, **kw: keys.append(k.shape[-2]) or real(q, k, *a, **kw))
+    real = toeplitz_module.attend
+    spy = lambda q, k, *a, **kw: keys.append(k.shape[-2]) or real(q, k, *a, **kw)  # noqa: E731
+    monkeypatch.setattr(toeplitz_module, "attend", spy)
     q, k, v = _qkv(1, 2, 2, 40, 40, 4, seed=16)
     theta = torch.tensor([[3.5], [6.0]], dtype=F64, requires_grad=True)  # reach 3 and 5
     out = decay_attention(q, k, v, "truncated-linear", theta, causal=False)

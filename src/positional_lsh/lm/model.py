@@ -17,7 +17,9 @@ or torch's own attention, never a second implementation:
   ``layer_seed(layer_seed(seed, l), c)`` (fresh partitions every call; the per-layer call counters are the
   model's :meth:`~TransformerLM.rng_state`, saved for exact resume); eval mode uses the partitions seeded by
   ``layer_seed(eval_seed, l)``, the same at every call and every length (the law of a partition does not depend
-  on the length), so evaluation is deterministic and decoding with a KV cache equals a full recomputation.
+  on the length), so evaluation is deterministic and decoding with a KV cache equals a full recomputation. Queries
+  that continue a KV cache (``generate``) go to the op layer's KV-cache entry point,
+  :func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache`, which reads only the keys of their blocks.
   The draw and the estimator are compile-safe: the model compiles with ``torch.compile(fullgraph=True)``.
   Context parallelism is an argument: ``model(shard, context=ContextShards(group))``
   (:class:`positional_lsh.distributed.ContextShards`, a :class:`~positional_lsh.ops.module.ShardedAttention`).
@@ -58,6 +60,7 @@ from positional_lsh.lm.config import ModelConfig, check_float
 from positional_lsh.ops._checks import nonnegative_int, positive_int
 from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.exact.bias import alibi_bias
+from positional_lsh.ops.kvcache import DecodeState, plsh_attention_with_kvcache
 from positional_lsh.ops.module import PositionalLSHAttention, ShardedAttention, log_slopes_parameter
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import layer_seed
@@ -130,6 +133,7 @@ class CausalSelfAttention(nn.Module):
         self.window = cfg.windows() if cfg.position == "window-alibi" else None
         self.plsh = self._plsh_module(cfg) if cfg.position == "plsh" else None
         self._bias_cache: tuple[tuple[Any, ...], torch.Tensor] | None = None
+        self._decode_state = DecodeState()  # what decoding with a KV cache keeps from token to token
 
     def _plsh_module(self, cfg: ModelConfig) -> PositionalLSHAttention:
         """This layer's positional-LSH attention for ``cfg``, on the layer's device and in its mode, continuing the
@@ -245,6 +249,8 @@ class CausalSelfAttention(nn.Module):
                     "learn_slopes=True with context parallelism: the sharded attention carries no gradient for "
                     "the slopes; train learned slopes without --context-parallel"
                 )
+            if lq < lk and context is None and not self.training and not torch.compiler.is_compiling():
+                return self._with_kvcache(q, k, v)
             # Learned slopes: the tensor carries plsh_attention's surrogate gradient; the partitions follow it.
             return self.plsh(q, k, v, self.learned_slopes(), context=context)
         # rope / nope: plain causal attention (rotation already applied for rope).
@@ -254,6 +260,20 @@ class CausalSelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v)
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def _with_kvcache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Eval-mode ``plsh`` queries that continue a KV cache: the op layer's KV-cache entry point, with the
+        partitions the module draws (eval mode: the same at every length, drawn here for a length that grows
+        geometrically so that consecutive tokens pass the same draw) and the layer's decoding state. Learned slopes
+        get no gradient here (the entry point has no slope gradient): a call that needs one goes to the module."""
+        assert self.plsh is not None
+        slopes = self.learned_slopes()
+        if slopes is not None and slopes.requires_grad and torch.is_grad_enabled():
+            return self.plsh(q, k, v, slopes)
+        parts = self.partitions(max(2 * k.shape[2], 1024))
+        return plsh_attention_with_kvcache(
+            q, k, v, parts, backend=self.cfg.attn_backend, method=self.cfg.plsh_method, state=self._decode_state
+        )
 
     def forward(
         self,

@@ -175,11 +175,11 @@ def test_exact_alibi_keeps_every_key_and_refusals():
 @pytest.mark.parametrize("mode", ["plsh", "alibi", "window"])
 @pytest.mark.parametrize("name", MODEL_TYPES)
 def test_the_decoding_plan_generates_as_the_default_cache(name, mode):
-    # Unpadded rows: each decoded token runs the cache layer's plan (DecodePlan / AlibiDecodePlan, its bias row
-    # reused across tokens, the new key written into the cache's buffers); the default cache runs plsh_decode /
-    # alibi_attention on every key. Long enough for the plan to cross many block boundaries and for the buffers
+    # Unpadded rows: each decoded token runs the KV-cache entry point with the cache layer's DecodeState (its bias
+    # row reused across tokens, the new key written into the cache's buffers); the default cache runs it with the
+    # swap's own state, on every key. Long enough for the row to cross many block boundaries and for the buffers
     # to move.
-    from positional_lsh.ops.decode import AlibiDecodePlan, DecodePlan
+    from positional_lsh.ops.kvcache import DecodeState
 
     model = tiny_model(name, dtype=torch.float64)
     for batch in (1, 2):
@@ -195,7 +195,7 @@ def test_the_decoding_plan_generates_as_the_default_cache(name, mode):
         assert torch.equal(live_seq, seq)
         torch.testing.assert_close(live_scores, scores, rtol=0, atol=1e-12)
         for layer in cache.layers:
-            assert isinstance(layer.decode_plan, DecodePlan if mode == "plsh" else AlibiDecodePlan)
+            assert isinstance(layer.decode_state, DecodeState)
             keys, _ = layer.held_tensors()
             assert keys is not layer.keys and keys.shape[-2] >= layer.cached_length()  # a view of its buffer
 

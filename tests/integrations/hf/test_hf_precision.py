@@ -33,7 +33,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def op_dtypes(monkeypatch):
     """The dtypes of (q, k, v) at every call of the ops the swap runs."""
     seen: list[tuple[torch.dtype, ...]] = []
-    for name in ("plsh_attention", "alibi_attention", "plsh_decode"):
+    for name in ("plsh_attention", "alibi_attention", "plsh_attention_with_kvcache"):
         original = getattr(attention_swap, name, None)
         if original is None:  # (an older swap without the decoding path)
             continue

@@ -10,7 +10,7 @@ import torch
 from torch.library import opcheck
 
 from positional_lsh import alibi_attention, decay_attention
-from positional_lsh.ops.exact.alibi import EXACT_INPUTS, exact_backward, exact_forward
+from positional_lsh.ops.exact.op import EXACT_INPUTS, exact_backward, exact_forward
 
 F64 = torch.float64
 

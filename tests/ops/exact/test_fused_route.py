@@ -1,4 +1,4 @@
-"""The exact ops' ``"fused"`` route (``ops.exact.alibi.exact_route``): which calls take it (at which sizes and with
+"""The exact ops' ``"fused"`` route (``ops.exact.fused.exact_route``): which calls take it (at which sizes and with
 which windows), and that it equals the float64 oracles, forward and gradients (``q, k, v`` and the slope / decay
 parameters), with one and with many query chunks, causal and bidirectional, GQA/MQA, ``Lq < Lk``, key padding and
 worker threads."""
@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 
-import positional_lsh.ops.exact.alibi as alibi_module
+import positional_lsh.ops.exact.fused as fused_module
+import positional_lsh.ops.exact.op as op_module
 from positional_lsh import alibi_attention, alibi_bias, alibi_slopes, decay_attention
-from positional_lsh.ops.exact.alibi import EXACT_ROUTES, FUSED_ROWS, exact_route
+from positional_lsh.ops.exact.fused import EXACT_ROUTES, FUSED_ROWS, exact_route
 from positional_lsh.ops.exact.reference import alibi_attention_reference
 from positional_lsh.ops.partitions.decays import decay_attention_reference
 
@@ -39,8 +40,8 @@ def _up(out, seed=1):
 def routes(monkeypatch):
     """The routes every exact call took, in order (``exact_route`` spied on)."""
     seen: list[str] = []
-    real = alibi_module.exact_route
-    monkeypatch.setattr(alibi_module, "exact_route", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = op_module.exact_route
+    monkeypatch.setattr(op_module, "exact_route", lambda *a: seen.append(real(*a)) or seen[-1])
     return seen
 
 
@@ -48,9 +49,9 @@ def routes(monkeypatch):
 def fused_rows(request, monkeypatch):
     """The fused route's layouts: keys in order with a dense bias (what decoding and short chunks get), or keys
     reversed with the strided line, in one chunk (the default rows per call) or in 3-row chunks (a short last one)."""
-    monkeypatch.setattr(alibi_module, "FUSED_DENSE_RATIO", 10**9 if request.param == "dense-bias" else 0)
+    monkeypatch.setattr(fused_module, "FUSED_DENSE_RATIO", 10**9 if request.param == "dense-bias" else 0)
     if request.param == "reversed-many-chunks":
-        monkeypatch.setattr(alibi_module, "FUSED_ROWS", 3)
+        monkeypatch.setattr(fused_module, "FUSED_ROWS", 3)
 
 
 def test_route_choice_by_size_window_kernel_and_device():
@@ -134,7 +135,7 @@ def test_fused_and_banks_routes_agree(causal, monkeypatch):
     m = torch.tensor([0.37, 0.11, 0.0, 0.73], dtype=F64, requires_grad=True)
     results = []
     for route in EXACT_ROUTES:
-        monkeypatch.setattr(alibi_module, "exact_route", lambda *a, route=route: route)
+        monkeypatch.setattr(op_module, "exact_route", lambda *a, route=route: route)
         out = alibi_attention(q, k, v, m, causal=causal)
         results.append((out, *torch.autograd.grad(out, (q, k, v, m), _up(out))))
     for a, b in zip(*results, strict=True):
@@ -182,8 +183,8 @@ def test_fused_route_with_worker_threads_matches_one_thread():
 def test_key_order_by_query_rows(monkeypatch):
     """Decoding and short chunks keep the keys in order (dense bias); long prefills reverse them (strided line)."""
     keys = []
-    real = alibi_module.attend
-    monkeypatch.setattr(alibi_module, "attend", lambda q, k, *a, **kw: keys.append(k) or real(q, k, *a, **kw))
+    real = fused_module.attend
+    monkeypatch.setattr(fused_module, "attend", lambda q, k, *a, **kw: keys.append(k) or real(q, k, *a, **kw))
     g = torch.Generator().manual_seed(0)
     for lq in (1, 15, 16, 300):  # Hq = 4, Hkv = 2, d = 16: keys in order while 4 Lq < 2 * 2 * 16
         q = torch.randn(1, 4, lq, 16, generator=g)

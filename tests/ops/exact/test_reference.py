@@ -1,4 +1,4 @@
-"""The exact/windowed ALiBi op (positional_lsh.ops.exact.alibi) and the dense references
+"""The exact/windowed ALiBi op (positional_lsh.ops.exact: alibi, op, toeplitz, fused) and the dense references
 (positional_lsh.ops.exact.reference)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import positional_lsh.ops.exact.alibi as alibi_module
+import positional_lsh.ops.exact.toeplitz as toeplitz_module
 from positional_lsh import (
     alibi_attention,
     alibi_bias,
@@ -38,7 +39,7 @@ WINDOWS = [None, 3.0, torch.tensor([1.0, 2.5, 10.0, 0.0])]
 @pytest.mark.parametrize("shape", [(4, 4, 33, 33), (4, 2, 33, 33), (4, 1, 5, 33)])
 @pytest.mark.parametrize("backend", ["flash", "math"])
 def test_alibi_attention_matches_explicit_bias(causal, window, shape, backend, monkeypatch):
-    monkeypatch.setattr(alibi_module, "CHUNK_ELEMENTS", 64)  # force many chunks
+    monkeypatch.setattr(toeplitz_module, "CHUNK_ELEMENTS", 64)  # force many chunks
     hq, hkv, lq, lk = shape
     q, k, v = _qkv(2, hq, hkv, lq, lk, 8)
     # float64 slopes that are not powers of two: any float32 rounding inside would show (> 1e-9)

@@ -17,9 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import positional_lsh.ops._decode as decode
 import positional_lsh.ops._engine.multiplicity as mult
 import positional_lsh.ops._engine.triton.plan as triton_plan
-import positional_lsh.ops.decode as decode
 import positional_lsh.ops.partitions.partition as partition
 from positional_lsh import Partitions, get_scheme, plsh_attention, sample_partitions, scheme_names
 from positional_lsh.ops.partitions import bounds
@@ -274,7 +274,7 @@ def test_every_caller_uses_block_bounds(scheme, monkeypatch):
     q = torch.randn(1, parts.num_heads, 3, 4, dtype=torch.float64)
     k = torch.randn(1, parts.num_heads, n, 4, dtype=torch.float64)
     torch.testing.assert_close(
-        decode.plsh_decode(q, k, k, parts), plsh_attention(q, k, k, partitions=parts), rtol=0, atol=1e-12
+        decode.decode_rows(q, k, k, parts), plsh_attention(q, k, k, partitions=parts), rtol=0, atol=1e-12
     )
     config = triton_plan.block_config(torch.float32, 64)
     triton_plan.build_layout(parts, lq, False, config, torch.device("cpu"))

@@ -12,16 +12,15 @@ How :meth:`AttentionSwap.attend` runs a call:
 * **mixed precision**: under ``torch.autocast``, ``q, k, v`` are cast to the autocast dtype (float64 stays), as
   the stock attention (``scaled_dot_product_attention`` or eager matmuls) computes them, and the op runs with
   autocast off (it accumulates in float32 itself);
-* **decoding**: a call continuing a cache with at most :data:`DECODE_QUERIES` queries, or one whose cache dropped
-  dead keys (:mod:`~positional_lsh.integrations.hf.cache`), runs :func:`positional_lsh.ops.decode.plsh_decode`:
-  each query reads only the keys of its own blocks, with no per-call plan; a decoded token (one query, no
-  padding) runs a decoding plan (:class:`~positional_lsh.ops.decode.DecodePlan`, or
-  :class:`~positional_lsh.ops.decode.AlibiDecodePlan` for ALiBi) that reuses its bias row from token to token,
-  the plan of the :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` layer that returned the keys, or the
-  swap's own for another cache (:meth:`AttentionSwap._decode_row`);
+* **decoding**: an eager call that continues a cache (fewer queries than keys, or a cache that dropped dead keys:
+  :mod:`~positional_lsh.integrations.hf.cache`) goes to the op layer's KV-cache entry point,
+  :func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache`, with the swap's partitions (or slopes and
+  window), ``backend`` and ``method``, the padding, and the layer's :class:`~positional_lsh.ops.kvcache.DecodeState`:
+  that of the :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` layer that returned the keys (which also
+  vouches that they are finite), or the swap's own for another cache (:meth:`AttentionSwap._decode_state`). The entry
+  point decides how the call runs (a decoded token reuses its bias row from token to token);
 * **padding**: the ``(B, Lk)`` key validity is the ops' ``key_padding_mask`` (each batch row computed on its valid
-  run of keys, inside the op: a padding mask never breaks a ``torch.compile`` graph); an eager call that continues
-  a cache goes row group by row group (:func:`split_rows`), each group decoding on its own;
+  run of keys, inside the op: a padding mask never breaks a ``torch.compile`` graph);
 * **torch.compile**: the training step is an int64 tensor advanced in place and the partitions are drawn by the
   sampling op, so ``fullgraph=True`` traces the whole attention.
 """
@@ -38,18 +37,13 @@ from torch import nn
 
 from positional_lsh.ops import alibi_attention, plsh_attention
 from positional_lsh.ops._checks import nonnegative_int
-from positional_lsh.ops.decode import AlibiDecodePlan, DecodePlan, key_reach, plsh_decode
-from positional_lsh.ops.padding import valid_runs
+from positional_lsh.ops.kvcache import DecodeState, key_reach, plsh_attention_with_kvcache
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
 
 #: Attribute under which the installed :class:`AttentionSwap` is attached to the model and to each of its
 #: attention modules (in the instance ``__dict__``; removed by :meth:`AttentionSwap.restore`).
 SWAP_ATTR = "_positional_lsh_swap"
-
-#: Calls continuing a KV cache with at most this many queries take the decoding path
-#: (:func:`positional_lsh.ops.decode.plsh_decode`) instead of :func:`~positional_lsh.plsh_attention`.
-DECODE_QUERIES = 16
 
 
 @dataclass(eq=False)
@@ -95,8 +89,8 @@ class AttentionSwap:
     _decoding: dict[int, tuple[tuple[bool, int], Partitions, int | None]] = field(default_factory=dict, repr=False)
     # Per layer, the LiveKeyCache layer that returned the layer's keys last (weakly: a cache is the caller's).
     _cache_layers: dict[int, weakref.ref[Any]] = field(default_factory=dict, repr=False)
-    # Per layer, the decoding plan of tokens whose keys come from another cache (e.g. a DynamicCache).
-    _row_plans: dict[int, Any] = field(default_factory=dict, repr=False)
+    # Per layer, the decoding state of tokens whose keys come from another cache (e.g. a DynamicCache).
+    _row_states: dict[int, DecodeState] = field(default_factory=dict, repr=False)
     # The last key-validity mask found all valid, and its version (see _all_valid).
     _valid_seen: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
 
@@ -170,7 +164,7 @@ class AttentionSwap:
         if held is None or held[0] != key or held[1].seq_len < seq_len:
             length = max(2 * seq_len, 1024)  # redrawn about log2(n) times in a generation of n tokens
             parts = self.partitions(layer_idx, length, training=training)
-            held = (key, parts, key_reach(parts))
+            held = (key, parts, key_reach(parts, backend=self.backend, method=self.method or "auto"))
             self._decoding[layer_idx] = held
         return held[1], held[2]
 
@@ -178,9 +172,10 @@ class AttentionSwap:
         """How far back a query of layer ``layer_idx`` can reach: no query at position ``i`` (nor any later one)
         attends to a key before ``i - key_reach``; ``None`` when every key may be reached (exact ALiBi, a slope 0).
 
-        Positional LSH: :func:`positional_lsh.ops.decode.key_reach` of the layer's partitions (eval mode unless
-        ``training``); windowed ALiBi: the largest window. Used by
-        :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` to drop dead keys.
+        Positional LSH: :func:`positional_lsh.ops.kvcache.key_reach` of the layer's partitions (eval mode unless
+        ``training``; ``None`` when the swap's ``backend`` or ``method`` runs the full op, which needs every key);
+        windowed ALiBi: the largest window. Used by :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` to
+        drop dead keys.
         """
         if self.mode == "plsh":
             return self._decode_partitions(layer_idx, 1, training)[1]
@@ -190,8 +185,9 @@ class AttentionSwap:
 
     def attach_cache_layer(self, layer_idx: int, cache_layer: Any) -> None:
         """Record that ``cache_layer`` (a :class:`~positional_lsh.integrations.hf.cache.LiveKeyLayer`) has just
-        returned layer ``layer_idx``'s keys: the attention that receives exactly those tensors decodes a token with
-        the plan the cache layer keeps (:meth:`_decode_row`). Called by the cache on every update."""
+        returned layer ``layer_idx``'s keys: the attention that receives exactly those tensors decodes with the
+        :class:`~positional_lsh.ops.kvcache.DecodeState` the cache layer keeps (:meth:`_decode_state`). Called by the
+        cache on every update."""
         self._cache_layers[layer_idx] = weakref.ref(cache_layer)
 
     def new_cache(self) -> Any:
@@ -206,35 +202,44 @@ class AttentionSwap:
     # The attention call
     # ------------------------------------------------------------------------------------------------------------
 
-    def _decode_row(
-        self, layer_idx: int, training: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-        key_offset: int,
-    ) -> torch.Tensor:  # fmt: skip
-        """One decoded token (``Lq = 1``, no padding) with a decoding plan
-        (:class:`~positional_lsh.ops.decode.DecodePlan` for positional LSH,
-        :class:`~positional_lsh.ops.decode.AlibiDecodePlan` for ALiBi), which reuses its bias row across tokens.
-
-        When ``k, v`` are the tensors a :class:`~positional_lsh.integrations.hf.cache.LiveKeyLayer` has just returned,
-        the plan is that cache layer's (consecutive tokens of one sequence share it) and the cache vouches for the
-        keys (it checked each one for NaN and inf when it came in). Otherwise (another cache) the plan is the
-        swap's own for the layer and scans the keys it reads."""
+    def _decode_state(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[DecodeState, bool]:
+        """The :class:`~positional_lsh.ops.kvcache.DecodeState` of a call on keys ``k, v``, and whether they are known
+        to be finite: when ``k, v`` are the tensors a :class:`~positional_lsh.integrations.hf.cache.LiveKeyLayer` has
+        just returned, the state is that cache layer's (consecutive tokens of one sequence share it) and the cache
+        vouches for the keys (it checked each one for NaN and inf when it came in); otherwise (another cache) the
+        swap's own for the layer, and the entry point scans the keys it reads."""
         ref = self._cache_layers.get(layer_idx)
         layer = None if ref is None else ref()
         if layer is not None and layer.keys is k and layer.values is v:
-            holder, plan, finite = layer, layer.decode_plan, layer.keys_finite()
-        else:
-            holder, plan, finite = None, self._row_plans.get(layer_idx), False
+            if not isinstance(layer.decode_state, DecodeState):
+                layer.decode_state = DecodeState()
+            return layer.decode_state, layer.keys_finite()
+        state = self._row_states.get(layer_idx)
+        if state is None:
+            state = self._row_states[layer_idx] = DecodeState()
+        return state, False
+
+    def _with_kvcache(
+        self, layer_idx: int, training: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        key_valid: torch.Tensor | None, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """An eager call that continues a cache: the op layer's KV-cache entry point, which decides how it runs.
+        ``key_valid`` is ``None`` or the ``(B, m)`` validity of the sequence's ``m >= Lk`` positions (``k`` holds the
+        last ``Lk``: the cache dropped the ``m - Lk`` before)."""
+        offset = 0 if key_valid is None else key_valid.shape[-1] - k.shape[-2]
+        if key_valid is not None and self._all_valid(key_valid):
+            key_valid = None
+        state, finite = self._decode_state(layer_idx, k, v)
         if self.mode == "plsh":
-            parts, _ = self._decode_partitions(layer_idx, key_offset + k.shape[-2], training)
-            if not isinstance(plan, DecodePlan) or plan.partitions is not parts:
-                plan = DecodePlan(parts)
-        elif not isinstance(plan, AlibiDecodePlan):
-            plan = AlibiDecodePlan(self.slopes, self.window)
-        if holder is None:
-            self._row_plans[layer_idx] = plan
-        else:
-            holder.decode_plan = plan
-        return plan.step(q, k, v, key_offset, scale, finite)  # (arguments the model built: no checks)
+            parts, _ = self._decode_partitions(layer_idx, offset + k.shape[-2], training)
+            return plsh_attention_with_kvcache(
+                q, k, v, parts, key_offset=offset, scale=scale, backend=self.backend, method=self.method or "auto",
+                key_padding_mask=key_valid, state=state, keys_finite=finite,
+            )  # fmt: skip
+        return plsh_attention_with_kvcache(
+            q, k, v, slopes=self.slopes, window=self.window, key_offset=offset, scale=scale, backend=self.backend,
+            key_padding_mask=key_valid, state=state, keys_finite=finite,
+        )  # fmt: skip
 
     def _kernel(
         self,
@@ -244,32 +249,17 @@ class AttentionSwap:
         k: torch.Tensor,
         v: torch.Tensor,
         scale: float,
-        key_offset: int = 0,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One call of the public ops: keys ``k, v`` are positions ``key_offset ..`` of the row (``key_offset > 0``
-        when a cache dropped the keys before; then no ``key_padding_mask``), the queries its last positions;
+        """One call of the full ops on every key (a prompt, or any call under ``torch.compile``);
         ``key_padding_mask``: ``None`` or the ``(B, Lk)`` key validity, passed to the op."""
-        lq, lk = q.shape[-2], k.shape[-2]
         if self.mode == "alibi":
-            if key_offset > 0:
-                first_query = key_offset + lk - lq
-                reach = None if self.window is None else int(torch.floor(self.window).max().item())
-                if reach is None or first_query - reach < key_offset:
-                    raise ValueError(
-                        f"the KV cache dropped keys before position {key_offset} that this ALiBi attention needs"
-                    )
             return alibi_attention(
                 q, k, v, self.slopes, causal=True, window=self.window, scale=scale, backend=self.backend,
                 key_padding_mask=key_padding_mask,
             )  # fmt: skip
         assert self.method is not None
-        n = key_offset + lk
-        if key_padding_mask is None and not torch.compiler.is_compiling():
-            if key_offset > 0 or lq < min(n, DECODE_QUERIES + 1):
-                parts, _ = self._decode_partitions(layer_idx, n, training)
-                return plsh_decode(q, k, v, parts, key_offset=key_offset, scale=scale)
-        parts = self.partitions(layer_idx, n, training=training)
+        parts = self.partitions(layer_idx, k.shape[-2], training=training)
         return plsh_attention(
             q, k, v, partitions=parts, causal=True, scale=scale, backend=self.backend, method=self.method,
             key_padding_mask=key_padding_mask,
@@ -322,23 +312,15 @@ class AttentionSwap:
         key_valid: torch.Tensor | None,
         scale: float,
     ) -> torch.Tensor:
-        """The padding goes to the op as its ``key_padding_mask``; eager calls that continue a cache (positional LSH)
-        or whose cache dropped keys go row group by row group (:func:`split_rows`), so that each group may decode."""
+        """A call that continues a cache (eager) goes to the KV-cache entry point (:meth:`_with_kvcache`); any other
+        call, and every call under ``torch.compile``, to the full ops with the padding as their ``key_padding_mask``."""
         lq, lk = q.shape[-2], k.shape[-2]
         dropped = key_valid is not None and key_valid.shape[-1] != lk
-        if lq == 1 and (dropped or lk > 1) and not torch.compiler.is_compiling():
-            if key_valid is None or self._all_valid(key_valid):  # a decoded token, no padding: a decoding plan
-                offset = 0 if key_valid is None else key_valid.shape[-1] - lk
-                return self._decode_row(layer_idx, training, q, k, v, scale, offset)
         if torch.compiler.is_compiling():
             if dropped:
                 raise ValueError("a KV cache that drops keys (LiveKeyCache) is not supported under torch.compile")
-        elif dropped or (self.mode == "plsh" and lq < lk):
-
-            def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_offset: int) -> torch.Tensor:
-                return self._kernel(layer_idx, training, q, k, v, scale, key_offset)
-
-            return split_rows(q, k, v, key_valid, kernel)
+        elif dropped or lq < lk:
+            return self._with_kvcache(layer_idx, training, q, k, v, key_valid, scale)
         return self._kernel(layer_idx, training, q, k, v, scale, key_padding_mask=key_valid)
 
     def restore(self) -> None:
@@ -354,50 +336,3 @@ class AttentionSwap:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
-
-
-# --------------------------------------------------------------------------------------------------
-# Padding: each batch row on its valid run of keys
-# --------------------------------------------------------------------------------------------------
-
-
-def split_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_valid: torch.Tensor | None,
-    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
-) -> torch.Tensor:
-    """Causal attention with padding: ``kernel(q, k, v, key_offset)`` on each group of batch rows with one valid run.
-
-    ``q (B, Hq, Lq, d)``, ``k, v (B, Hkv, Lk, d)``; ``key_valid`` is ``None`` or a ``(B, m)`` bool mask of the
-    sequence's ``m >= Lk`` positions, of which ``k`` holds the last ``Lk``. ``kernel`` gets a group's queries and
-    its cached valid keys, which are positions ``key_offset ..`` of the row (counted from its first valid key);
-    query rows at padded positions get zeros (eager only: reads the mask).
-    """
-    if key_valid is None:
-        return kernel(q, k, v, 0)
-    lq, lk = q.shape[-2], k.shape[-2]
-    m = key_valid.shape[-1]
-    offset = m - lk  # position of the first cached key
-    if bool(key_valid.all()):
-        return kernel(q, k, v, offset)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for row, run in enumerate(valid_runs(key_valid, "attention_mask")):
-        groups.setdefault(run, []).append(row)
-    q0 = m - lq  # position of the first query
-    out = q.new_zeros(q.shape)
-    for (first, end), rows in groups.items():
-        qs = max(first, q0)
-        if end <= qs:
-            continue  # every query of these rows is a padding position
-        ks = max(first, offset)  # the row's first cached valid key
-        idx = torch.tensor(rows, device=q.device)
-        sub = kernel(
-            q[idx][:, :, qs - q0 : end - q0],
-            k[idx][:, :, ks - offset : end - offset],
-            v[idx][:, :, ks - offset : end - offset],
-            ks - first,
-        )
-        out[idx, :, qs - q0 : end - q0] = sub
-    return out

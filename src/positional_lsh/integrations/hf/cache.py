@@ -3,17 +3,18 @@
 Block starts only grow with the position, so once a query at position ``i`` runs, every key before
 ``i - reach`` is dead for it and for every later query, where ``reach`` is the layer's
 :meth:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap.key_reach` (positional LSH: the longest block of
-the layer's partitions minus one, :func:`positional_lsh.ops.decode.key_reach`; windowed ALiBi: the window; exact ALiBi
+the layer's partitions minus one, :func:`positional_lsh.ops.kvcache.key_reach`; windowed ALiBi: the window; exact ALiBi
 or a slope of 0: every key stays). Each layer of the cache drops them, so decoding holds about ``reach`` keys per
 layer whatever the length of the prompt. The keys and values sit in buffers with room to grow: a new token writes
 its key and value there (no copy of the cache per token; a full buffer moves to a fresh one a quarter larger), and
-each one is checked for NaN and inf once, when it comes in, so that the attention's decoding plan (which the layer
-keeps, :class:`~positional_lsh.ops.decode.DecodePlan`) need not scan the keys it reads.
+each one is checked for NaN and inf once, when it comes in, so that the attention's decoding
+(:func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache`, with the layer's
+:class:`~positional_lsh.ops.kvcache.DecodeState`) need not scan the keys it reads.
 
 Positions stay absolute: ``get_seq_length()`` counts every token seen, and the mask the swap's mask function hands
 down covers the whole sequence, so the attention reads the position of its first cached key from the difference
-(:func:`positional_lsh.integrations.hf.attention_swap.split_rows`). A query that needs a dropped key raises
-``ValueError`` (:func:`positional_lsh.ops.decode.plsh_decode`), e.g. a model switched to training mode mid-generation.
+(its ``key_offset``). A query that needs a dropped key raises ``ValueError``
+(:func:`positional_lsh.ops.kvcache.plsh_attention_with_kvcache`), e.g. a model switched to training mode mid-generation.
 
 Use it through the swap: ``model.generate(ids, use_cache=True, cache=swap.new_cache(), ...)``. Eager mode only
 (not under ``torch.compile``); cropping (assisted generation) works while the cache holds every key it was given
@@ -64,9 +65,8 @@ class LiveKeyLayer(DynamicLayer):
         offset: position of the first cached key (the keys before it were dropped).
         cumulative_length: tokens seen so far (the next query's position).
         nonfinite_end: one past the last position whose key or value had a NaN or inf when it came in (0: none).
-        decode_plan: the attention's decoding plan for this layer (set and read by the swap's attention: the
-            :class:`~positional_lsh.ops.decode.DecodePlan` or :class:`~positional_lsh.ops.decode.AlibiDecodePlan`
-            that consecutive tokens reuse), or ``None``.
+        decode_state: the attention's decoding state for this layer (set and read by the swap's attention: the
+            :class:`~positional_lsh.ops.kvcache.DecodeState` that consecutive tokens reuse), or ``None``.
     """
 
     def __init__(self, swap: Any, layer_idx: int) -> None:
@@ -76,7 +76,7 @@ class LiveKeyLayer(DynamicLayer):
         self.offset = 0
         self.cumulative_length = 0
         self.nonfinite_end = 0
-        self.decode_plan: Any = None
+        self.decode_state: Any = None
         self._store: _Store | None = None
 
     def update(
@@ -185,7 +185,7 @@ class LiveKeyLayer(DynamicLayer):
         self.offset = 0
         self.cumulative_length = 0
         self.nonfinite_end = 0
-        self.decode_plan = None
+        self.decode_state = None
         self._store = None
 
     @property

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from positional_lsh.ops.partitions.bounds import block_bounds
+from positional_lsh.ops.partitions.counts import block_counts
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
@@ -268,13 +269,8 @@ def _near_rows(
     pos = rows + (k_len - q_len)
     base = (k_len - q_len) + torch.div(rows, block_m, rounding_mode="floor") * block_m - near  # key of column 0
     start, end = head_bounds(pitch, shift, k_len, pos)  # (T, R)
-    counts = torch.zeros((rows.numel(), width + 1), dtype=torch.int32, device=rows.device)
-    ones = torch.ones((), dtype=torch.int32, device=rows.device).expand(rows.numel(), start.shape[0])
-    counts.scatter_add_(1, (start - base).clamp(0, width).t(), ones)
-    if not causal:
-        counts.scatter_add_(1, (end - base).clamp(0, width).t(), -ones)
-    c = counts[:, :width].cumsum(1, dtype=torch.int32)
-    if causal:  # keys after the row: 0
+    c = block_counts(start.t(), end.t(), base, width)  # (R, width)
+    if causal:  # keys after the row: 0 (its blocks end after it: their ends change no column up to the row)
         cols = torch.arange(width, device=rows.device)
         c = c.masked_fill(cols[None, :] > (pos - base)[:, None], 0)
     return c

@@ -1,0 +1,251 @@
+"""The exact ops' one custom-op registration: ``positional_lsh::exact_forward`` / ``exact_backward``.
+
+``exact_forward(q, k, v, theta, window, kind, causal, scale, backend, check=False, key_padding_mask=None) -> (out,
+lse)`` (``theta``: the slopes ``(Hq,)``, or a decay family's parameters ``(Hq, P)``) and its backward, connected by
+``torch.library.register_autograd``, which gives ``theta`` its exact gradient when autograd needs it; eager and under
+``torch.compile`` (one opaque op; the values a trace cannot read are then checked inside it, ``check``). A call runs
+on the ``"fused"`` route (:mod:`~positional_lsh.ops.exact.fused`) or the Toeplitz banks
+(:mod:`~positional_lsh.ops.exact.toeplitz`), row group by row group with a ``key_padding_mask``. The entry points
+are :func:`~positional_lsh.alibi_attention` and :func:`~positional_lsh.decay_attention`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+from typing import Any
+
+import torch
+
+from positional_lsh.ops._checks import as_slopes, as_window
+from positional_lsh.ops._engine.kernels import acc_dtype, output_buffers, poison_rows
+from positional_lsh.ops._engine.parallel import pool_size, run_all
+from positional_lsh.ops.exact.fused import exact_route, fused_backward, fused_forward
+from positional_lsh.ops.exact.toeplitz import (
+    Toeplitz,
+    alibi_backward_item,
+    alibi_forward_item,
+    alibi_rows_with_bad_keys,
+    head_items,
+    kernel_inputs,
+)
+from positional_lsh.ops.padding import forward_row_groups, row_groups
+from positional_lsh.ops.partitions.decays import decay_family
+
+
+def _toeplitz_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Toeplitz, causal: bool, scale: float, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of exact attention with the Toeplitz bias ``spec``, chunk by chunk (non-finite keys zeroed,
+    the rows that keep one set to NaN)."""
+    q, k, v, bad = kernel_inputs(q, k, v, backend)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
+    if exact_route(spec.window, k.shape[2], backend, q.device) == "fused":
+        fused_forward(q, k, v, out, lse, spec, causal, scale)
+    else:
+        items = head_items(q, k, spec.window)
+        run = partial(
+            alibi_forward_item, q=q, k=k, v=v, out=out, lse=lse, spec=spec, causal=causal, scale=scale,
+            backend=backend,
+        )  # fmt: skip
+        run_all(run, items, pool_size(len(items), q.device))
+    if bad is not None:
+        poison_rows(out, lse, alibi_rows_with_bad_keys(bad, q.shape[1], q.shape[2], spec.window, causal))
+    return out, lse
+
+
+def _toeplitz_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    spec: Toeplitz,
+    causal: bool,
+    scale: float,
+    backend: str,
+    qkv_grad: bool,
+    theta_grad: bool,
+) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor | None]:
+    """``((dq, dk, dv) or None, param_grad (B, Hq, P) or None)`` against the saved ``out`` and ``lse``: each part
+    only when asked for (the parameter part is one more math pass of every chunk's scores)."""
+    q, k, v, _ = kernel_inputs(q, k, v, backend)
+    dout = dout.contiguous()
+    acc = acc_dtype(q.dtype)
+    fused = qkv_grad and exact_route(spec.window, k.shape[2], backend, q.device) == "fused"
+    grads = None
+    if qkv_grad and not fused:
+        grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+    # per (batch row, head): every (b, h) belongs to one work item, so the workers write disjoint entries
+    param_grad = None
+    if theta_grad:
+        param_grad = torch.zeros((q.shape[0], q.shape[1], spec.num_params), dtype=acc, device=q.device)
+    if grads is not None or param_grad is not None:  # the "banks" chunks (on the "fused" route: the parameter pass)
+        items = head_items(q, k, spec.window)
+        run = partial(
+            alibi_backward_item, saved=(q, k, v, out, lse), dout=dout, grads=grads, param_grad=param_grad,
+            spec=spec, causal=causal, scale=scale, backend=backend,
+        )  # fmt: skip
+        run_all(run, items, pool_size(len(items), q.device))
+    if fused:
+        return fused_backward(dout, q, k, v, out, lse, spec, causal, scale), param_grad
+    if grads is not None:
+        grads = tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
+    return grads, param_grad
+
+
+def _spec(kind: str, theta: torch.Tensor, window: torch.Tensor | None, check: bool) -> Toeplitz:
+    """The call's :class:`Toeplitz` from the op's ``theta`` (ALiBi: the slopes ``(Hq,)``; a decay family: its
+    parameters ``(Hq, P)``), read detached in float64 on the CPU. ``check``: validate the values first (compiled
+    calls, whose public function could not read them; ``ValueError`` naming ``slopes``, ``window`` or ``params``)."""
+    hq = theta.shape[0]
+    if kind == "alibi":
+        values = as_slopes(theta, hq) if check else theta.detach().to("cpu", torch.float64)
+        if check:
+            window = as_window(window, hq)
+        elif window is not None:
+            window = window.detach().to("cpu", torch.float64)
+        return Toeplitz(kind, values[:, None], window)
+    fam = decay_family(kind)
+    values = fam.check_params(theta, hq)[1] if check else theta.detach().to("cpu", torch.float64)
+    return Toeplitz(fam.name, values, None)
+
+
+def _exact_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    window: torch.Tensor | None,
+    kind: str,
+    causal: bool,
+    scale: float,
+    backend: str,
+    check: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of exact attention with the bias of ``kind`` (``"alibi"``: slopes ``theta (Hq,)``, optional
+    ``window (Hq,)``; a decay family's name: its parameters ``theta (Hq, P)``), row group by row group with a
+    ``key_padding_mask`` (padded query rows: ``out = 0``, ``lse = -inf``). ``check``: see :func:`_spec`."""
+    spec = _spec(kind, theta, window, check)
+    groups = row_groups(key_padding_mask, q.shape[2])
+    if groups is None:
+        return _toeplitz_forward(q, k, v, spec, causal, scale, backend)
+
+    def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _toeplitz_forward(qg, kg, vg, spec, causal, scale, backend)
+
+    return forward_row_groups(q, k, v, groups, attend)
+
+
+#: The names of ``exact_forward``'s inputs, in order: ``setup_context`` and the backward read and return them by name.
+EXACT_INPUTS: tuple[str, ...] = tuple(inspect.signature(_exact_forward).parameters)
+
+exact_forward = torch.library.custom_op("positional_lsh::exact_forward", _exact_forward, mutates_args=())
+
+
+@exact_forward.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object, **__: object) -> tuple[torch.Tensor, torch.Tensor]:
+    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
+    return output_buffers(q, empty=True)
+
+
+@torch.library.custom_op("positional_lsh::exact_backward", mutates_args=())
+def exact_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    theta: torch.Tensor,
+    window: torch.Tensor | None,
+    kind: str,
+    causal: bool,
+    scale: float,
+    backend: str,
+    qkv_grad: bool,
+    theta_grad: bool,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dtheta)`` of :func:`exact_forward` by recomputation against the saved ``out`` and ``lse``,
+    row group by row group with a ``key_padding_mask`` (padded positions get zero gradients). ``dq, dk, dv`` when
+    ``qkv_grad`` (else zeros); ``dtheta`` (``sum dS * d bias / d theta``, accumulated in float32, float64 for
+    float64 inputs; in ``theta``'s shape, dtype and device) when ``theta_grad`` (else zeros, and no extra pass)."""
+    spec = _spec(kind, theta, window, False)  # the forward checked the values
+    groups = row_groups(key_padding_mask, q.shape[2])
+    args = (spec, causal, scale, backend, qkv_grad, theta_grad)
+    if groups is None:
+        grads, param_grad = _toeplitz_backward(dout, q, k, v, out, lse, *args)
+        dtheta = None if param_grad is None else param_grad.sum(0)
+    else:
+        grads = tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)) if qkv_grad else None
+        dtheta = torch.zeros((q.shape[1], spec.num_params), dtype=acc_dtype(q.dtype), device=q.device)
+        for g in groups:
+            gk, gq = g.keys, g.queries
+            part, pg = _toeplitz_backward(
+                dout[g.rows][:, :, gq], q[g.rows][:, :, gq], k[g.rows][:, :, gk], v[g.rows][:, :, gk],
+                out[g.rows][:, :, gq], lse[g.rows][:, :, gq], *args,
+            )  # fmt: skip
+            if grads is not None and part is not None:
+                for full, x, where in zip(grads, part, (gq, gk, gk), strict=True):
+                    full[g.rows, :, where] = x
+            if pg is not None:
+                dtheta += pg.sum(0)
+    if grads is None:
+        grads = tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    dq, dk, dv = grads
+    if not theta_grad or dtheta is None:
+        return dq, dk, dv, torch.zeros(theta.shape, dtype=theta.dtype, device=theta.device)
+    return dq, dk, dv, dtheta.reshape(theta.shape).to(device=theta.device, dtype=theta.dtype)
+
+
+@exact_backward.register_fake
+def _(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    theta: torch.Tensor,
+    *_: object,
+    **__: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
+    dq, dk, dv, dt = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, theta))
+    return dq, dk, dv, dt
+
+
+# The forward's settings the backward takes as they are (its other inputs are tensors saved for it).
+_SETTINGS = ("kind", "causal", "scale", "backend")
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    args = dict(zip(EXACT_INPUTS, inputs, strict=True))
+    out, lse = output
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["theta"], args["window"],
+                          args["key_padding_mask"])  # fmt: skip
+    ctx.settings = {n: args[n] for n in _SETTINGS}
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_fn(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, out, lse, theta, window, mask = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    # (the dispatcher drops trailing inputs left at their defaults from needs_input_grad: none of them is a grad's)
+    need = dict(zip(EXACT_INPUTS, ctx.needs_input_grad, strict=False))
+    qkv_grad = bool(need["q"] or need["k"] or need["v"])
+    theta_grad = bool(need["theta"])
+    dq, dk, dv, dtheta = exact_backward(
+        dout, q, k, v, out, lse, theta, window, **ctx.settings, qkv_grad=qkv_grad, theta_grad=theta_grad,
+        key_padding_mask=mask,
+    )  # fmt: skip
+    grads = {"q": dq, "k": dk, "v": dv, "theta": dtheta}
+    return tuple(grads[n] if n in grads and need[n] else None for n in EXACT_INPUTS)
+
+
+exact_forward.register_autograd(_backward_fn, setup_context=_setup_context)
