@@ -498,7 +498,7 @@ PRIVATE_ENGINE = ("positional_lsh.ops._engine",)
 ENGINE_RULE = "nothing outside the op layer imports its private engine (ops._engine): call the public ops"
 INTEGRATION_RULE = (
     "the transformers integration reaches the op layer only through its public API (names in the __all__ of a public "
-    "module of positional_lsh.ops, or the validators of ops._checks)"
+    "module of positional_lsh.ops, also as re-exported by a public package of it, or the validators of ops._checks)"
 )
 OP_HELPERS = ("positional_lsh.ops._checks",)  # validators any room may share (no attention in them)
 # Every torch.library.custom_op of the package: one registration (forward, backward) per op, in the op's module.
@@ -539,6 +539,15 @@ def declared_all(src: Source) -> set[str] | None:
     return None
 
 
+def reexported_from(src: Source, name: str) -> str | None:
+    """The module that ``src`` imports ``name`` from under its own name (``from m import name``), or ``None``."""
+    for node in src.tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if any(alias.name == name and alias.asname in (None, name) for alias in node.names):
+                return node.module
+    return None
+
+
 def integration_violations(sources: list[Source], imports: Iterable[Import]) -> list[str]:
     """Imports from the op layer into ``positional_lsh.integrations`` of anything but its public API."""
     by_module = {s.module: s for s in sources}
@@ -555,6 +564,11 @@ def integration_violations(sources: list[Source], imports: Iterable[Import]) -> 
             ok = public
         else:
             ok = public and (f"{module}.{imp.name}" in by_module or imp.name in (names or set()))
+            origin = reexported_from(by_module[module], imp.name) if public and not ok and module in by_module else None
+            if origin is not None and by_module[module].is_package and origin in by_module:  # a package's re-export
+                ok = not any(part.startswith("_") for part in origin.split(".")) and imp.name in (
+                    declared_all(by_module[origin]) or set()
+                )
         if not ok:
             out.append(f"{imp.where}: {imp.importer} `{imp.statement}` -- rule: {INTEGRATION_RULE}")
     return out
@@ -879,7 +893,9 @@ def test_docs_name_modules_that_exist(doc: str) -> None:
 def test_checker_flags_the_private_engine_integrations_custom_ops_and_misplaced_tests() -> None:
     sources = _fake_sources({
         "positional_lsh/": "",
-        "positional_lsh.ops/": "",
+        "positional_lsh.ops/": (
+            "from positional_lsh.ops.attention import plsh_attention\nfrom positional_lsh.ops.attention import helper\n"
+        ),
         "positional_lsh.ops.attention": "__all__ = ['plsh_attention']\ndef plsh_attention(): ...\nhelper = 1\n",
         "positional_lsh.ops._engine/": "",
         "positional_lsh.ops._engine.engine": "",
@@ -891,6 +907,7 @@ def test_checker_flags_the_private_engine_integrations_custom_ops_and_misplaced_
         "positional_lsh.integrations/": "",
         "positional_lsh.integrations.hf": (
             "from positional_lsh.ops.attention import plsh_attention\nfrom positional_lsh.ops.attention import helper\n"
+            "from positional_lsh.ops import plsh_attention\nfrom positional_lsh.ops import helper\n"
             "import torch\n@torch.library.custom_op('positional_lsh::swap_forward', mutates_args=())\ndef g(): ...\n"
         ),
         "tests.test_lm_thing": "import positional_lsh.lm.model\n",
@@ -905,7 +922,9 @@ def test_checker_flags_the_private_engine_integrations_custom_ops_and_misplaced_
     ]
     assert integration_violations(sources, imports) == [
         f"positional_lsh/integrations/hf.py:2: positional_lsh.integrations.hf "
-        f"`from positional_lsh.ops.attention import helper` -- rule: {INTEGRATION_RULE}"
+        f"`from positional_lsh.ops.attention import helper` -- rule: {INTEGRATION_RULE}",
+        f"positional_lsh/integrations/hf.py:4: positional_lsh.integrations.hf "
+        f"`from positional_lsh.ops import helper` -- rule: {INTEGRATION_RULE}",
     ]
     ops = custom_op_violations(sources)
     assert any("positional_lsh.integrations.hf registers positional_lsh::swap_forward" in o for o in ops)

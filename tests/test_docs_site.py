@@ -40,16 +40,19 @@ pytestmark = pytest.mark.filterwarnings("ignore:The mapping interface for autodo
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+# The front doors users import from (docs/architecture.md, "One home per public name"): the top-level package (the op
+# layer's most used names; the package positional_lsh.ops lists none, its names are rendered where they are defined)
+# and the packages of the other rooms.
 REQUIRED = (
     "positional_lsh",
     "positional_lsh.theory",
     "positional_lsh.lm",
     "positional_lsh.integrations.hf",
     "positional_lsh.distributed",
-    "positional_lsh.ops",
 )
-# The public API: the objects the site renders in full (issue 25: "about 250 names or fewer"; 370 before the rule
-# that a module's __all__ is its public API). Raise it only with a reason: a new name should replace an old one.
+# The public API: the sum of the lengths of the __all__ of the rendered modules, so a name listed in two modules
+# counts twice (issue 31: at most 250; 345 before, for 206 objects). Raise it only with a reason: a new name should
+# replace an old one, and a re-export should be needed where a user imports it.
 MAX_PUBLIC_NAMES = 250
 
 
@@ -129,15 +132,35 @@ def test_exactly_the_modules_that_declare_an_api_are_rendered() -> None:
 
 
 def test_the_public_api_is_small() -> None:
-    """The site renders at most MAX_PUBLIC_NAMES objects in full (each name once, at its home)."""
+    """The ``__all__`` of the rendered modules list at most MAX_PUBLIC_NAMES names in all (a re-export counts again);
+    each object is rendered in full once, at its home."""
     conf = _conf()
     rendered = set(conf.HOMES.values())
-    listed = {(id(getattr(importlib.import_module(m), a)), a) for m in conf.PUBLIC_MODULES for a in _declared_all(m)}
-    assert len(rendered) == len(listed)
-    assert len(rendered) <= MAX_PUBLIC_NAMES, (
-        f"the public API has grown to {len(rendered)} names (at most {MAX_PUBLIC_NAMES}): names that only other "
-        "modules of the package use leave their module's __all__, and an internal module declares none"
+    listed = [(id(getattr(importlib.import_module(m), a)), a) for m in conf.PUBLIC_MODULES for a in _declared_all(m)]
+    assert len(rendered) == len(set(listed))
+    assert len(listed) <= MAX_PUBLIC_NAMES, (
+        f"the public API has grown to {len(listed)} names in the __all__ of the rendered modules (at most "
+        f"{MAX_PUBLIC_NAMES}; {len(rendered)} objects): names that only other modules of the package use leave their "
+        "module's __all__, an internal module declares none, and an object is listed where a user imports it (its "
+        "room's package, or the module that defines it), not again in every package above it"
     )
+
+
+def test_a_room_package_is_the_one_listing_of_what_it_re_exports() -> None:
+    """A name that a room's package lists (``positional_lsh.theory``, ``positional_lsh.lm.data``, ...) is listed by
+    no module below it: the package is its one home (docs/architecture.md). The top-level package is the front door
+    of the op layer and the language model, and lists their most used names again."""
+    conf = _conf()
+    twice = []
+    for package in conf.PUBLIC_MODULES:
+        if package == "positional_lsh" or not hasattr(importlib.import_module(package), "__path__"):
+            continue
+        objects = {id(getattr(importlib.import_module(package), a)) for a in _declared_all(package)}
+        for module in conf.PUBLIC_MODULES:
+            if module.startswith(package + "."):
+                own = _declared_all(module)
+                twice += [f"{module}.{a}" for a in own if id(getattr(importlib.import_module(module), a)) in objects]
+    assert not twice, f"listed again below the package that lists them: {twice}"
 
 
 def test_every_public_name_is_rendered_with_its_signature(api_build: tuple[Any, str]) -> None:

@@ -19,14 +19,8 @@ from positional_lsh.cli.validate import (
     register_cli,
     run_validation,
 )
-from positional_lsh.theory.capture import (
-    CapturePoint,
-    capture_qkv,
-    model_alibi_slopes,
-    split_fused_blocks,
-    synthetic_qkv,
-    tokenize_contexts,
-)
+from positional_lsh.theory.capture import capture_qkv, model_alibi_slopes, synthetic_qkv, tokenize_contexts
+from positional_lsh.theory.qkv import CapturePoint, split_fused_blocks
 
 from conftest import read_csv
 

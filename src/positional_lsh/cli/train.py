@@ -22,8 +22,8 @@ from positional_lsh.cli import main as plsh_main
 from positional_lsh.cli.parsers import Flag, add_arguments, option, values_from_args
 from positional_lsh.lm.config import ALIBI_IMPLS, POSITIONS, ModelConfig
 from positional_lsh.lm.run_dir import RESUME_MAY_CHANGE, read_train_config
-from positional_lsh.lm.train import QUICK_PRESET, TrainConfig, TrainResult, train
-from positional_lsh.lm.train_config import AUTOCAST_CHOICES, check_learn_slopes_run
+from positional_lsh.lm.train import TrainConfig, TrainResult, train
+from positional_lsh.lm.train_config import AUTOCAST_CHOICES, QUICK_PRESET, check_learn_slopes_run
 from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.options import BACKENDS, METHODS
 

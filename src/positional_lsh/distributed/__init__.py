@@ -33,7 +33,6 @@ from positional_lsh.distributed.halo import (
     crop_partitions,
     halo_plan,
     ring_attention_bytes,
-    shard_bounds,
 )
 
 __all__ = [
@@ -51,7 +50,6 @@ __all__ = [
     "init_context_groups",
     "reset_comm_stats",
     "ring_attention_bytes",
-    "shard_bounds",
     "shard_lengths",
     "shard_sequence",
 ]

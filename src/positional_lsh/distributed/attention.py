@@ -23,8 +23,6 @@ from positional_lsh.ops._checks import as_scale, check_bool, check_qkv, nonnegat
 from positional_lsh.ops.options import DEFAULT_BACKEND, DEFAULT_METHOD, check_backend, check_method
 from positional_lsh.ops.partitions.partition import check_partitions, check_slopes_match
 
-__all__ = ["context_parallel_plsh_attention"]
-
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # Layout of the metadata vector that every rank all-gathers once per call.
 _ERR, _B, _HQ, _HKV, _LEN, _D, _DTYPE, _CAUSAL, _SCALE, _LENGTHS, _PARTS = range(11)

@@ -22,8 +22,6 @@ import torch.distributed as dist
 from positional_lsh import Partitions
 from positional_lsh.distributed.attention import context_parallel_plsh_attention
 
-__all__ = ["ContextShards", "init_context_groups", "shard_lengths", "shard_sequence"]
-
 
 def shard_lengths(seq_len: int, world_size: int) -> list[int]:
     """Contiguous shard lengths of ``seq_len`` positions over ``world_size`` ranks (the first ranks get the extra)."""

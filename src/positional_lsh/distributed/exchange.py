@@ -17,8 +17,6 @@ import torch.distributed as dist
 
 from positional_lsh.distributed.halo import HaloPlan, Transfer
 
-__all__ = ["comm_stats", "halo_exchange", "reset_comm_stats"]
-
 _STATS: dict[str, int] = {"forward_bytes": 0, "backward_bytes": 0, "forward_messages": 0, "backward_messages": 0}
 
 

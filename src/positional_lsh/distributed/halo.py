@@ -28,18 +28,6 @@ import torch
 
 from positional_lsh import Partitions
 
-__all__ = [
-    "HaloPlan",
-    "Transfer",
-    "allgather_bytes",
-    "block_extents",
-    "bytes_per_rank",
-    "crop_partitions",
-    "halo_plan",
-    "ring_attention_bytes",
-    "shard_bounds",
-]
-
 
 @dataclass(frozen=True)
 class Transfer:

@@ -6,8 +6,8 @@ tokenizer, windows), :mod:`~positional_lsh.lm.train` and :mod:`~positional_lsh.l
 op layer (:mod:`positional_lsh.ops`) and nothing above it (docs/architecture.md).
 """
 
-from positional_lsh.lm.checkpoint import load_checkpoint, load_shipped_model, save_checkpoint
+from positional_lsh.lm.checkpoint import Checkpoint, load_checkpoint, load_shipped_model, save_checkpoint
 from positional_lsh.lm.config import ModelConfig
 from positional_lsh.lm.model import TransformerLM
 
-__all__ = ["ModelConfig", "TransformerLM", "load_checkpoint", "load_shipped_model", "save_checkpoint"]
+__all__ = ["Checkpoint", "ModelConfig", "TransformerLM", "load_checkpoint", "load_shipped_model", "save_checkpoint"]

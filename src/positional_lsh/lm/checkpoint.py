@@ -28,8 +28,6 @@ from positional_lsh.lm.data.tokenizer import BPETokenizer
 from positional_lsh.lm.model import TransformerLM
 from positional_lsh.ops.errors import UserError
 
-__all__ = ["Checkpoint", "load_checkpoint", "load_shipped_model", "save_checkpoint", "shipped_checkpoint_path"]
-
 CHECKPOINT_FORMAT = "positional-lsh-lm"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -20,8 +20,6 @@ from positional_lsh.ops.options import ALIBI_BACKENDS, BACKENDS, DEFAULT_BACKEND
 from positional_lsh.ops.partitions.schemes import scheme_names
 from positional_lsh.ops.partitions.slopes import alibi_slopes
 
-__all__ = ["POSITIONS", "ModelConfig"]
-
 POSITIONS = ("alibi", "plsh", "window-alibi", "rope", "nope")
 """The attention position modes."""
 

@@ -56,22 +56,11 @@ from positional_lsh.lm.eval_results import (
     PositionBucket,
     plot_results,
     read_results,
-    write_results,
 )
 from positional_lsh.ops import sample_partitions
 from positional_lsh.ops.errors import UserError
 
-__all__ = [
-    "EvalRow",
-    "ModelAdapter",
-    "equal_cost_window",
-    "evaluate_model",
-    "load_for_eval",
-    "plot_results",
-    "read_results",
-    "sliding_window_metrics",
-    "write_results",
-]
+__all__ = ["EvalRow", "evaluate_model", "load_for_eval", "plot_results", "read_results"]
 
 DEFAULT_FACTORS = (1, 2, 4, 8, 16)
 DEFAULT_SAMPLES = (1, 4, 16, 64)

@@ -65,8 +65,6 @@ from positional_lsh.ops.module import PositionalLSHAttention, ShardedAttention, 
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import layer_seed
 
-__all__ = ["TransformerLM"]
-
 # alibi_impl="auto" uses SDPA with a prebuilt (H, Lq, Lk) bias up to this many bias entries.
 _SDPA_MAX_BIAS_ENTRIES = 2**22
 

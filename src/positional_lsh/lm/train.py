@@ -38,7 +38,6 @@ from positional_lsh.lm.config import ModelConfig
 from positional_lsh.lm.model import TransformerLM
 from positional_lsh.lm.run_dir import LOG_FILE, TRAIN_CONFIG_FILE
 from positional_lsh.lm.train_config import (
-    QUICK_PRESET,
     TrainConfig,
     check_learn_slopes_run,
     default_cache_dir,
@@ -51,7 +50,7 @@ from positional_lsh.lm.train_dist import init_distributed as _init_distributed
 from positional_lsh.lm.train_loop import TrainResult
 from positional_lsh.ops.errors import UserError, check_memory
 
-__all__ = ["QUICK_PRESET", "TrainConfig", "TrainResult", "train"]
+__all__ = ["TrainConfig", "TrainResult", "train"]
 
 
 # --------------------------------------------------------------------------------------------------

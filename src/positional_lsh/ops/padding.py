@@ -36,7 +36,7 @@ import torch
 
 from positional_lsh.ops._engine.kernels import output_buffers
 
-__all__ = ["check_key_padding_mask", "valid_runs"]
+__all__ = ["valid_runs"]
 
 
 def check_key_padding_mask(mask: object, q: torch.Tensor, k_len: int) -> torch.Tensor | None:

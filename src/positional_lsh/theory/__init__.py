@@ -22,8 +22,17 @@ Everything listed in ``__all__`` is importable from here.
 
 from __future__ import annotations
 
-from positional_lsh.theory.adversarial import UniformBound, adversarial_search, uniform_error_bound
-from positional_lsh.theory.blocks import BlockStats, block_size_bound, block_stats, capped_bias
+from positional_lsh.theory.adversarial import AdversarialResult, UniformBound, adversarial_search, uniform_error_bound
+from positional_lsh.theory.blocks import (
+    BlockStats,
+    block_size_bound,
+    block_size_tail,
+    block_stats,
+    capped_bias,
+    capped_bias_norms,
+    largest_blocks,
+    pitch_tail,
+)
 from positional_lsh.theory.bounds import (
     alibi_norm_bound,
     alibi_spectral_norm,
@@ -62,6 +71,7 @@ from positional_lsh.theory.slope_grad import (
 from positional_lsh.theory.unbiased import UnbiasednessResult, unbiasedness_test
 
 __all__ = [
+    "AdversarialResult",
     "BlockStats",
     "MaskErrors",
     "MeanMaskOperator",
@@ -76,19 +86,23 @@ __all__ = [
     "alibi_norm_bound",
     "alibi_spectral_norm",
     "block_size_bound",
+    "block_size_tail",
     "block_starts",
     "block_stats",
     "capped_bias",
+    "capped_bias_norms",
     "dense_mask_errors",
     "dense_max_error",
     "exact_slope_gradient",
     "expected_error_bound",
     "fit_power_law",
+    "largest_blocks",
     "log_prob",
     "loss_weight",
     "mask_errors",
     "max_error",
     "output_errors",
+    "pitch_tail",
     "plsh_slope_gradients",
     "psi",
     "psi_without_one",

@@ -37,13 +37,6 @@ from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.exact.reference import dense_plsh_attention
 from positional_lsh.ops.partitions.partition import Partitions
 
-__all__ = [
-    "AdversarialResult",
-    "UniformBound",
-    "adversarial_search",
-    "uniform_error_bound",
-]
-
 
 @dataclass(frozen=True)
 class UniformBound:

@@ -33,17 +33,6 @@ from positional_lsh.ops._checks import positive_int
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.schemes import get_scheme
 
-__all__ = [
-    "BlockStats",
-    "block_size_bound",
-    "block_size_tail",
-    "block_stats",
-    "capped_bias",
-    "capped_bias_norms",
-    "largest_blocks",
-    "pitch_tail",
-]
-
 
 def pitch_tail(size: int | np.ndarray, sigma: float, scheme: str = "discrete") -> np.ndarray:
     """``P[pitch > size]`` for integer ``size >= 0``: float64 array of ``size``'s shape.

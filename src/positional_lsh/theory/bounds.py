@@ -29,17 +29,6 @@ from scipy.linalg import eigvalsh_tridiagonal
 
 from positional_lsh.ops._checks import check_int, positive_int
 
-__all__ = [
-    "alibi_norm_bound",
-    "alibi_spectral_norm",
-    "expected_error_bound",
-    "psi",
-    "psi_without_one",
-    "suggested_samples",
-    "tail_bound",
-    "tail_bound_epsilon",
-]
-
 ArrayLike = float | np.ndarray | Sequence[float]
 
 

@@ -44,25 +44,9 @@ from positional_lsh.theory.qkv import (
     CapturePoint,
     LayerQKV,
     QKVCapturable,
-    split_fused_blocks,
-    split_fused_interleaved,
-    split_heads,
 )
 
-__all__ = [
-    "CapturePoint",
-    "LayerQKV",
-    "QKVCapturable",
-    "capture_points",
-    "capture_qkv",
-    "load_model_for_capture",
-    "model_alibi_slopes",
-    "split_fused_blocks",
-    "split_fused_interleaved",
-    "split_heads",
-    "synthetic_qkv",
-    "tokenize_contexts",
-]
+__all__ = ["capture_qkv", "load_model_for_capture", "model_alibi_slopes", "synthetic_qkv"]
 
 
 def capture_points(model: nn.Module) -> list[CapturePoint]:

@@ -33,20 +33,6 @@ from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.theory.bounds import alibi_spectral_norm
 from positional_lsh.theory.operators import MeanMaskOperator, alibi_matvec, block_starts
 
-__all__ = [
-    "MaskErrors",
-    "OutputErrors",
-    "SpectralEstimate",
-    "dense_mask_errors",
-    "dense_max_error",
-    "fit_power_law",
-    "mask_errors",
-    "max_error",
-    "output_errors",
-    "samples_for_error",
-    "spectral_error",
-]
-
 
 @dataclass(frozen=True)
 class SpectralEstimate:

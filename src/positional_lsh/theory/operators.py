@@ -20,8 +20,6 @@ from positional_lsh.ops._checks import check_int
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.schemes import scheme_names
 
-__all__ = ["MeanMaskOperator", "alibi_matvec", "block_starts"]
-
 
 def alibi_matvec(x: np.ndarray, slope: float) -> np.ndarray:
     """``A x`` for ``A[i, j] = exp(-slope |i - j|)`` in ``O(n)``: ``x`` is ``(n,)`` or ``(n, k)`` float64.

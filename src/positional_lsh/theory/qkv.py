@@ -26,12 +26,9 @@ __all__ = [
     "LayerQKV",
     "QKVCapturable",
     "Split",
-    "split_falcon_grouped",
-    "split_falcon_multiquery",
     "split_fused_blocks",
     "split_fused_interleaved",
     "split_heads",
-    "split_neox",
 ]
 
 Split = Callable[[torch.Tensor], Any]

@@ -60,18 +60,6 @@ from positional_lsh.ops.partitions.partition import Partitions, sample_partition
 from positional_lsh.ops.partitions.schemes import get_scheme
 from positional_lsh.theory.qkv import LayerQKV
 
-__all__ = [
-    "SlopeGradRow",
-    "SlopeGradStudy",
-    "exact_slope_gradient",
-    "log_prob",
-    "loss_weight",
-    "plsh_slope_gradients",
-    "score",
-    "shipped_qkv",
-    "slope_gradient_study",
-]
-
 DEFAULT_SLOPE_GRAD_SAMPLES = (1, 4, 16, 64, 256)
 """The sample counts ``T`` of the study (docs/theory.md)."""
 

@@ -12,8 +12,6 @@ from scipy.special import ndtri
 
 from positional_lsh.ops.partitions.partition import sample_partitions
 
-__all__ = ["UnbiasednessResult", "unbiasedness_test"]
-
 
 @dataclass(frozen=True)
 class UnbiasednessResult:

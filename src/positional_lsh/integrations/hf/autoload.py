@@ -43,8 +43,6 @@ from positional_lsh.integrations.hf.saved import CONFIG_KEY, SWAP_FILE, check_sw
 from positional_lsh.integrations.hf.swap import apply_swap_settings, current_swap, model_family
 from positional_lsh.ops.errors import UserError
 
-__all__ = ["mask_function", "note_model", "saved_settings_source"]
-
 # id(config) -> the models built on that config with attn_implementation="positional_lsh", not yet installed.
 _PENDING: dict[int, list[weakref.ref[PreTrainedModel]]] = {}
 _SEEN: weakref.WeakSet[nn.Module] = weakref.WeakSet()

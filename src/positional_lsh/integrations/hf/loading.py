@@ -27,8 +27,6 @@ from positional_lsh.integrations.hf.swap import apply_swap_settings, model_famil
 from positional_lsh.ops._checks import check_bool
 from positional_lsh.ops.errors import UserError
 
-__all__ = ["LoadedModel", "load_local_model"]
-
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
 ADAPTER_CONFIG = "adapter_config.json"
 """peft's adapter folder marker (``PeftModel.save_pretrained``)."""

@@ -22,16 +22,6 @@ from positional_lsh.integrations.hf.attention_swap import AttentionSwap
 from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.partitions.schemes import scheme_names
 
-__all__ = [
-    "CONFIG_KEY",
-    "SWAP_FILE",
-    "check_swap_settings",
-    "read_saved_swap",
-    "read_swap_settings",
-    "swap_settings",
-    "write_swap_settings",
-]
-
 SWAP_FILE = "positional_lsh_swap.json"
 """The file, next to a checkpoint's ``config.json``, holding the swap's settings."""
 CONFIG_KEY = "positional_lsh_swap"

@@ -76,18 +76,6 @@ from positional_lsh.ops.partitions.partition import check_draw_size
 from positional_lsh.ops.partitions.sampling import PartitionSampler
 from positional_lsh.ops.partitions.slopes import alibi_slopes
 
-__all__ = [
-    "AttentionSwap",
-    "apply_saved_swap",
-    "apply_swap_settings",
-    "current_swap",
-    "model_family",
-    "restore",
-    "unwrap_model",
-    "use_alibi",
-    "use_positional_lsh",
-]
-
 #: ``config.model_type`` values of native ALiBi models (Falcon only with ``alibi=True``).
 NATIVE_ALIBI_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES if f.forward is not None for t in f.model_types)
 #: ``config.model_type`` values of rotary models run in the paper's setup (RoPE neutralized).

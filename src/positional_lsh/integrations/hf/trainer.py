@@ -25,8 +25,6 @@ from positional_lsh.integrations.hf.attention_swap import AttentionSwap
 from positional_lsh.integrations.hf.saved import write_swap_settings
 from positional_lsh.integrations.hf.swap import current_swap
 
-__all__ = ["SwapStepCallback"]
-
 
 class SwapStepCallback(TrainerCallback, ExportableState):
     """Saves and restores the swap's training step with ``Trainer`` checkpoints (exact resume).

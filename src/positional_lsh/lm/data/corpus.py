@@ -28,18 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = [
-    "SPLITS",
-    "Document",
-    "corpus_splits",
-    "load_corpus",
-    "load_hf_dataset",
-    "load_splits",
-    "load_text_files",
-    "split_by_position",
-    "split_documents",
-]
-
 SPLITS: tuple[str, str, str] = ("train", "validation", "test")
 """Split names, in order."""
 

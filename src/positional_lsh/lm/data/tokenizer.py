@@ -23,15 +23,6 @@ from positional_lsh.lm.data.corpus import Document, DocumentsLike, as_documents,
 from positional_lsh.ops._checks import positive_int
 from positional_lsh.ops.errors import UserError
 
-__all__ = [
-    "EOD_TOKEN",
-    "BPETokenizer",
-    "encode_documents",
-    "encode_splits",
-    "load_tokenizer",
-    "train_tokenizer",
-]
-
 EOD_TOKEN = "<|endoftext|>"
 """The end-of-document token placed after every document in a token stream."""
 

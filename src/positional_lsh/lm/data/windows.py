@@ -14,8 +14,6 @@ import torch
 
 from positional_lsh.ops._checks import as_generator, positive_int
 
-__all__ = ["num_sliding_windows", "random_batch", "random_windows", "sliding_windows"]
-
 
 def _as_tokens(name: str, value: object, min_len: int) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):

@@ -25,9 +25,7 @@ from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.decays import DecayLike
 from positional_lsh.ops.partitions.schemes import get_scheme
 
-__all__ = [
-    "Partitions", "Segment", "check_draw_size", "check_partitions", "check_slopes_match", "sample_partitions",
-]  # fmt: skip
+__all__ = ["Partitions", "check_draw_size", "sample_partitions"]
 
 # Dense validation helpers refuse to build more than this many mask entries.
 MAX_DENSE_ELEMENTS = 2**28

@@ -30,8 +30,6 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["sample_discrete_antithetic", "sample_discrete_strat", "sample_gamma_strat"]
-
 
 def stratified_group_size(t: int) -> int:
     """Masks per shared pitch (K) of the stratified schemes for ``t`` masks: ``round(sqrt(t) / 2)``, at least 1."""
