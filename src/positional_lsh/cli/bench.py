@@ -64,7 +64,7 @@ from positional_lsh.cli.bench_peers import (
     sampled_rows,
     useful_gflops,
 )
-from positional_lsh.cli.parsers import add_arguments, comma_list, option, positive_int_text, run_command
+from positional_lsh.cli.parsers import add_command, comma_list, option, positive_int_text
 from positional_lsh.lm.run_dir import check_output_dir
 from positional_lsh.ops import alibi_slopes
 from positional_lsh.ops._checks import check_choice, nonnegative_int, positive_int
@@ -537,12 +537,7 @@ def run_bench_command(cfg: BenchConfig) -> list[BenchRow]:
     return rows
 
 
-def _main(args: argparse.Namespace) -> int:
-    return run_command(args, BenchConfig, run_bench_command)
-
-
 def register_cli(sub: argparse._SubParsersAction) -> None:
     """Add ``plsh bench`` to the ``plsh`` command line."""
-    p = sub.add_parser("bench", help="time/memory/error of positional LSH vs exact and windowed ALiBi")
-    add_arguments(p, BenchConfig)
-    p.set_defaults(func=_main)
+    help = "time/memory/error of positional LSH vs exact and windowed ALiBi"
+    add_command(sub, "bench", BenchConfig, run_bench_command, help=help)

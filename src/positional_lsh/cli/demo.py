@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from positional_lsh.cli.parsers import add_arguments, comma_list, option, positive_int_text, run_command
+from positional_lsh.cli.parsers import add_command, comma_list, option, positive_int_text
 from positional_lsh.ops._checks import nonnegative_int, positive_int
 from positional_lsh.ops.attention import plsh_attention
 from positional_lsh.ops.errors import check_memory
@@ -164,12 +164,7 @@ def run_demo(cfg: DemoConfig) -> None:
     print(f"\ndone in {time.perf_counter() - t0:.1f} s")
 
 
-def _main(args: argparse.Namespace) -> int:
-    return run_command(args, DemoConfig, run_demo)
-
-
 def register_cli(sub: argparse._SubParsersAction) -> None:
     """Add ``plsh demo`` to the ``plsh`` command line."""
-    p = sub.add_parser("demo", help="show mask convergence and attention vs exact/windowed ALiBi (under a minute)")
-    add_arguments(p, DemoConfig)
-    p.set_defaults(func=_main)
+    help = "show mask convergence and attention vs exact/windowed ALiBi (under a minute)"
+    add_command(sub, "demo", DemoConfig, run_demo, help=help)

@@ -23,12 +23,11 @@ import torch
 from positional_lsh.cli import main as plsh_main
 from positional_lsh.cli.parsers import (
     MIN_SIGMA,
-    add_arguments,
+    add_command,
     comma_list,
     option,
     positive_float_text,
     positive_int_text,
-    run_command,
     sigma_text,
 )
 from positional_lsh.lm.eval_models import HF_POSITION_CHOICES, HFAttention, load_for_eval
@@ -214,19 +213,10 @@ def _check_sweep_size(cfg: EvalConfig, adapter: Any) -> None:
             check_call_size(t, heads, n, n, 64, True, "auto", what=f"--samples {t} at {n} tokens ({heads} heads)")
 
 
-def _main(args: argparse.Namespace) -> int:
-    return run_command(args, EvalConfig, run_eval)
-
-
 def register_cli(sub: argparse._SubParsersAction) -> None:
     """Add ``plsh eval`` to the ``plsh`` command line."""
-    p = sub.add_parser(
-        "eval",
-        help="sliding-window perplexity at 1x-16x the training length; positional-LSH sweep vs windowed ALiBi",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    add_arguments(p, EvalConfig)
-    p.set_defaults(func=_main)
+    help = "sliding-window perplexity at 1x-16x the training length; positional-LSH sweep vs windowed ALiBi"
+    add_command(sub, "eval", EvalConfig, run_eval, help=help, doc=__doc__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -365,6 +366,23 @@ def run_command(args: argparse.Namespace, cls: type, run: Callable[[Any], object
     """
     run(config_from_args(args, cls))
     return 0
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    cls: type,
+    run: Callable[[Any], object],
+    *,
+    help: str,
+    doc: str | None = None,
+) -> argparse.ArgumentParser:
+    """Add the command ``plsh name``: one flag per flagged field of dataclass ``cls``, then ``run`` on the settings
+    (:func:`run_command`). ``doc``: the command module's docstring, whose first paragraph is the description."""
+    p = sub.add_parser(name, help=help, description=doc.split("\n\n")[0] if doc else None)
+    add_arguments(p, cls)
+    p.set_defaults(func=functools.partial(run_command, cls=cls, run=run))
+    return p
 
 
 def to_argv(cfg: Any, *, skip: Iterable[str] = ()) -> list[str]:
