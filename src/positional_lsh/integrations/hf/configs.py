@@ -15,8 +15,6 @@ from typing import Any
 from torch import nn
 from transformers import PretrainedConfig
 
-__all__ = ["own_config"]
-
 # id(config) -> the config, for the configs own_config made (a model holding one needs no new copy).
 _OWN_CONFIGS: dict[int, weakref.ref[PretrainedConfig]] = {}
 
