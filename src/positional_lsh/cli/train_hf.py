@@ -55,10 +55,12 @@ HF_TRAIN_FLAGS = {
     "lora_alpha": Flag("LoRA alpha", group="model"),
     "lora_dropout": Flag("LoRA dropout", group="model"),
     "lora_targets": Flag("modules that get LoRA adapters", group="model"),
-    "dtype": Flag("weights dtype (bfloat16: e.g. a frozen LoRA base)", choices=WEIGHT_DTYPES,
-                  group="model"),
+    "dtype": Flag("weights dtype of a frozen LoRA base (--finetune full trains float32 master weights and AdamW "
+                  "state; bf16 compute: --autocast bfloat16)", choices=WEIGHT_DTYPES, group="model"),
     "gradient_checkpointing": Flag("recompute activations in the backward (same gradients, less memory)",
                                    name="--gradient-checkpointing", group="model"),
+    "fsdp": Flag("shard weights, gradients and optimizer state over the torchrun processes (FSDP2) instead of "
+                 "replicating them (DDP); needs torchrun with 2 or more processes", group="run"),
     "position": Flag("attention: plsh (positional LSH), alibi, window-alibi, or native (the model's own)",
                      choices=HF_POSITIONS, group="attention"),
     "num_samples": Flag("positional-LSH samples T", group="attention"),
@@ -105,6 +107,9 @@ class TrainHFCommand:
     dry_run: bool = option(False, "print the memory estimate (parameters, gradients, optimizer state, activations "
                            "at --seq-len and T) from the model config alone and exit: no weights are loaded, "
                            "nothing is written")  # fmt: skip
+    nproc: int | None = option(None, "with --dry-run: the number of torchrun processes to estimate for (with --fsdp "
+                               "each holds 1/N of the weights, gradients and optimizer state; default: WORLD_SIZE, "
+                               "else 1)")  # fmt: skip
 
 
 def add_train_hf_arguments(p: argparse.ArgumentParser) -> None:
@@ -152,7 +157,7 @@ def check_flags_apply(args: argparse.Namespace) -> None:
     finetune = given.get("finetune", preset.get("finetune", HFTrainConfig.finetune))
     unused = inapplicable_settings(position, finetune)
     for name in given:
-        if name in unused:
+        if name in unused and not (name == "dtype" and given[name] == "float32"):
             raise UserError(f"{_flag(name)} {unused[name]} (it would be ignored); drop it")
 
 
@@ -217,10 +222,15 @@ def _main(args: argparse.Namespace) -> int:
         line = describe_preset(args)
         if line is not None and os.environ.get("RANK", "0") == "0":  # once under torchrun
             print(line, flush=True)
+    if args.nproc is not None and not args.dry_run:
+        raise UserError("--nproc sets the processes of --dry-run's estimate; a run takes them from torchrun "
+                        "(--nproc_per_node); drop --nproc or add --dry-run")
+    if args.nproc is not None and args.nproc < 1:
+        raise UserError(f"--nproc must be an integer >= 1, got {args.nproc}")
     if args.dry_run:
         from positional_lsh.integrations.hf.train import dry_run
 
-        print(dry_run(cfg), flush=True)
+        print(dry_run(cfg, args.nproc or int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
         return 0
     result = train_hf(cfg, resume=bool(args.resume), overwrite=bool(args.overwrite), changes=changes,
                       command=getattr(args, "command_line", None))  # fmt: skip

@@ -70,7 +70,8 @@ _LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 def inapplicable_settings(position: str, finetune: str) -> dict[str, str]:
     """``{field: why}`` for the settings of :class:`HFTrainConfig` that a run with ``position`` and ``finetune``
     does not use: ``num_samples``/``scheme`` (positional LSH only), ``sigma``/``slopes`` (not ``native``),
-    ``window`` (``window-alibi`` only) and the LoRA settings (``finetune="lora"`` only). A preset does not apply
+    ``window`` (``window-alibi`` only) and the LoRA settings and ``dtype`` (``finetune="lora"`` only: full training
+    keeps float32 master weights). A preset does not apply
     them; ``plsh train-hf`` refuses them as flags (they would be ignored)."""
     out: dict[str, str] = {}
     if position != "plsh":
@@ -82,6 +83,8 @@ def inapplicable_settings(position: str, finetune: str) -> dict[str, str]:
         out["window"] = f"applies to --position window-alibi only, not {position}"
     if finetune != "lora":
         out.update(dict.fromkeys(_LORA_ONLY, f"applies to --finetune lora only, not {finetune}"))
+        out["dtype"] = (f"sets the frozen base of --finetune lora; --finetune {finetune} trains float32 master weights "
+                        "and AdamW state (bf16 compute: --autocast bfloat16)")  # fmt: skip
     return out
 
 
@@ -104,8 +107,13 @@ class HFTrainConfig(BaseTrainConfig):
         partition_seed: seed of the training partitions (default: ``seed``).
         attn_backend, plsh_method: passed to the attention (how it computes, not what).
         seq_len: training window length in tokens.
-        dtype: weights dtype (``"float32"``; ``"bfloat16"`` for a frozen LoRA base).
+        dtype: the frozen base's weights dtype with ``finetune="lora"`` (``"bfloat16"`` halves it; the adapters
+            stay float32, as peft keeps them). ``finetune="full"`` trains float32 master weights and AdamW state
+            (as PyTorch's mixed precision does; ``autocast`` sets the compute dtype): any other ``dtype`` is refused.
         gradient_checkpointing: recompute activations in the backward (same gradients, less memory).
+        fsdp: shard the weights, gradients and optimizer state over the ``torchrun`` processes (FSDP2
+            ``fully_shard`` of every decoder layer and of the model) instead of replicating them (DDP); needs at
+            least 2 processes.
     """
 
     batch_size: int = 8
@@ -132,6 +140,7 @@ class HFTrainConfig(BaseTrainConfig):
     seq_len: int = 512
     dtype: str = "float32"
     gradient_checkpointing: bool = False
+    fsdp: bool = False
 
     def validate(self, positive: tuple[str, ...] = (), nonnegative: tuple[str, ...] = ()) -> None:
         """Raise ``TypeError``/``ValueError`` naming the first bad field (nothing is loaded)."""
@@ -143,6 +152,10 @@ class HFTrainConfig(BaseTrainConfig):
             raise ValueError("finetune='lora' needs a checkpoint to fine-tune (a model from a config trains fully)")
         check_choice("position", self.position, HF_POSITIONS)
         check_choice("dtype", self.dtype, WEIGHT_DTYPES)
+        if self.finetune != "lora" and self.dtype != "float32":
+            raise ValueError(f"dtype {self.dtype!r} sets the frozen base of finetune='lora'; finetune="
+                             f"{self.finetune!r} trains float32 master weights and AdamW state (compute in bf16 with "
+                             "autocast='bfloat16')")  # fmt: skip
         check_choice("attn_backend", self.attn_backend, BACKENDS)
         check_choice("plsh_method", self.plsh_method, METHODS)
         get_scheme(self.scheme)
@@ -153,6 +166,7 @@ class HFTrainConfig(BaseTrainConfig):
         if self.lora_dropout >= 1:
             raise ValueError(f"lora_dropout must be < 1, got {self.lora_dropout}")
         check_bool("gradient_checkpointing", self.gradient_checkpointing)
+        check_bool("fsdp", self.fsdp)
         if self.sigma is not None and self.slopes is not None:
             raise ValueError("give sigma (one slope 1/sigma for every head) or slopes (one per head), not both")
         if self.sigma is not None and (isinstance(self.sigma, bool) or not self.sigma > 0 or math.isinf(self.sigma)):

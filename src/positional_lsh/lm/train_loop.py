@@ -199,7 +199,9 @@ def optimizer_step(
     for micro in range(cfg.grad_accum):
         x, y = next(run.batches)
         x, y = x.to(run.device, non_blocking=non_blocking), y.to(run.device, non_blocking=non_blocking)
-        sync = not info.enabled or micro == cfg.grad_accum - 1
+        # DDP skips the all-reduce of all but the last micro-batch; FSDP reduce-scatters each (no no_sync)
+        ddp = isinstance(run.ddp_model, torch.nn.parallel.DistributedDataParallel)
+        sync = not ddp or micro == cfg.grad_accum - 1
         ctx = contextlib.nullcontext() if sync else run.ddp_model.no_sync()  # type: ignore[operator]
         with ctx:
             with autocast(run.device, run.amp):
@@ -243,6 +245,7 @@ def run_loop(
     val_ppl: Callable[[float], float],
     show_ppl: bool,
     val_extra: Callable[[], dict[str, Any]] | None = None,
+    save_on_every_rank: bool = False,
 ) -> TrainResult:
     """Optimizer steps until ``steps`` (or ``stop_after``, or SIGINT/SIGTERM), with logging, validation and
     checkpoints; returns the :class:`TrainResult`.
@@ -253,7 +256,8 @@ def run_loop(
         prog: the command for messages, ``"plsh train"`` (the bar is named after its last word).
         step: one optimizer step; returns its learning rate.
         validate: the validation loss.
-        save: write a checkpoint (called on rank 0, with ``run.elapsed`` up to date).
+        save: write a checkpoint (called on rank 0, with ``run.elapsed`` up to date; on every rank with
+            ``save_on_every_rank``, for a save that gathers a sharded state first).
         val_ppl: the ``val_ppl`` log field of a validation loss.
         show_ppl: the validation line shows the perplexity.
         val_extra: more fields of each validation's ``log.jsonl`` record (e.g. ``plsh train --learn-slopes``'s
@@ -289,7 +293,7 @@ def run_loop(
             interrupted = stop_requested(stopper, info, run.device)
             if run.step % cfg.ckpt_interval == 0 or run.step == stop or interrupted:
                 run.elapsed = time.perf_counter() - t_start
-                if info.main:
+                if info.main or save_on_every_rank:
                     save()
                 info.barrier()
             if interrupted:

@@ -25,21 +25,6 @@ from positional_lsh.lm import data as D
 from positional_lsh.lm.train_loop import step_label
 
 
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("texts")
-    docs = D.load_corpus()
-    for i, d in enumerate(docs[:4] + docs[20:26]):
-        (root / f"doc{i:02d}.txt").write_text(d.text[:5000], encoding="utf-8")
-    return root
-
-
-@pytest.fixture(scope="module")
-def tok_file(text_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    splits = D.load_splits(str(text_dir))
-    return D.train_tokenizer(splits["train"], 300).save(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-
-
 def flags(data: Path, *more: str) -> list[str]:
     return ["--preset", "tiny", "--data", str(data), "--cache-dir", "", "--seq-len", "32", "--steps", "2",
             "--eval-interval", "2", "--ckpt-interval", "2", "--no-progress", "--threads", "1", *more]  # fmt: skip
@@ -236,21 +221,6 @@ def test_dry_run_prints_the_estimate_from_the_config_alone(tmp_path: Path, text_
     assert cli.main(["--out", str(out), *flags(text_dir, "--tokenizer", str(tok_file))]) == 0
     run_lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("plsh train-hf: preset ")]
     assert run_lines[0] == lines[0]
-
-
-def test_memory_estimate_counts() -> None:
-    """Weights in their dtype, AdamW's two moments and the gradients of the trained parameters; activations grow
-    with T and shrink under gradient checkpointing."""
-    from transformers import AutoConfig
-
-    d = dict(BUILTIN_CONFIGS["tiny-qwen3"])
-    config = AutoConfig.for_model(d.pop("model_type"), **d)
-    cfg = HFTrainConfig(config="tiny-qwen3", out_dir="x", seq_len=128, batch_size=2, num_samples=4, sigma=16.0)
-    m = TM.estimate_memory(cfg, config, 1000, 100)
-    assert m["params"] == 4000 and m["grads"] == 400 and m["optimizer"] == 800
-    more_t = TM.estimate_memory(HFTrainConfig(**{**cfg.__dict__, "num_samples": 40}), config, 1000, 100)
-    ckpt = TM.estimate_memory(HFTrainConfig(**{**cfg.__dict__, "gradient_checkpointing": True}), config, 1000, 100)
-    assert more_t["activations"] > m["activations"] > ckpt["activations"] > 0
 
 
 def test_dry_run_of_a_lora_checkpoint_counts_the_adapters(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -17,23 +17,7 @@ from positional_lsh.cli import eval as cli_eval
 from positional_lsh.cli import train_hf as cli
 from positional_lsh.integrations.hf import train_model as TM
 from positional_lsh.integrations.hf_train_config import BUILTIN_CONFIGS, PRESETS, HFTrainConfig
-from positional_lsh.lm import data as D
 from positional_lsh.lm.eval_models import load_for_eval
-
-
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("texts")
-    docs = D.load_corpus()
-    for i, d in enumerate(docs[:4] + docs[20:26]):
-        (root / f"doc{i:02d}.txt").write_text(d.text[:5000], encoding="utf-8")
-    return root
-
-
-@pytest.fixture(scope="module")
-def tok_file(text_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    splits = D.load_splits(str(text_dir))
-    return D.train_tokenizer(splits["train"], 300).save(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 def flags(data: Path, tok: Path | None = None) -> list[str]:

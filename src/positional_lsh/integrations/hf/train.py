@@ -55,6 +55,7 @@ from positional_lsh.integrations.hf.loading import ADAPTER_CONFIG
 from positional_lsh.integrations.hf.saved import write_swap_settings
 from positional_lsh.integrations.hf.swap import current_swap, unwrap_model
 from positional_lsh.integrations.hf.train_data import TrainTokenizer, load_training_splits, run_tokenizer, token_streams
+from positional_lsh.integrations.hf.train_fsdp import full_state, load_full_state, shard_model
 from positional_lsh.integrations.hf.train_model import (
     build_model,
     checkpoint_folder,
@@ -102,6 +103,7 @@ def resolve_settings(cfg: HFTrainConfig, resume: bool, overwrite: bool, changes:
     out = Path(cfg.out_dir)
     if not resume:
         cfg.validate()
+        check_fsdp_world(cfg)
         if cfg.config is not None:  # the model's source exists and reads, before anything on disk changes
             config_dict(cfg.config)
         else:
@@ -127,10 +129,19 @@ def resolve_settings(cfg: HFTrainConfig, resume: bool, overwrite: bool, changes:
         raise UserError(f"{out / R.TRAIN_CONFIG_FILE}: bad settings ({exc}); the run cannot be resumed") from None
     need = ("step", "tokens", "elapsed", "val_loss", "trainable", "optimizer", "data_generator", "torch_rng",
             "swap_step", "world_size", "tokenizer_fingerprint")  # fmt: skip
+    check_fsdp_world(cfg)
     state, _ = R.read_state_file(out, need, "plsh train-hf")
     if cfg.steps < state["step"]:
         raise UserError(f"--resume: --steps {cfg.steps} is below the checkpoint's step {state['step']}")
     return cfg, state
+
+
+def check_fsdp_world(cfg: HFTrainConfig) -> None:
+    """``UserError`` for ``--fsdp`` outside a ``torchrun`` launch of 2 or more processes (nothing to shard over)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.fsdp and world < 2:
+        raise UserError(f"--fsdp shards the model over torchrun processes, but this is {world} process; launch "
+                        "torchrun --nproc_per_node N -m positional_lsh.cli train-hf ... (N >= 2), or drop --fsdp")
 
 
 def train_hf(
@@ -197,8 +208,11 @@ def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device:
         raise UserError(f"the tokenizer has {tok.size} ids but the model's vocabulary only {inner.config.vocab_size}")
     if info.main:
         n_all, n_train = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in _trainable(model).values())
-        print(memory_estimate_line(cfg, inner.config, n_params=n_all, n_trained=n_train), flush=True)
-    model.to(device)
+        print(memory_estimate_line(cfg, inner.config, n_params=n_all, n_trained=n_train, world=info.world), flush=True)
+    if cfg.fsdp:
+        shard_model(model, info.world, device)  # moves the shards to the device
+    else:
+        model.to(device)
     opt = _optimizer(model, cfg, device)
     amp = resolve_autocast_dtype(cfg.autocast, device)
     probe_attention(model, cfg, device, amp)
@@ -212,7 +226,7 @@ def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device:
     data_gen = torch.Generator().manual_seed(cfg.seed)
     counters: dict[str, Any] = {}
     if state is not None:
-        counters = _restore_state(state, model, opt, data_gen, info.world)
+        counters = _restore_state(state, model, opt, data_gen, info.world, sharded=cfg.fsdp)
     elif info.main:
         R.write_train_config(out, {"kind": "transformers", "train": dataclasses.asdict(cfg),
                                    "model": inner.config.to_dict(), "command": command})  # fmt: skip
@@ -222,7 +236,7 @@ def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device:
         R.clean_stale(out)
     model.train()
     ddp_model: nn.Module = model
-    if info.enabled:
+    if info.enabled and not cfg.fsdp:
         device_ids = [device.index] if device.type == "cuda" else None
         ddp_model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     val_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
@@ -245,13 +259,13 @@ def _setup(cfg: HFTrainConfig, state: dict[str, Any] | None, info: Dist, device:
               f"{cfg.finetune}) | attention {attn} | seq_len {cfg.seq_len} | {run.tokens_per_step} tokens/optimizer "
               "step "
               f"({cfg.grad_accum} micro-batch{'es' if cfg.grad_accum > 1 else ''}) x {cfg.steps} optimizer steps "
-              f"| device {device} x {info.world} | autocast {run.amp or 'off'} | train "
+              f"| device {device} x {info.world}{' (FSDP)' if cfg.fsdp else ''} | autocast {run.amp or 'off'} | train "
               f"{streams['train'].numel():,} tokens", flush=True)  # fmt: skip
     return run
 
 
 def _restore_state(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer, data_gen: torch.Generator,
-                   world: int) -> dict[str, Any]:  # fmt: skip
+                   world: int, *, sharded: bool = False) -> dict[str, Any]:  # fmt: skip
     if state["world_size"] != world:
         raise UserError(f"--resume: the run was saved with {state['world_size']} processes; resume it with the same "
                         f"number (got {world}) so that the batches stay the same")  # fmt: skip
@@ -259,10 +273,13 @@ def _restore_state(state: dict[str, Any], model: nn.Module, opt: torch.optim.Opt
     if set(params) != set(state["trainable"]):
         raise UserError(f"{R.STATE_FILE} does not fit the run's model (other trained parameters)")
     try:
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(state["trainable"][name])
-        opt.load_state_dict(state["optimizer"])
+        if sharded:
+            load_full_state(model, opt, state["trainable"], state["optimizer"])
+        else:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(state["trainable"][name])
+            opt.load_state_dict(state["optimizer"])
         data_gen.set_state(state["data_generator"])
         torch.set_rng_state(state["torch_rng"])
     except (RuntimeError, ValueError, TypeError, KeyError) as exc:
@@ -279,13 +296,22 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _save(run: _Run) -> None:
-    """One checkpoint set: the model (or adapter) with its swap and tokenizer, and the exact resume state."""
+    """One checkpoint set: the model (or adapter) with its swap and tokenizer, and the exact resume state. Under
+    ``--fsdp`` every process calls it (gathering the full state is a collective) and rank 0 writes."""
     cfg, model = run.cfg, run.model
     swap = current_swap(model)
+    weights: dict[str, torch.Tensor] | None = None
+    if cfg.fsdp:
+        weights, optim = full_state(model, run.opt)
+        if not run.info.main:
+            return
+        trained = {n: weights[n] for n in _trainable(model)}
+    else:
+        trained = {n: p.detach().cpu().clone() for n, p in _trainable(model).items()}
+        optim = run.opt.state_dict()
     state = {
         "step": run.step, "tokens": run.tokens, "elapsed": run.elapsed, "val_loss": run.val_loss,
-        "trainable": {n: p.detach().cpu().clone() for n, p in _trainable(model).items()},
-        "optimizer": run.opt.state_dict(), "data_generator": run.data_gen.get_state(),
+        "trainable": trained, "optimizer": optim, "data_generator": run.data_gen.get_state(),
         "torch_rng": torch.get_rng_state(), "swap_step": swap.step if swap is not None else 0,
         "world_size": run.info.world, "tokenizer_fingerprint": run.tok.fingerprint(),
     }  # fmt: skip
@@ -299,7 +325,7 @@ def _save(run: _Run) -> None:
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
         try:
             saved: Any = model  # a transformers (or peft) model: save_pretrained is untyped here
-            saved.save_pretrained(str(folder))
+            saved.save_pretrained(str(folder), **({} if weights is None else {"state_dict": weights}))
             run.tok.as_transformers().save_pretrained(str(folder))
         finally:
             if bars:
@@ -320,6 +346,7 @@ def _loop(run: _Run) -> TrainResult:
                                       lr_flag="--lr"),
         validate=lambda: L.validation_loss(run.model, run.val_batches, run.info, run.device, run.amp, _loss),
         save=lambda: _save(run),
+        save_on_every_rank=run.cfg.fsdp,
         val_ppl=lambda v: math.exp(min(v, 700)),
         show_ppl=False,
     )  # fmt: skip
