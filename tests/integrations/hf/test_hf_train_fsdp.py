@@ -77,6 +77,10 @@ def test_fsdp_on_two_processes_equals_one_process_resumes_and_evaluates(text_dir
               "--no-progress", "--cache-dir", ""]  # fmt: skip
     assert cli_eval.main([str(tmp_path / "fsdp"), *common]) == 0
     assert "saved with the checkpoint" in capsys.readouterr().err
+    before = snapshot(tmp_path / "fsdp")  # a sharded run resumed in one process: one line, nothing changed
+    assert cli.main(["--out", str(tmp_path / "fsdp"), "--resume", "--no-progress"]) == 2
+    assert "resume it under torchrun" in one_line_error(capsys)
+    assert snapshot(tmp_path / "fsdp") == before
 
 
 @pytest.mark.parametrize("extra", [["--fsdp"], ["--nproc", "2"]])

@@ -6,7 +6,8 @@ of :mod:`positional_lsh.lm.run_dir` (``train_config.json``, ``log.jsonl``, whole
 ``steps/`` named by ``LATEST``), exact resume (weights of the trained parameters, optimizer, data order, every
 random-number state and the swap's training step), SIGINT/SIGTERM stop with a checkpoint
 (:class:`~positional_lsh.lm.signals.StopOnSignal`), ``torchrun`` data parallelism
-(:mod:`positional_lsh.lm.train_dist`: every process draws the same global batch and the same partitions), and
+(:mod:`positional_lsh.lm.train_dist`: every process draws the same global batch and the same partitions), or FSDP2
+sharding over those processes (``fsdp``: :mod:`positional_lsh.integrations.hf.train_fsdp`), and
 refusals as one line (:class:`~positional_lsh.ops.errors.UserError`).
 
 * **The model**: from a transformers config (``config``: a ``config.json``, a folder holding one, or a built-in
@@ -24,8 +25,8 @@ refusals as one line (:class:`~positional_lsh.ops.errors.UserError`).
   byte-level BPE trained on the training split (from scratch).
 * **Settings**: :class:`~positional_lsh.integrations.hf_train_config.HFTrainConfig` and its presets
   (:mod:`positional_lsh.integrations.hf_train_config`, importable without transformers).
-* **Precision**: float32 weights (``dtype``; LoRA bases may be bfloat16) with ``autocast`` bf16/fp16; gradient
-  checkpointing (``gradient_checkpointing``).
+* **Precision**: float32 master weights and AdamW state for every trained parameter (a LoRA base may be bfloat16:
+  ``dtype``) with ``autocast`` bf16/fp16; gradient checkpointing (``gradient_checkpointing``).
 
 A checkpoint set holds the model (``save_pretrained``: ``config.json`` + ``model.safetensors``, or the LoRA
 adapter), its tokenizer (transformers format), the swap's settings (``positional_lsh_swap.json``, with the step
@@ -129,19 +130,20 @@ def resolve_settings(cfg: HFTrainConfig, resume: bool, overwrite: bool, changes:
         raise UserError(f"{out / R.TRAIN_CONFIG_FILE}: bad settings ({exc}); the run cannot be resumed") from None
     need = ("step", "tokens", "elapsed", "val_loss", "trainable", "optimizer", "data_generator", "torch_rng",
             "swap_step", "world_size", "tokenizer_fingerprint")  # fmt: skip
-    check_fsdp_world(cfg)
+    check_fsdp_world(cfg, resume=True)
     state, _ = R.read_state_file(out, need, "plsh train-hf")
     if cfg.steps < state["step"]:
         raise UserError(f"--resume: --steps {cfg.steps} is below the checkpoint's step {state['step']}")
     return cfg, state
 
 
-def check_fsdp_world(cfg: HFTrainConfig) -> None:
+def check_fsdp_world(cfg: HFTrainConfig, resume: bool = False) -> None:
     """``UserError`` for ``--fsdp`` outside a ``torchrun`` launch of 2 or more processes (nothing to shard over)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.fsdp and world < 2:
-        raise UserError(f"--fsdp shards the model over torchrun processes, but this is {world} process; launch "
-                        "torchrun --nproc_per_node N -m positional_lsh.cli train-hf ... (N >= 2), or drop --fsdp")
+        how = ("the run was started with it: resume it under torchrun with its number of processes" if resume
+               else "launch torchrun --nproc_per_node N -m positional_lsh.cli train-hf ... (N >= 2), or drop --fsdp")
+        raise UserError(f"--fsdp shards the model over torchrun processes, but this is {world} process; {how}")
 
 
 def train_hf(
