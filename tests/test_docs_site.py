@@ -373,6 +373,7 @@ def test_the_hf_limitations_describe_what_train_hf_offers() -> None:
     """Issue 34, item 8: docs/hf.md's limitations said ``plsh train-hf``'s "memory is not estimated up front" while
     ``--dry-run`` prints the estimate, and "no FSDP" while FSDP2 works with the swap."""
     from positional_lsh.cli.train_hf import TrainHFCommand
+    from positional_lsh.integrations.hf_train_config import HFTrainConfig
 
     assert "dry_run" in {f.name for f in dataclasses.fields(TrainHFCommand)}
     text = (DOCS / "hf.md").read_text(encoding="utf-8")
@@ -380,3 +381,6 @@ def test_the_hf_limitations_describe_what_train_hf_offers() -> None:
     limitations = limitations[: limitations.find("\n## ", 1)] if "\n## " in limitations[1:] else limitations
     assert "not estimated up front" not in limitations
     assert "`--dry-run`" in limitations and "fully_shard" in limitations and '"version": 2' in limitations
+    # issue 34, item 4: plsh train-hf shards with --fsdp; the sentence written before the flag existed is gone
+    assert "fsdp" in {f.name for f in dataclasses.fields(HFTrainConfig)}
+    assert "`plsh train-hf --fsdp`" in limitations and "to be updated" not in limitations

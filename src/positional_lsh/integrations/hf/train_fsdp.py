@@ -36,7 +36,11 @@ def shard_model(model: nn.Module, world: int, device: torch.device) -> None:
     of the default process group; the shards move to ``device``. ``UserError`` for a model without decoder layers
     to shard."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # pragma: no cover - torch 2.5 kept FSDP2 under _composable
+        from torch.distributed._composable.fsdp import fully_shard
 
     layers = decoder_layers(model)
     if not layers:
