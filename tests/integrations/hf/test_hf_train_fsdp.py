@@ -25,15 +25,17 @@ from positional_lsh.integrations.hf import train_model as TM
 from positional_lsh.integrations.hf_train_config import BUILTIN_CONFIGS, PRESETS, HFTrainConfig
 from positional_lsh.lm.checkpoint import checkpoint_dir
 
-# Under torchrun: one process group for both jobs (stopped after step 2, then resumed to step 3).
+# Under torchrun: one process group for three jobs: stopped after step 2, resumed to step 3, then a LoRA fine-tune of
+# the result on a bfloat16 base (float32 adapters: FSDP2 units of one dtype each) with the arguments in $LORA_ARGS.
 _DRIVER = """
-import sys
+import json, os, sys
 import torch.distributed as dist
 from positional_lsh.cli import main
 dist.init_process_group("gloo")
 args = sys.argv[1:]
 assert main(["train-hf", *args, "--stop-after", "2"]) == 0
 assert main(["train-hf", "--out", args[args.index("--out") + 1], "--resume", "--no-progress", "--threads", "1"]) == 0
+assert main(["train-hf", *json.loads(os.environ["LORA_ARGS"]), "--batch-size", "2", "--fsdp"]) == 0
 dist.destroy_process_group()
 """
 
@@ -49,11 +51,15 @@ def _losses(run: Path) -> list[float]:
 def test_fsdp_on_two_processes_equals_one_process_resumes_and_evaluates(text_dir: Path, tok_file: Path,
                                                                         tmp_path: Path, capsys) -> None:  # fmt: skip
     """2 gloo processes, --fsdp with gradient checkpointing, batch 2 each, stopped after step 2 and resumed to step 3
-    == one process, batch 4, 3 steps uninterrupted (float32 summation order); the checkpoint loads with its swap."""
+    == one process, batch 4, 3 steps uninterrupted (float32 summation order); the checkpoint loads with its swap and
+    in plsh eval; a sharded LoRA fine-tune of it on a bf16 base follows one process."""
     args = [*flags(text_dir, "--tokenizer", str(tok_file)), "--steps", "3", "--eval-interval", "3",
             "--ckpt-interval", "1"]  # fmt: skip
     (tmp_path / "driver.py").write_text(_DRIVER, encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    lora = [*flags(text_dir), "--checkpoint", str(tmp_path / "fsdp"), "--finetune", "lora", "--lora-r", "4",
+            "--dtype", "bfloat16"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "LORA_ARGS": json.dumps(["--out", str(tmp_path / "lora"), *lora])}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(tmp_path / "driver.py"), "--out", str(tmp_path / "fsdp"), *args, "--batch-size", "2", "--fsdp",
            "--gradient-checkpointing"]  # fmt: skip
@@ -77,6 +83,14 @@ def test_fsdp_on_two_processes_equals_one_process_resumes_and_evaluates(text_dir
               "--no-progress", "--cache-dir", ""]  # fmt: skip
     assert cli_eval.main([str(tmp_path / "fsdp"), *common]) == 0
     assert "saved with the checkpoint" in capsys.readouterr().err
+    # LoRA on a bf16 base, sharded: the losses of one process (bf16 rounding apart), an adapter that loads
+    assert cli.main(["--out", str(tmp_path / "lora1"), *lora, "--batch-size", "4"]) == 0
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "lora")), torch.tensor(_losses(tmp_path / "lora1")),
+                               rtol=1e-2, atol=0)  # fmt: skip
+    assert (checkpoint_dir(tmp_path / "lora") / "adapter_model.safetensors").is_file()
+    adapted, _ = hf.load_local_model(checkpoint_dir(tmp_path / "lora"))
+    assert hf.current_swap(adapted) is not None
+    capsys.readouterr()
     before = snapshot(tmp_path / "fsdp")  # a sharded run resumed in one process: one line, nothing changed
     assert cli.main(["--out", str(tmp_path / "fsdp"), "--resume", "--no-progress"]) == 2
     assert "resume it under torchrun" in one_line_error(capsys)
