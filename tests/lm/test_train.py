@@ -17,7 +17,7 @@ import torch
 from positional_lsh.cli import train as cli_train
 from positional_lsh.lm import ModelConfig, load_checkpoint
 from positional_lsh.lm import train as T
-from positional_lsh.lm.train_config import lr_at
+from positional_lsh.lm.train_config import QUICK_PRESET, lr_at
 
 # text_dir, tokenizer_file: tests/conftest.py
 
@@ -145,8 +145,8 @@ def test_cli_quick_preset_with_overrides(tmp_path: Path, text_dir: Path, tokeniz
     cli_train.add_train_arguments(parser)
     args = parser.parse_args(["--out", str(tmp_path / "q"), "--quick", "--steps", "3", "--position", "rope"])
     cfg, model_cfg = cli_train.configs_from_args(args)
-    assert cfg.steps == 3 and cfg.vocab_size == T.QUICK_PRESET["vocab_size"]  # flag beats preset
-    assert model_cfg.n_layer == T.QUICK_PRESET["n_layer"] and model_cfg.position == "rope"
+    assert cfg.steps == 3 and cfg.vocab_size == QUICK_PRESET["vocab_size"]  # flag beats preset
+    assert model_cfg.n_layer == QUICK_PRESET["n_layer"] and model_cfg.position == "rope"
     argv = ["--out", str(tmp_path / "q"), "--quick", "--data", str(text_dir), "--tokenizer", str(tokenizer_file),
             "--cache-dir", "", "--steps", "4", "--eval-interval", "2", "--no-progress", "--save-dtype", "bfloat16",
             "--position", "window-alibi", "--window", "8"]  # fmt: skip
