@@ -13,7 +13,7 @@ their ratio, measured in the same run. The default backend (torch's CPU flash op
 pass is math).
 
 ``surrogate`` — positional LSH's surrogate slope gradient: the estimator's backward with and without ``dist_grad``
-(default n = 1024, 4096; T = 8; both methods). One forward per configuration (``ops._engine.engine.plan`` /
+(default n = 1024, 4096; T = 8; both methods). One forward per configuration (``ops._engine.routing.plan`` /
 ``forward``),
 then ``ops._engine.engine.backward`` on the same saved tensors, without and with ``dist_grad`` in adjacent pairs (the
 order
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from positional_lsh import alibi_attention, alibi_slopes, decay_attention, sample_partitions
-from positional_lsh.ops._engine import engine
+from positional_lsh.ops._engine import engine, routing
 
 H, D = 4, 64
 EXACT_CONFIGS = [("alibi", 1024, None), ("alibi", 2048, None), ("alibi", 4096, 128.0), ("power", 1024, None)]
@@ -91,8 +91,8 @@ def measure_surrogate(n: int, t: int, method: str, repeats: int) -> dict[str, fl
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, n, D, generator=g) for _ in range(3))
     parts = sample_partitions(n, alibi_slopes(H), t, generator=0)
-    route = engine.dispatch(q, causal=True, scale=None, backend="auto", method=method)
-    p = engine.plan(route, parts, H, n, q.device)
+    route = routing.dispatch(q, causal=True, scale=None, backend="auto", method=method)
+    p = routing.plan(route, parts, H, n, q.device)
     out, lse, inputs = engine.forward(p, q, k, v)
     saved = (*inputs, out, lse)
     dout = torch.randn(out.shape, generator=g)

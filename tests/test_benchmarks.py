@@ -2,7 +2,8 @@
 section (every backend and method against the float64 oracle; the Triton rows in Triton's interpreter), its speed
 section's logic, its files, and that it stops cleanly at its time budget. What it measures on a GPU is not
 tested here (no GPU). benchmarks/short_context.py: its defaults, its table and target lines, its pair counts, and
-that its timed exact calls compute the same attention."""
+that its timed exact calls compute the same attention. benchmarks/short_step.py: its defaults, a tiny run's table and
+target line, and that both timed calls differentiate."""
 
 from __future__ import annotations
 
@@ -118,3 +119,44 @@ def test_short_context_calls_compute_the_same_attention(short_context):
     a, b = fns[("alibi_attention", "fwd+bwd")](), fns[("sdpa-mask", "fwd+bwd")]()
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+
+
+# ---- benchmarks/short_step.py: its defaults and a tiny run ----------------------------------------------------------
+
+
+@pytest.fixture
+def short_step(monkeypatch):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "short_step.py"
+    spec = importlib.util.spec_from_file_location("short_step", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "short_step", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_step_defaults_are_the_issue_shape(short_step):
+    args = short_step.parser().parse_args([])
+    assert (args.batch, args.heads, args.dim, args.samples, args.threads) == (1, 8, 64, 8, 1)
+    assert args.lengths == [128, 256, 1024] and short_step.TARGET == (1.5, 256)
+
+
+def test_short_step_runs_tiny(short_step, capsys):
+    threads = torch.get_num_threads()
+    try:
+        rows = short_step.main(["--lengths", "16,24", "--heads", "2", "--dim", "8", "--samples", "2", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r.n for r in rows] == [16, 24]
+    for r in rows:
+        assert r.sdpa > 0 and r.plsh > 0 and r.ratio == r.plsh / r.sdpa
+    text = capsys.readouterr().out
+    assert "| n | sdpa-mask fwd+bwd (ms) | plsh fwd+bwd (ms) | plsh / sdpa-mask |" in text
+    assert short_step.target(rows) is None  # no n = 256 in this run
+    assert "NOT met" in short_step.target([short_step.Row(256, 1.0, 2.0)])
+
+
+def test_short_step_calls_differentiate_both(short_step):
+    fns = short_step.calls(24, 1, 2, 8, 2)
+    for fn in fns.values():
+        grads = fn()
+        assert len(grads) == 3 and all(bool(torch.isfinite(g).all()) for g in grads)

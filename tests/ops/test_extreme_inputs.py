@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from positional_lsh import alibi_attention, alibi_slopes, plsh_attention, sample_partitions
-from positional_lsh.ops._engine import cost, engine
+from positional_lsh.ops._engine import cost, routing
 from positional_lsh.ops.attention import check_call_size
 from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.partitions.bounds import block_bounds
@@ -121,9 +121,9 @@ def test_auto_is_not_refused_where_multiplicity_is_quick():
     """Item 24: n = 16, T = 3,000,000 was refused as ~85 s (the per-sample plan) for method="auto"; the
     multiplicity form runs it, so auto takes it without planning the per-sample path."""
     check_call_size(3_000_000, 1, 16, 16, 8, True, "auto")
-    assert cost.auto_up_front(3_000_000, 1, 16) == "multiplicity"
-    assert cost.auto_up_front(64, 8, 4096) is None  # ordinary calls: decided from the plans, as before
-    assert cost.auto_up_front(1, 8, 16) is None
+    assert cost.AutoEstimate.of(3_000_000, 1, 16).up_front
+    assert not cost.AutoEstimate.of(64, 8, 4096).up_front  # ordinary calls: decided from the plans, as before
+    assert not cost.AutoEstimate.of(1, 8, 16).up_front
     with pytest.raises(UserError, match="method='samples'"):
         check_call_size(3_000_000, 1, 16, 16, 8, True, "samples")
 
@@ -135,11 +135,11 @@ def test_auto_skips_the_per_sample_plan(monkeypatch):
     def no_plan(*args, **kwargs):
         raise AssertionError("the per-sample plan was built")
 
-    monkeypatch.setattr(engine, "samples_plan", no_plan)
+    monkeypatch.setattr(routing, "samples_plan", no_plan)
     q = torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(0))
     parts = sample_partitions(16, alibi_slopes(2), 64, generator=0)
-    route = engine.dispatch(q, causal=True, scale=None, backend="auto", method="auto")
-    assert engine.plan(route, parts, 2, 16, q.device).method == "multiplicity"
+    route = routing.dispatch(q, causal=True, scale=None, backend="auto", method="auto")
+    assert routing.plan(route, parts, 2, 16, q.device).method == "multiplicity"
     out = plsh_attention(q, q, q, partitions=parts)
     ref = plsh_attention(q, q, q, partitions=parts, method="multiplicity")
     assert torch.equal(out, ref)

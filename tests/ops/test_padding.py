@@ -221,7 +221,7 @@ def test_custom_ops_with_a_mask_pass_opcheck():
     valid = torch.ones(2, 10, dtype=torch.bool)
     valid[1, :3] = False
     parts = sample_partitions(10, SLOPES4, 4, generator=0)
-    settings = (parts.scheme, None, True, 0.35, "flash", "auto")
+    settings = (parts.scheme, None, True, 0.35, "auto", "flash", "flash")  # method, then each method's kernel
     tensors = (parts.pitch, parts.shift, parts.slopes)
     out, lse = plsh_forward(q, k, v, *tensors, *settings, key_padding_mask=valid)
     dout = torch.randn(out.shape, generator=g)

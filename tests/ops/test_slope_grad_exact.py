@@ -503,7 +503,7 @@ def test_alibi_bias_keeps_the_graph_of_learnable_slopes(dtype: torch.dtype, caus
 def test_attend_bias_grads_is_dense_autograd_for_every_weight_in_one_pass(causal: bool) -> None:
     """``attend_bias_grads`` (several weights, one recomputation): each column is ``d L / d theta_p`` for the bias
     ``bias0 + sum_p theta_p W_p`` by dense float64 autograd, and equals :func:`attend_bias_grad` of that weight."""
-    from positional_lsh.ops._engine.kernels import attend, attend_bias_grad, attend_bias_grads
+    from positional_lsh.ops._engine.torch_attention import attend, attend_bias_grad, attend_bias_grads
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 3, 5, 4, generator=g, dtype=F64)

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from positional_lsh import PositionalLSHAttention, plsh_attention, sample_partitions
-from positional_lsh.ops._engine import engine, multiplicity, per_sample
+from positional_lsh.ops._engine import engine, per_sample, routing
+from positional_lsh.ops._engine.multiplicity import backend as multiplicity
 from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
 
 F64 = torch.float64
@@ -201,8 +202,8 @@ def test_engine_backward_interface():
     dtype and ``slopes.grad = -dist``."""
     q, k, v = _qkv(1, 2, 2, 20, 20, 8, dtype=torch.float32)
     parts = sample_partitions(20, [0.3, 0.1], 3, generator=0)
-    route = engine.dispatch(q, causal=True, scale=None, backend="auto", method="samples")
-    p = engine.plan(route, parts, 2, 20, q.device)
+    route = routing.dispatch(q, causal=True, scale=None, backend="auto", method="samples")
+    p = routing.plan(route, parts, 2, 20, q.device)
     out, lse, inputs = engine.forward(p, q.detach(), k.detach(), v.detach())
     dout = torch.randn_like(out)
     plain = engine.backward(p, (*inputs, out, lse), dout)
@@ -250,7 +251,7 @@ def test_compiled_backward_op_returns_slope_grad():
     q, k, v = _qkv(1, 2, 2, 12, 12, 8, dtype=torch.float32)
     q, k, v = q.detach(), k.detach(), v.detach()
     parts = sample_partitions(12, [0.3, 0.1], 2, generator=0)
-    args = (parts.pitch, parts.shift, parts.slopes, parts.scheme, None, True, 0.3, "flash", "samples")
+    args = (parts.pitch, parts.shift, parts.slopes, parts.scheme, None, True, 0.3, "samples", "flash", "")
     out, lse = plsh_forward(q, k, v, *args)
     dout = torch.randn_like(out)
     off = plsh_backward(dout, q, k, v, out, lse, *args)
@@ -381,7 +382,7 @@ def test_triton_route_surrogate(monkeypatch):
     from positional_lsh.ops._engine.triton import host as tm
     from positional_lsh.ops._engine.triton.plan import BlockConfig
 
-    monkeypatch.setattr(engine, "triton_device", lambda device: True)
+    monkeypatch.setattr(routing, "triton_device", lambda device: True)
     monkeypatch.setattr(tm, "config_for", lambda q: BlockConfig(16, 16, 16))
     q, k, v = _qkv(1, 2, 1, 20, 28, 16, dtype=torch.float32)
     m = torch.tensor([0.3, 0.1], requires_grad=True)

@@ -257,8 +257,8 @@ def expected_plsh_cost(
     for h in range(parts.num_heads):
         total = 0.0
         for t in range(draws):
-            for seg in parts.segments(t, h):
-                total += seg.count * seg.k_len * (seg.k_len + 1) / 2
+            sizes = parts.blocks(t, h)[1].to(torch.float64)
+            total += float((sizes * (sizes + 1) / 2).sum())
         out[h] = total / draws
     return out
 

@@ -104,10 +104,12 @@ def check_qkv(q: object, k: object, v: object) -> QKVShape:
     return QKVShape(b, hq, hkv, lq, lk, d)
 
 
-def as_slopes(slopes: SlopesLike, num_heads: int, name: str = "slopes") -> torch.Tensor:
-    """Validate slopes and return them as a ``(H,)`` float64 CPU tensor.
+def as_slopes(slopes: SlopesLike, num_heads: int, name: str = "slopes", *, read: bool = True) -> torch.Tensor:
+    """Validate slopes and return them as a ``(H,)`` float64 CPU tensor: the one slope coercion of the package.
 
-    ``None`` gives the standard ALiBi schedule; a single number is used for every head.
+    ``None`` gives the standard ALiBi schedule; a single number is used for every head; a tensor is detached and
+    copied. ``read=False`` (inside a ``torch.compile`` trace, where values cannot be read): the same coercion and
+    structural checks, without reading the values (finite, ``>= 0``: the draw op checks them when it runs).
     """
     if slopes is None:
         return alibi_slopes(num_heads).double()
@@ -138,11 +140,22 @@ def as_slopes(slopes: SlopesLike, num_heads: int, name: str = "slopes") -> torch
         raise TypeError(f"{name} must be a tensor, a sequence of floats or a float, got {type(slopes).__name__}")
     if out.numel() != num_heads:
         raise ValueError(f"{name} must have one entry per head ({num_heads}), got {out.numel()}")
+    if not read:
+        return out
     if not bool(torch.isfinite(out).all()):
         raise ValueError(f"{name} must be finite, got {out.tolist()}")
     if bool((out < 0).any()):
         raise ValueError(f"{name} must be >= 0 (the bias is -slope*|i-j|), got {out.tolist()}")
     return out
+
+
+def grad_slopes(slopes: object, num_heads: int) -> torch.Tensor | None:
+    """The slopes tensor that carries a gradient, as ``(H,)`` (a 0-dim one expanded: its gradient is the sum over
+    heads), or ``None`` when ``slopes`` is not a tensor requiring grad (a float, a sequence, ``None``, a tensor without
+    ``requires_grad``)."""
+    if not isinstance(slopes, torch.Tensor) or not slopes.requires_grad:
+        return None
+    return slopes.expand(num_heads) if slopes.dim() == 0 else slopes
 
 
 def is_meta_tensor(x: object) -> bool:

@@ -10,7 +10,8 @@ attention backward run against the merged output and log-sum-exp.
 
 This module only checks arguments, draws partitions and hands the call to the estimator's one custom operator
 (:mod:`positional_lsh.ops._engine.op`, eager and compiled alike), which runs the engine
-(:mod:`positional_lsh.ops._engine.engine`: one dispatch, the backends behind one interface).
+(:mod:`positional_lsh.ops._engine.engine`: the backends behind one interface, chosen in one place,
+:mod:`positional_lsh.ops._engine.routing`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from positional_lsh.ops._checks import (
     as_slopes,
     check_meta_slopes,
     check_qkv,
+    grad_slopes,
     is_meta_tensor,
     meta_output,
     positive_int,
 )
-from positional_lsh.ops._engine import engine
-from positional_lsh.ops._engine.cost import call_estimate, exact_seconds
+from positional_lsh.ops._engine import routing
+from positional_lsh.ops._engine.cost import AutoEstimate, call_estimate, exact_seconds
+from positional_lsh.ops._engine.kinds import Method
 from positional_lsh.ops._engine.op import run
 from positional_lsh.ops.errors import check_memory, check_seconds, format_seconds
 from positional_lsh.ops.options import (
@@ -40,7 +43,7 @@ from positional_lsh.ops.options import (
 )
 from positional_lsh.ops.padding import check_key_padding_mask
 from positional_lsh.ops.partitions.partition import Partitions, check_partitions, check_slopes_match, sample_partitions
-from positional_lsh.ops.partitions.sampling import sample_op, slopes_tensor
+from positional_lsh.ops.partitions.sampling import sample_op
 
 __all__ = ["plsh_attention"]
 
@@ -68,29 +71,28 @@ def check_call_size(
     line with
     the estimate: :class:`~positional_lsh.ops.errors.UserError` (a ``ValueError``) naming ``what`` (default: the
     call's sizes). Every eager :func:`plsh_attention` call runs it; commands check their flags with it up front."""
-    need, seconds = call_estimate(num_samples, num_heads, q_len, method)
+    asked = Method(method)
+    need, seconds = call_estimate(AutoEstimate.of(num_samples, num_heads, q_len), asked)
     what = what or (f"plsh_attention with num_samples={num_samples}, {num_heads} heads and {q_len} queries "
-                    f"(method={method!r})")  # fmt: skip
+                    f"(method='{asked}')")  # fmt: skip
     check_memory(need, what)
     exact = exact_seconds(num_heads, q_len, k_len, head_dim, causal)
     why = f"exact attention over the same call takes about {format_seconds(exact)}; see alibi_attention"
     check_seconds(seconds, max(MAX_SECONDS, MAX_OVER_EXACT * exact), what, why)
 
 
-def _check_size(shape: QKVShape, num_samples: int, route: engine.Route) -> None:
-    """:func:`check_call_size` of an eager call (not under ``torch.compile``, where shapes may be symbolic)."""
-    if not route.compiled:
-        check_call_size(num_samples, shape.q_heads, shape.q_len, shape.k_len, shape.head_dim, route.causal,
-                        route.method)  # fmt: skip
+def _check_size(shape: QKVShape, num_samples: int, route: routing.Route, checked: bool) -> None:
+    """:func:`check_call_size` of an eager call (not under ``torch.compile``, where shapes may be symbolic), unless
+    the caller ran it already (``checked``: :class:`~positional_lsh.PositionalLSHAttention`, before its draw)."""
+    if not route.compiled and not checked:
+        method = route.method if route.samples is not None else Method.MULTIPLICITY
+        check_call_size(num_samples, shape.q_heads, shape.q_len, shape.k_len, shape.head_dim, route.causal, method)
 
 
 def _grad_slopes(slopes: object, slope_grad: str, num_heads: int) -> torch.Tensor | None:
-    """The slopes tensor that gets the surrogate gradient, as ``(Hq,)`` (a 0-dim one expanded: its gradient is the
-    sum over heads), or ``None``: when ``slope_grad="none"``, or ``slopes`` is not a tensor requiring grad (a float,
-    a sequence, ``None``, a tensor without ``requires_grad``: nothing changes, no extra work)."""
-    if slope_grad != "surrogate" or not isinstance(slopes, torch.Tensor) or not slopes.requires_grad:
-        return None
-    return slopes.expand(num_heads) if slopes.dim() == 0 else slopes
+    """The slopes tensor that gets the surrogate gradient (:func:`~positional_lsh.ops._checks.grad_slopes`), or
+    ``None``: also when ``slope_grad="none"`` (nothing changes, no extra work)."""
+    return grad_slopes(slopes, num_heads) if slope_grad == "surrogate" else None
 
 
 def _compiled_draw(
@@ -105,7 +107,7 @@ def _compiled_draw(
         )
     if not isinstance(scheme, str):
         raise TypeError(f"scheme must be a str, got {type(scheme).__name__}")
-    slopes_t = slopes_tensor(slopes, num_heads)
+    slopes_t = as_slopes(slopes, num_heads, read=False)
     pitch, shift = sample_op(None, generator, slopes_t, positive_int("num_samples", num_samples), scheme)
     return Partitions(seq_len, slopes_t, pitch, shift, scheme)
 
@@ -126,6 +128,7 @@ def plsh_attention(
     method: str = DEFAULT_METHOD,
     slope_grad: str = DEFAULT_SLOPE_GRAD,
     key_padding_mask: torch.Tensor | None = None,
+    size_checked: bool = False,
 ) -> torch.Tensor:
     """Positional-LSH attention: the ALiBi estimator ``softmax(s + log Mbar) v`` in near-linear time.
 
@@ -149,19 +152,22 @@ def plsh_attention(
             :func:`~positional_lsh.ops.partitions.schemes.scheme_names`).
         generator: CPU ``torch.Generator``, ``int`` seed, or ``None`` (torch's global RNG).
         scale: score scale, default ``1/sqrt(d)``.
-        backend: ``"auto"`` (CPU and CUDA: torch's fused flash op of the device, on CUDA the math backend where it
-            refuses the inputs; other devices: ``"math"``), ``"flash"``, ``"math"``, or ``"triton"`` (the Triton
+        backend: ``"auto"`` (the first backend, in a fixed priority, that takes the inputs: on CUDA the Triton
+            kernels for the multiplicity form when triton is installed, torch's fused flash SDPA op of the device
+            where it takes the calls, else the math backend), ``"flash"`` (torch's fused flash SDPA op, a private ATen
+            op, on the CPU as on CUDA), ``"math"`` (batched matmuls, any device), or ``"triton"`` (the Triton
             kernels of the multiplicity form, for ``method="multiplicity"`` or ``"auto"``; float32/bfloat16/float16
-            on CUDA). On CUDA ``"auto"`` uses them whenever the multiplicity form is chosen (``method=
-            "multiplicity"``, or ``"auto"`` when the cost model picks it) and triton is installed
-            (docs/implementation.md, "The Triton kernels").
+            on CUDA; docs/implementation.md, "The Triton kernels"). Decided once per call, from the inputs, before
+            anything is drawn (``ops._engine.routing.dispatch``): a forced ``backend`` that cannot run the inputs
+            (e.g. ``"flash"`` on CUDA for float32, or for the multiplicity form, whose calls carry a mask the CUDA
+            op does not take) raises one ``ValueError`` listing every backend's reason; nothing falls back later.
         method: ``"samples"`` (one kernel call per block group of every sample, merged by log-sum-exp),
             ``"multiplicity"`` (query tiles attending to the union of their blocks with the additive mask
             ``log c``, ``c[i,j]`` the number of samples in which ``i`` and ``j`` share a block), or ``"auto"``
             (decided once per call, for all heads, by a cost model). All three compute the same estimator from the
             same partitions (docs/implementation.md). Default ``"auto"``: one sample never takes the multiplicity
             form; at large ``T`` the call does. The choice changes the speed, not the result (beyond float rounding).
-            How a call is routed: :func:`positional_lsh.ops._engine.engine.dispatch`.
+            How a call is routed: :func:`positional_lsh.ops._engine.routing.dispatch`.
         slope_grad: the gradient of a ``slopes`` tensor requiring grad (``ops.options.SLOPE_GRADS``):
             ``"surrogate"`` (default): ``slopes.grad[h] = -sum over batch, i, j of dS[b, h, i, j] |i - j|`` with the
             estimator's own ``dS = dL/d(score incl. log Mbar)`` — the exact ALiBi slope gradient's formula on the
@@ -177,6 +183,8 @@ def plsh_attention(
             partitions, which must still be for ``Lk`` keys) are counted from the row's first valid key, queries
             stay aligned to the last ``Lq`` keys, and query rows at padded positions return zeros and get zero
             gradients (:mod:`positional_lsh.ops.padding`). A mask of all ``True`` computes what no mask computes.
+        size_checked: the caller ran :func:`check_call_size` for this call already (the module does, before its
+            draw): the call does not run it again.
 
     Returns:
         ``(B, Hq, Lq, d)`` tensor in ``q``'s dtype. Differentiable w.r.t. ``q``, ``k``, ``v`` (exact gradients
@@ -212,7 +220,8 @@ def plsh_attention(
     """
     shape = check_qkv(q, k, v)
     mask = check_key_padding_mask(key_padding_mask, q, shape.k_len)
-    route = engine.dispatch(q, causal=causal, scale=scale, backend=backend, method=method)
+    route = routing.dispatch(q, causal=causal, scale=scale, backend=backend, method=method, k_len=shape.k_len,
+                             padded=mask is not None)  # fmt: skip
     grad_slopes = _grad_slopes(slopes, check_slope_grad(slope_grad), shape.q_heads)
     expected = None
     if q.device.type == "meta" and is_meta_tensor(slopes) and not route.compiled:
@@ -225,9 +234,9 @@ def plsh_attention(
             check_partitions(partitions, shape.q_heads, shape.k_len)
         return meta_output(q, k, v, slopes)
     if partitions is None:
-        _check_size(shape, positive_int("num_samples", num_samples), route)
+        _check_size(shape, positive_int("num_samples", num_samples), route, size_checked)
     elif isinstance(partitions, Partitions):
-        _check_size(shape, partitions.num_samples, route)
+        _check_size(shape, partitions.num_samples, route, size_checked)
     if partitions is None and route.compiled:
         partitions = _compiled_draw(slopes, shape.q_heads, shape.k_len, num_samples, scheme, generator)
     elif partitions is None:

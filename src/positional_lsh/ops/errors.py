@@ -55,11 +55,6 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds / 86400:.3g} days"
 
 
-def format_bytes(n: float) -> str:
-    """A size for a message: ``"512 B"``, ``"1.5 GB"`` (powers of 1024)."""
-    return _size(n)
-
-
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
         if n < 1024 or unit == "PB":

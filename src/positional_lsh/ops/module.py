@@ -15,6 +15,7 @@ from positional_lsh.ops._checks import (
     check_bool,
     check_qkv,
 )
+from positional_lsh.ops._engine.routing import sized_method
 from positional_lsh.ops.attention import check_call_size, plsh_attention
 from positional_lsh.ops.options import (
     DEFAULT_BACKEND,
@@ -259,6 +260,7 @@ class PositionalLSHAttention(nn.Module):
         shape = check_qkv(q, k, v)
         values = self._call_slopes(slopes)
         seq_len = shape.k_len
+        checked = False
         if context is not None:
             if not (callable(getattr(context, "seq_len", None)) and callable(getattr(context, "attend", None))):
                 raise TypeError(
@@ -271,9 +273,10 @@ class PositionalLSHAttention(nn.Module):
                 )
             seq_len = context.seq_len(shape.k_len)
         elif not torch.compiler.is_compiling():  # plsh_attention's up-front size check, before anything is drawn
-            method = "multiplicity" if self.backend == "triton" else self.method
+            method = sized_method(self.backend, self.method)
             causal = check_bool("causal", self.causal)
             check_call_size(self.num_samples, shape.q_heads, shape.q_len, shape.k_len, shape.head_dim, causal, method)
+            checked = True
         partitions = self._draw(seq_len, values)
         if self.training:
             self.calls.add_(1)
@@ -293,4 +296,5 @@ class PositionalLSHAttention(nn.Module):
             backend=self.backend,
             method=self.method,
             slope_grad=self.slope_grad,
+            size_checked=checked,
         )

@@ -28,8 +28,8 @@ __all__ = [
 ]
 
 TORCH_KERNELS = ("flash", "math")
-"""The torch attention kernels (``ops._engine.kernels``): torch's fused flash op of the CPU or CUDA, and batched matmuls
-(any device)."""
+"""The torch attention kernels (``ops._engine.torch_attention``): torch's fused flash SDPA op of the CPU or CUDA (a
+private ATen op; ``backend="flash"`` means it on the CPU too), and batched matmuls (any device)."""
 
 KERNELS = (*TORCH_KERNELS, "triton")
 """Every kernel the engine runs: the torch kernels and ``"triton"`` (the Triton kernels of the multiplicity form)."""

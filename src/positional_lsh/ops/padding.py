@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from positional_lsh.ops._engine.kernels import output_buffers
+from positional_lsh.ops._engine.torch_attention import output_buffers
 
 __all__ = ["valid_runs"]
 

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-import positional_lsh.ops._engine.multiplicity as mult
 from positional_lsh import alibi_slopes, dense_plsh_attention, plsh_attention, sample_partitions
-from positional_lsh.ops._engine.multiplicity import multiplicity_plan
+from positional_lsh.ops._engine.multiplicity import mask as mult
+from positional_lsh.ops._engine.multiplicity import plan as mult_plan
+from positional_lsh.ops._engine.multiplicity.plan import multiplicity_plan, tile_rows
 from positional_lsh.ops.partitions.schemes import scheme_names
 
 from conftest import naive_estimator, naive_mean_mask
@@ -107,16 +108,16 @@ def test_auto_cost_model_choices(n):
     # the per-sample path without estimating; at T = 2 the summed estimates keep it there (the multiplicity form
     # measures 1.1-1.3x slower at T = 2, n = 1k-16k); from T = 4 on every head takes the multiplicity form (0.73-0.88x
     # the per-sample time at T = 4, 0.46x at T = 8; docs/benchmarks.md, "Choosing the method").
-    from positional_lsh.ops._engine import engine
+    from positional_lsh.ops._engine import routing
 
     slopes = alibi_slopes(8)
     q = torch.zeros(1, 8, n, 64)
-    route = engine.dispatch(q, causal=True, scale=None, backend="auto", method="auto")
+    route = routing.dispatch(q, causal=True, scale=None, backend="auto", method="auto")
     for t in (1, 2):
-        p = engine.plan(route, sample_partitions(n, slopes, t, generator=0), 8, n, q.device)
+        p = routing.plan(route, sample_partitions(n, slopes, t, generator=0), 8, n, q.device)
         assert p.method == "samples" and len(p.backend_plan.heads) == 8
     for t in (4, 64):
-        p = engine.plan(route, sample_partitions(n, slopes, t, generator=0), 8, n, q.device)
+        p = routing.plan(route, sample_partitions(n, slopes, t, generator=0), 8, n, q.device)
         assert p.method == "multiplicity" and p.backend_plan.heads == tuple(range(8))
 
 
@@ -134,7 +135,7 @@ def test_nan_keys_reach_the_same_rows():
 def test_plan_is_a_few_calls_and_bad_method():
     parts = sample_partitions(4096, alibi_slopes(8), 64, generator=0)
     plan = multiplicity_plan(parts, list(range(8)), 8, 4096, True)
-    assert plan.num_calls <= 8 * 12
+    assert plan.num_groups <= 8 * 12
     q, k, v = _qkv(1, 1, 1, 8, 8, 4)
     with pytest.raises(ValueError, match="method"):
         plsh_attention(q, k, v, num_samples=2, method="dense")
@@ -144,13 +145,12 @@ def test_plan_is_a_few_calls_and_bad_method():
 def test_integer_row_bounds_equal_the_general_ones(causal, monkeypatch):
     # Integer pitches take i - ((i - shift) mod pitch); the general path (labels + running max/min) must agree on
     # every row of every tile, including the clamping at 0 and n and the padded rows past Lq.
-    import positional_lsh.ops._engine.multiplicity as mult
 
     n, lq = 300, 290
     parts = sample_partitions(n, SLOPES[SLOPES > 0], 7, generator=5)  # discrete: integers (slope 0: infinite pitch)
     plan = multiplicity_plan(parts, list(range(parts.num_heads)), parts.num_heads, lq, causal)
     for g in plan.groups:
-        rows, _ = mult.tile_rows(g, lq)
+        rows, _ = tile_rows(g, lq)
         pos = rows + (n - lq)
         assert mult.integer_pitch_shift(g.pitch, g.shift) is not None
         fast = mult.row_bounds(g, pos, n, True)
@@ -164,9 +164,9 @@ def test_integer_row_bounds_equal_the_general_ones(causal, monkeypatch):
 def test_many_small_kernel_calls_reuse_their_buffers_exactly(causal, monkeypatch):
     # Groups split into one-tile calls reuse the forward's and the backward's buffers (counts, mask, gathered q, k, v)
     # from call to call, at shapes that shrink and grow: the result is still the oracle's, gradients included.
-    monkeypatch.setattr(mult, "CHUNK_ELEMENTS", 1)
-    monkeypatch.setattr(mult, "TILE_HEIGHTS", (16,))
-    monkeypatch.setattr(mult, "WHOLE_TILE_ROWS", 0)
+    monkeypatch.setattr(mult_plan, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(mult_plan, "TILE_HEIGHTS", (16,))
+    monkeypatch.setattr(mult_plan, "WHOLE_TILE_ROWS", 0)
     q, k, v = _qkv(2, 6, 3, 150, 150, 8, grad=True)
     parts = sample_partitions(150, SLOPES, 5, generator=4)
     out = plsh_attention(q, k, v, partitions=parts, causal=causal, method="multiplicity")

@@ -24,7 +24,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton")
 interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
 
-from positional_lsh.ops._engine import engine  # noqa: E402
+from positional_lsh.ops._engine import engine, routing  # noqa: E402
 from positional_lsh.ops._engine.triton import host as tm  # noqa: E402  (after the skip: it imports triton)
 from positional_lsh.ops._engine.triton.plan import BlockConfig  # noqa: E402
 
@@ -48,10 +48,10 @@ def _triton(q, k, v, parts, causal=True):
 
 def _triton_forward(q, k, v, parts, causal):
     """``(out, lse)`` of the Triton route of the engine, without autograd."""
-    route = engine.dispatch(q, causal=causal, scale=None, backend="triton", method="multiplicity")
-    assert route.kernel == "triton"
+    route = routing.dispatch(q, causal=causal, scale=None, backend="triton", method="multiplicity")
+    assert route.multiplicity == "triton" and route.samples is None
     with torch.no_grad():
-        out, lse, _ = engine.forward(engine.plan(route, parts, k.shape[1], q.shape[2], q.device), q, k, v)
+        out, lse, _ = engine.forward(routing.plan(route, parts, k.shape[1], q.shape[2], q.device), q, k, v)
     return out, lse
 
 

@@ -1,8 +1,8 @@
-"""Every entry point reaches the Triton kernels on CUDA (ops/_engine/engine.py ``dispatch``, ``plan``), checked without
+"""Every entry point reaches the Triton kernels on CUDA (ops/_engine/routing.py ``dispatch``, ``plan``), checked without
 a GPU.
 
 ``dispatch`` reads only ``q.shape``, ``q.dtype`` and ``q.device``: a stand-in with ``device=torch.device("cuda")``
-gives the route of a CUDA call. End to end, ``engine.triton_device`` (the one device test of ``dispatch``) is made
+gives the route of a CUDA call. End to end, ``routing.triton_device`` (the one device test of ``dispatch``) is made
 to say yes for the CPU, and the Triton kernels then run in Triton's interpreter on CPU tensors: ``plsh_attention``
 with its defaults, the transformers swap, the context-parallel op and the language model (its ``ModelConfig``)
 are each shown to route there, and to compute what the torch path computes.
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from positional_lsh import plsh_attention, sample_partitions
-from positional_lsh.ops._engine import engine
+from positional_lsh.ops._engine import routing
+from positional_lsh.ops._engine.kinds import Kernel, Method
 
 pytest.importorskip("triton")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -28,6 +29,19 @@ from positional_lsh.ops._engine.triton import host as tm  # noqa: E402
 from positional_lsh.ops._engine.triton.plan import BlockConfig, TritonPlan  # noqa: E402
 
 CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def sm90(monkeypatch):
+    """Routing a CUDA stand-in without a GPU: torch's flash op of an sm_90 GPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def kind(route) -> tuple[str, str]:
+    """``(method asked for, kernel)``: the multiplicity form's kernel where the route may take it, else the
+    per-sample path's."""
+    kernel = route.samples if route.method == "samples" or route.multiplicity is None else route.multiplicity
+    return route.method, kernel
 
 
 def cuda_like(d: int = 64, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:
@@ -42,37 +56,37 @@ def cuda_like(d: int = 64, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespa
         ("auto", "multiplicity", torch.float16, 128, ("multiplicity", "triton")),
         ("auto", "auto", torch.float32, 256, ("auto", "triton")),
         ("auto", "samples", torch.bfloat16, 64, ("samples", "flash")),  # the CUDA flash op (math where it refuses)
-        ("auto", "auto", torch.float64, 64, ("auto", "flash")),  # triton takes no float64: the torch path
-        ("auto", "multiplicity", torch.bfloat16, 512, ("multiplicity", "flash")),  # nor d > 256
+        ("auto", "auto", torch.float64, 64, ("auto", "math")),  # triton takes no float64, nor the CUDA flash op
+        ("auto", "multiplicity", torch.bfloat16, 512, ("multiplicity", "math")),  # nor d > 256; the mask: math
         ("math", "auto", torch.bfloat16, 64, ("auto", "math")),
-        ("flash", "multiplicity", torch.bfloat16, 64, ("multiplicity", "flash")),
-        ("triton", "auto", torch.bfloat16, 64, ("multiplicity", "triton")),
+        ("flash", "samples", torch.bfloat16, 64, ("samples", "flash")),
+        ("triton", "auto", torch.bfloat16, 64, ("auto", "triton")),
     ],
 )
 def test_dispatch_of_cuda_calls(backend, method, dtype, d, want):
-    route = engine.dispatch(cuda_like(d, dtype), causal=True, scale=None, backend=backend, method=method)
-    assert (route.method, route.kernel) == want
+    route = routing.dispatch(cuda_like(d, dtype), causal=True, scale=None, backend=backend, method=method)
+    assert kind(route) == want
     assert not route.compiled and route.causal and route.scale == pytest.approx(d**-0.5)
 
 
 def test_dispatch_without_triton_or_cuda(monkeypatch):
     q = torch.zeros(1, 4, 64, 64)
-    assert engine.dispatch(q, causal=True, scale=None, backend="auto", method="auto").kernel == "flash"  # the CPU
-    monkeypatch.setattr(engine, "triton_installed", lambda: False)
-    route = engine.dispatch(cuda_like(), causal=True, scale=None, backend="auto", method="auto")
-    assert (route.method, route.kernel) == ("auto", "flash")
+    assert kind(routing.dispatch(q, causal=True, scale=None, backend="auto", method="auto")) == ("auto", "flash")
+    monkeypatch.setattr(routing, "triton_installed", lambda: False)
+    route = routing.dispatch(cuda_like(), causal=True, scale=None, backend="auto", method="auto")
+    assert kind(route) == ("auto", "math")  # the multiplicity form's mask: not on torch's CUDA flash op
     with pytest.raises(ValueError, match="got method='samples'"):
-        engine.dispatch(cuda_like(), causal=True, scale=None, backend="triton", method="samples")
+        routing.dispatch(cuda_like(), causal=True, scale=None, backend="triton", method="samples")
 
 
 @pytest.mark.parametrize(("n", "t"), [(512, 1), (512, 2), (512, 16), (2048, 4), (2048, 64)])
 def test_auto_on_cuda_runs_triton_whenever_it_picks_the_multiplicity_form(n, t):
     parts = sample_partitions(n, None, t, num_heads=4, generator=0)
-    route = engine.dispatch(cuda_like(), causal=True, scale=None, backend="auto", method="auto")
+    route = routing.dispatch(cuda_like(), causal=True, scale=None, backend="auto", method="auto")
     cpu = torch.device("cpu")  # the plan's tensors are built later, by the forward
-    p = engine.plan(route, parts, 2, n, cpu)
-    torch_route = engine.Route("auto", "flash", False, True, route.scale)
-    assert p.method == engine.plan(torch_route, parts, 2, n, cpu).method  # the one cost model decides
+    p = routing.plan(route, parts, 2, n, cpu)
+    torch_route = routing.Route(Method.AUTO, Kernel.FLASH, Kernel.FLASH, False, True, route.scale)
+    assert p.method == routing.plan(torch_route, parts, 2, n, cpu).method  # the one cost model decides
     if p.method == "multiplicity":
         assert p.kernel == "triton" and isinstance(p.backend_plan, TritonPlan)
     else:
@@ -81,17 +95,17 @@ def test_auto_on_cuda_runs_triton_whenever_it_picks_the_multiplicity_form(n, t):
         assert p.method == "samples"  # one sample never takes the multiplicity form
     if t == 64:
         assert p.method == "multiplicity"
-    forced = engine.plan(engine.Route("multiplicity", "triton", False, True, 0.1), parts, 2, n, cpu)
+    forced = routing.plan(routing.Route(Method.MULTIPLICITY, None, Kernel.TRITON, False, True, 0.1), parts, 2, n, cpu)
     assert (forced.method, forced.kernel) == ("multiplicity", "triton")
 
 
 @pytest.fixture
 def pretend_cuda(monkeypatch):
     """The CPU counts as a CUDA device for ``dispatch``; small Triton blocks; the Triton launches are counted."""
-    monkeypatch.setattr(engine, "triton_device", lambda device: True)
+    monkeypatch.setattr(routing, "triton_device", lambda device: True)
     monkeypatch.setattr(tm, "config_for", lambda q: BlockConfig(16, 16, 16))
     launches = {"forward": 0, "backward": 0, "routes": []}
-    forward, backward, dispatch = tm.TritonBackend.forward, tm.TritonBackend.backward, engine.dispatch
+    forward, backward, dispatch = tm.TritonBackend.forward, tm.TritonBackend.backward, routing.dispatch
 
     def count(name, fn):
         def wrapped(*args, **kwargs):
@@ -102,12 +116,12 @@ def pretend_cuda(monkeypatch):
 
     def spy(q, **kwargs):
         route = dispatch(q, **kwargs)
-        launches["routes"].append((route.method, route.kernel))
+        launches["routes"].append(kind(route))
         return route
 
     monkeypatch.setattr(tm.TritonBackend, "forward", count("forward", forward))
     monkeypatch.setattr(tm.TritonBackend, "backward", count("backward", backward))
-    monkeypatch.setattr(engine, "dispatch", spy)
+    monkeypatch.setattr(routing, "dispatch", spy)
     return launches
 
 
@@ -187,30 +201,9 @@ def _meta(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-@pytest.mark.parametrize(
-    ("q", "k", "causal", "bias", "refused"),
-    [
-        ((2, 3, 40, 64), (2, 3, 40, 64), True, False, None),
-        ((2, 3, 40, 64), (2, 3, 90, 64), False, False, None),  # Lq < Lk, not causal: the op's result is the contract's
-        ((2, 3, 40, 64), (2, 3, 90, 64), True, False, "causal with Lq != Lk"),  # its causal mask is aligned elsewhere
-        ((2, 3, 40, 64), (2, 3, 40, 64), False, True, "an additive mask"),
-        ((2, 3, 40, 60), (2, 3, 40, 60), False, False, "head dim 60"),
-        ((2, 3, 40, 264), (2, 3, 40, 264), False, False, "head dim 264"),
-    ],
-)
-def test_cuda_flash_refusals(q, k, causal, bias, refused):
-    from positional_lsh.ops._engine.kernels import cuda_flash_refusal
-
-    qq, kk = _meta(*q), _meta(*k)
-    mask = _meta(q[-2], k[-2], dtype=torch.float32) if bias else None
-    why = cuda_flash_refusal(qq, kk, kk, causal, mask)
-    assert (why is None) if refused is None else (why is not None and refused in why)
-    assert "dtype" in cuda_flash_refusal(qq.float(), kk.float(), kk.float(), causal, None)
-
-
 def test_cuda_flash_calls_on_meta_tensors():
     # The CUDA op and its backward, called as attend / attend_backward call them, through torch's shape functions.
-    from positional_lsh.ops._engine.kernels import cuda_flash_attend, cuda_flash_attend_backward
+    from positional_lsh.ops._engine.torch_attention import cuda_flash_attend, cuda_flash_attend_backward
 
     q, k = _meta(2, 3, 40, 64), _meta(2, 3, 90, 64)
     v = _meta(2, 3, 90, 64).transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim strided: made contiguous
@@ -220,21 +213,16 @@ def test_cuda_flash_calls_on_meta_tensors():
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dq.dtype == q.dtype
 
 
-def test_flash_backend_selects_the_cuda_op_or_the_math_fallback(monkeypatch):
-    from positional_lsh.ops._engine import kernels as _kernels
+def test_the_flash_kernel_runs_the_cuda_op_without_a_fallback(monkeypatch):
+    # On a CUDA (here: meta) device the flash kernel is the CUDA op, whatever the call: the routing decided up front
+    # that the op takes it (ops/_engine/routing.py); math is math.
+    from positional_lsh.ops._engine import torch_attention as _kernels
 
     calls = []
     real = _kernels.cuda_flash_attend
     monkeypatch.setattr(_kernels, "cuda_flash_attend", lambda *a: calls.append("flash") or real(*a))
     q = _meta(1, 2, 16, 64)
-    out, lse = _kernels.attend(q, q, q, causal=True, scale=0.125, kernel="flash")
+    out, lse = _kernels.attend(q, q, q, causal=True, scale=0.125, kernel=Kernel.FLASH)
     assert calls == ["flash"] and out.shape == q.shape
-    bias = _meta(1, 1, 16, 16, dtype=torch.float32)
-    out, lse = _kernels.attend(q, q, q, causal=False, scale=0.125, kernel="flash", bias=bias)  # the math fallback
+    out, lse = _kernels.attend(q, q, q, causal=True, scale=0.125, kernel=Kernel.MATH)
     assert calls == ["flash"] and out.shape == q.shape and lse.dtype == torch.float32
-    out, lse = _kernels.attend(q.float(), q.float(), q.float(), causal=True, scale=0.125, kernel="flash")
-    assert calls == ["flash"]  # float32: the math backend
-    assert _kernels.resolve_backend("auto", CUDA) == "flash" and _kernels.resolve_backend("flash", CUDA) == "flash"
-    assert _kernels.resolve_backend("auto", torch.device("mps")) == "math"
-    with pytest.raises(ValueError, match="backend='flash' uses torch's fused flash-attention op"):
-        _kernels.resolve_backend("flash", torch.device("mps"))

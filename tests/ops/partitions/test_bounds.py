@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import positional_lsh.ops._decode as decode
-import positional_lsh.ops._engine.multiplicity as mult
 import positional_lsh.ops._engine.triton.plan as triton_plan
 import positional_lsh.ops.partitions.partition as partition
 from positional_lsh import Partitions, get_scheme, plsh_attention, sample_partitions, scheme_names
+from positional_lsh.ops._engine.multiplicity import mask as mult
+from positional_lsh.ops._engine.multiplicity.plan import multiplicity_plan, tile_rows
 from positional_lsh.ops.partitions import bounds
 from positional_lsh.ops.partitions.bounds import MAX_SEQ_LEN, block_bounds, exact_floor, integer_pitch_shift
 from positional_lsh.ops.partitions.decays import exponential_decay, power_decay, truncated_linear_decay
@@ -250,9 +251,9 @@ def test_every_caller_uses_block_bounds(scheme, monkeypatch):
         assert torch.equal(lo, start[:, h, j].amin(0)) and torch.equal(hi, end[:, h, j].amax(0))
     # The multiplicity plan (tilings) and its masks (row_bounds), on both of row_bounds' paths.
     for causal in (True, False):
-        plan = mult.multiplicity_plan(parts, list(range(parts.num_heads)), parts.num_heads, lq, causal)
+        plan = multiplicity_plan(parts, list(range(parts.num_heads)), parts.num_heads, lq, causal)
         for g in plan.groups:
-            rows, _ = mult.tile_rows(g, lq)
+            rows, _ = tile_rows(g, lq)
             pos = rows + (n - lq)  # (N, tile)
             # The plan keeps each head's distinct (pitch, shift) pairs, weighted by how many samples drew each:
             # column u of tile a is sample t_idx[a, u] of its head.

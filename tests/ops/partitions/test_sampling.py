@@ -15,6 +15,7 @@ from positional_lsh import (
     sample_partitions,
 )
 from positional_lsh.ops._checks import check_int, nonnegative_int, positive_int
+from positional_lsh.ops._engine.per_sample import segments
 from positional_lsh.ops.partitions import schemes
 from positional_lsh.ops.partitions.schemes import Scheme, get_scheme, register_scheme, scheme_names, unregister_scheme
 
@@ -147,7 +148,7 @@ def test_segments_cover_every_query_once():
         parts = sample_partitions(n, slopes, 6, scheme=scheme, generator=5)
         for q_len in (n, 17, 1):
             q0 = n - q_len
-            for h, t, segs in parts.iter_segments(q_len):
+            for h, t, segs in ((h, t, segments(parts, t, h, q_len)) for h in range(4) for t in range(6)):
                 lab = parts.labels()[t, h]
                 covered = torch.zeros(q_len, dtype=torch.long)
                 for seg in segs:

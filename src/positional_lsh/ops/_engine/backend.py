@@ -10,17 +10,19 @@ A backend computes the estimator one way — one (method, kernel) row of the eng
   there.
 * ``forward(plan, q, k, v, scale) -> (out, lse)``: ``q (B, Hq, Lq, d)``, ``k, v (B, Hkv, Lk, d)`` as
   ``ops._engine.engine.kernel_inputs`` laid them out (non-finite keys zeroed); ``out`` in ``q``'s dtype, ``lse
-  (B, Hq, Lq)`` in the accumulation dtype (``ops._engine.kernels.acc_dtype``; float32 from the Triton kernels).
-* ``backward(plan, saved, dout, scale, dist_grad) -> (dq, dk, dv, dist)``: :class:`Saved` is what ``forward`` took
-  and returned, ``dout`` the upstream gradient (contiguous); ``dq, dk, dv`` in the inputs' dtypes and, with
-  ``dist_grad``, ``dist (Hq,)`` in the accumulation dtype: the slope-gradient partial ``dist[h] = sum over batch,
-  i, j of dS[b, h, i, j] |i - j|`` with the estimator's own ``dS`` (query row ``r`` at position ``Lk - Lq + r``; the
-  surrogate gradient of the slopes of the bias ``-m_h |i - j|`` is ``-dist``). Without ``dist_grad``: ``None``, and
+  (B, Hq, Lq)`` in the accumulation dtype (``ops._engine.torch_attention.acc_dtype``; float32 from the Triton kernels).
+* ``backward(plan, saved, dout, scale, dist_grad) -> (dq, dk, dv, slope_dist)``: :class:`Saved` is what ``forward``
+  took and returned, ``dout`` the upstream gradient (contiguous); ``dq, dk, dv`` in the inputs' dtypes and, with
+  ``dist_grad``, ``slope_dist (Hq,)`` in the accumulation dtype: the slope-gradient partial ``slope_dist[h] = sum over
+  batch, i, j of dS[b, h, i, j] |i - j|`` with the estimator's own ``dS`` (query row ``r`` at position ``Lk - Lq +
+  r``; the surrogate gradient of the slopes of the bias ``-m_h |i - j|`` is ``-slope_dist``; not torch.distributed).
+  Without ``dist_grad``: ``None``, and
   no extra work.
 
 The engine adds what every backend shares (the non-finite-key rule, the dtype of ``dout``) around these steps, and
-decides which backend runs (``ops._engine.engine.decide``). Adding a backend is one module with an object that
-implements this protocol, and one row of the table.
+``ops._engine.routing`` decides which backend runs (``dispatch``: each backend's refusal, up front; ``decide``).
+Adding a backend is one module with an object that implements this protocol, one row of the table and one of the
+priority list.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
-from positional_lsh.ops._engine.kernels import acc_dtype
+from positional_lsh.ops._engine.torch_attention import acc_dtype
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = ["Backend", "Gradients", "Saved", "accumulators"]
@@ -48,7 +50,7 @@ class Saved(NamedTuple):
 
 
 Gradients = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
-"""``(dq, dk, dv, dist)``: a backward's result (``dist`` ``None`` unless asked for)."""
+"""``(dq, dk, dv, slope_dist)``: a backward's result (``slope_dist`` ``None`` unless asked for)."""
 
 
 class Backend(Protocol[P]):
@@ -76,14 +78,14 @@ class Backend(Protocol[P]):
         ...
 
     def backward(self, plan: P, saved: Saved, dout: torch.Tensor, scale: float, dist_grad: bool) -> Gradients:
-        """``(dq, dk, dv, dist)`` of the call."""
+        """``(dq, dk, dv, slope_dist)`` of the call."""
         ...
 
 
 def accumulators(
     saved: Saved, dist_grad: bool
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """Zeroed ``(dq, dk, dv)`` shaped like ``saved``'s inputs and ``dist (Hq,)`` (when ``dist_grad``) in the
+    """Zeroed ``(dq, dk, dv)`` shaped like ``saved``'s inputs and ``slope_dist (Hq,)`` (when ``dist_grad``) in the
     accumulation dtype: what the torch backends add their kernel calls' gradients into."""
     q, k, v = saved.q, saved.k, saved.v
     acc = acc_dtype(q.dtype)
@@ -92,5 +94,5 @@ def accumulators(
         torch.zeros(k.shape, dtype=acc, device=q.device),
         torch.zeros(v.shape, dtype=acc, device=q.device),
     )
-    dist = torch.zeros(q.shape[1], dtype=acc, device=q.device) if dist_grad else None
-    return grads, dist
+    slope_dist = torch.zeros(q.shape[1], dtype=acc, device=q.device) if dist_grad else None
+    return grads, slope_dist

@@ -30,15 +30,18 @@ n = 256 and 4096 on the same machine).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from positional_lsh.ops._engine.kinds import Method
 from positional_lsh.ops._engine.per_sample import SamplesPlan
 
 __all__ = [
     "AUTO_MARGIN", "AUTO_PLAN_SECONDS", "BLOCK_COST", "BOUND_COST", "CALL_COST", "CALL_ROW_COST", "ENTRY_COST",
-    "PAIR_COST", "PAIR_COST_TILE", "PLAN_BYTES", "PLAN_COST", "SAMPLES_CALL_COST", "TILE_COST", "TILE_HEIGHTS",
-    "auto_method", "auto_up_front", "call_estimate", "exact_seconds", "samples_estimate", "tiling_estimate",
+    "MOVE_EVENT_NS", "PAIR_COST", "PAIR_COST_TILE", "PLAN_BYTES", "PLAN_COST", "ROW_START_NS", "ROW_SUM_ENTRY_NS",
+    "ROW_SUM_NS", "SAMPLES_CALL_COST", "TILE_COST", "TILE_HEIGHTS", "AutoEstimate", "auto_method", "call_estimate",
+    "exact_seconds", "samples_estimate", "tiling_estimate",
 ]  # fmt: skip
 
 TILE_HEIGHTS = (16, 32, 64, 128, 256)
@@ -69,6 +72,14 @@ PLAN_COST = 28000.0
 """Planning the per-sample path, per (sample, head): its segment lists, 28-42 us (:func:`call_estimate` only)."""
 PLAN_BYTES = 500.0
 """... and about this many bytes each (:func:`call_estimate` only)."""
+# A causal call's counts come from its block moves (``ops._engine.multiplicity.mask.move_events``) where that is
+# estimated cheaper than the T start events of every row: ns per (row, sample) start (its bounds and scatter), per
+# move event, per row of the running sum down the rows (one torch op) and per entry it adds (measured on one core at
+# n = 32768).
+ROW_START_NS = 8.0
+MOVE_EVENT_NS = 10.0
+ROW_SUM_NS = 3000.0
+ROW_SUM_ENTRY_NS = 0.35
 AUTO_MARGIN = 0.6
 """``method="auto"`` takes the multiplicity form when its summed estimate is at most this times the per-sample one.
 
@@ -99,58 +110,73 @@ def samples_estimate(plan: SamplesPlan) -> float:
     return total
 
 
-def auto_method(num_samples: int, multiplicity_ns: float, samples_ns: float) -> str:
+def auto_method(num_samples: int, multiplicity_ns: float, samples_ns: float) -> Method:
     """``method="auto"``'s choice for one call: ``"multiplicity"`` when its estimate (summed over the heads) is at
     most :data:`AUTO_MARGIN` times the per-sample path's, ``"samples"`` otherwise and for one sample (the
     multiplicity form would compute the same pairs plus a mask)."""
     if num_samples > 1 and multiplicity_ns <= AUTO_MARGIN * samples_ns:
-        return "multiplicity"
-    return "samples"
+        return Method.MULTIPLICITY
+    return Method.SAMPLES
 
 
 AUTO_PLAN_SECONDS = 60.0
 """``method="auto"`` does not build the per-sample plan when planning alone is estimated above this many seconds
-and the multiplicity form's up-front estimate is lower (:func:`auto_up_front`)."""
+and the multiplicity form's up-front estimate is lower (:attr:`AutoEstimate.up_front`)."""
 
 
-def auto_up_front(num_samples: int, num_heads: int, q_len: int) -> str | None:
-    """``method="auto"``'s choice before any plan is built: ``"multiplicity"`` when more than one sample's
-    per-sample plan alone would take over :data:`AUTO_PLAN_SECONDS` (``PLAN_COST`` per (sample, head)) and the
-    multiplicity form's estimate (:func:`call_estimate`) is below the per-sample path's; else ``None`` (the cost
-    model decides from the plans, :func:`auto_method`). Such a call (e.g. ``T = 3,000,000`` at ``n = 16``) would
-    spend minutes planning a path the rule would then reject; every call below the bound is decided as before."""
-    if num_samples <= 1:
-        return None
-    _, samples_s = call_estimate(num_samples, num_heads, q_len, "samples")
-    _, mult_s = call_estimate(num_samples, num_heads, q_len, "multiplicity")
-    plan_s = float(num_samples) * num_heads * PLAN_COST * 1e-9
-    return "multiplicity" if plan_s > AUTO_PLAN_SECONDS and mult_s < samples_s else None
+@dataclass(frozen=True)
+class AutoEstimate:
+    """The cost model's up-front estimate of one call, before anything is drawn (:meth:`of`), computed once per
+    call: the size check (:func:`call_estimate`) and ``method="auto"``'s choice (:attr:`up_front`) read it.
 
-
-def call_estimate(num_samples: int, num_heads: int, q_len: int, method: str) -> tuple[float, float]:
-    """Lower bounds on the host memory (bytes) and time (seconds) of one estimator call, before anything is drawn.
-
-    From the cost model (measured on a 2-core CPU; unmeasured elsewhere), with ``T`` samples, ``H`` query heads
-    and ``Lq`` query rows — only the terms that grow with ``T``, so a refusal on these numbers is never a close call:
-
-    * ``"samples"``: planning each (sample, head) (``PLAN_COST``, ``PLAN_BYTES``) and at least one kernel call per
-      (sample, head) (``CALL_ROW_COST`` per query row);
-    * ``"multiplicity"``: the block bounds of every (query row, sample, head) (``BOUND_COST``); in memory, the tile
-      plan's pitches and shifts (16 bytes per (tile of the largest height, sample, head)) and one chunk's bounds
-      (``8 * 4`` bytes per (row of the smallest tile, sample));
-    * ``"auto"``: the multiplicity form's where :func:`auto_up_front` takes it without planning the per-sample
-      path; otherwise the per-sample plan (then always built) and the cheaper of the two kernels' terms.
+    Attributes:
+        samples_bytes, samples_s: lower bounds on the per-sample path's host memory and time (planning each
+            (sample, head), ``PLAN_COST`` and ``PLAN_BYTES``, and at least one kernel call per (sample, head),
+            ``CALL_ROW_COST`` per query row);
+        kernel_s: that kernel term alone;
+        multiplicity_bytes, multiplicity_s: the multiplicity form's (the block bounds of every (query row, sample,
+            head), ``BOUND_COST``; in memory, the tile plan's pitches and shifts, 16 bytes per (tile of the largest
+            height, sample, head), and one chunk's bounds, ``8 * 4`` bytes per (row of the smallest tile, sample));
+        up_front: ``method="auto"``'s choice before any plan is built: the multiplicity form when more than one
+            sample's per-sample plan alone would take over :data:`AUTO_PLAN_SECONDS` and the multiplicity form's
+            estimate is below the per-sample path's (e.g. ``T = 3,000,000`` at ``n = 16``, which would spend minutes
+            planning a path the rule then rejects); ``False``: the cost model decides from the plans
+            (:func:`auto_method`).
     """
-    th = float(num_samples) * num_heads
-    plan_s = th * PLAN_COST * 1e-9
-    kernel_s = th * CALL_ROW_COST * q_len * 1e-9
-    mult_s = th * q_len * BOUND_COST * 1e-9
-    mult_b = 16.0 * th * math.ceil(q_len / TILE_HEIGHTS[-1]) + 32.0 * TILE_HEIGHTS[0] * num_samples
-    if method == "samples" or num_samples == 1:
-        return th * PLAN_BYTES, plan_s + kernel_s
-    if method == "multiplicity" or (method == "auto" and auto_up_front(num_samples, num_heads, q_len) is not None):
-        return mult_b, mult_s
-    return th * PLAN_BYTES, plan_s + min(kernel_s, mult_s)
+
+    num_samples: int
+    samples_bytes: float
+    samples_s: float
+    kernel_s: float
+    multiplicity_bytes: float
+    multiplicity_s: float
+    up_front: bool
+
+    @classmethod
+    def of(cls, num_samples: int, num_heads: int, q_len: int) -> AutoEstimate:
+        """The estimate of a call of ``num_samples`` samples, ``num_heads`` query heads and ``q_len`` query rows."""
+        th = float(num_samples) * num_heads
+        plan_s = th * PLAN_COST * 1e-9
+        kernel_s = th * CALL_ROW_COST * q_len * 1e-9
+        mult_s = th * q_len * BOUND_COST * 1e-9
+        mult_b = 16.0 * th * math.ceil(q_len / TILE_HEIGHTS[-1]) + 32.0 * TILE_HEIGHTS[0] * num_samples
+        up_front = num_samples > 1 and plan_s > AUTO_PLAN_SECONDS and mult_s < plan_s + kernel_s
+        return cls(num_samples, th * PLAN_BYTES, plan_s + kernel_s, kernel_s, mult_b, mult_s, up_front)
+
+
+def call_estimate(estimate: AutoEstimate, method: Method) -> tuple[float, float]:
+    """Lower bounds on the host memory (bytes) and time (seconds) of one estimator call of ``method``, from its
+    :class:`AutoEstimate` (the cost model, measured on a 2-core CPU; unmeasured elsewhere: only the terms that grow
+    with ``T``, so a refusal on these numbers is never a close call). ``"auto"``: the multiplicity form's where
+    ``estimate.up_front`` takes it without planning the per-sample path; otherwise the per-sample plan (then always
+    built) and the cheaper of the two kernels' terms. One sample: always the per-sample path's."""
+    e = estimate
+    if method is Method.SAMPLES or e.num_samples == 1:
+        return e.samples_bytes, e.samples_s
+    if method is Method.MULTIPLICITY or e.up_front:
+        return e.multiplicity_bytes, e.multiplicity_s
+    plan_s = e.samples_s - e.kernel_s
+    return e.samples_bytes, plan_s + min(e.kernel_s, e.multiplicity_s)
 
 
 def exact_seconds(num_heads: int, q_len: int, k_len: int, head_dim: int, causal: bool) -> float:

@@ -5,19 +5,21 @@
 the custom operator ``positional_lsh::plsh_backward``, connected by ``torch.library.register_autograd``. Both plan
 their kernel calls on the host from the partition values (``.tolist()``, Python loops over blocks and tiles), which
 dynamo cannot trace: to the compiler they are black boxes (lean fakes name only the tensors that shape the
-outputs), and they run the same :func:`~positional_lsh.ops._engine.engine.plan`,
+outputs), and they run the same :func:`~positional_lsh.ops._engine.routing.plan`,
 :func:`~positional_lsh.ops._engine.engine.forward` and :func:`~positional_lsh.ops._engine.engine.backward` in both
 modes:
 
-* ``plsh_forward(q, k, v, pitch, shift, slopes, scheme, max_block, causal, scale, kernel, method,
-  key_padding_mask=None, expected=None) -> (out, lse)``: rebuilds the :class:`~positional_lsh.Partitions` from its
-  tensors, plans and runs the forward. With a ``key_padding_mask`` (:mod:`positional_lsh.ops.padding`), each group
-  of batch rows with one run of valid keys is planned and run on that run; padded query rows get ``out = 0`` and
-  ``lse = -inf``. ``expected``: slopes that must equal ``slopes`` in value (compared here, on the data: under
-  ``torch.compile`` the comparison cannot run at trace time);
+* ``plsh_forward(q, k, v, pitch, shift, slopes, scheme, max_block, causal, scale, method, samples_kernel,
+  multiplicity_kernel, key_padding_mask=None, expected=None) -> (out, lse)``: the route that
+  ``ops._engine.routing.dispatch`` decided where the inputs are known (the method asked for and each method's kernel,
+  ``""`` for a method the call may not take: :func:`route_args`, :func:`route_of`); rebuilds the
+  :class:`~positional_lsh.Partitions` from its tensors, plans and runs the forward. With a ``key_padding_mask``
+  (:mod:`positional_lsh.ops.padding`), each group of batch rows with one run of valid keys is planned and run on that
+  run; padded query rows get ``out = 0`` and ``lse = -inf``. ``expected``: slopes that must equal ``slopes`` in value
+  (compared here, on the data: under ``torch.compile`` the comparison cannot run at trace time);
 * ``plsh_backward(dout, q, k, v, out, lse, pitch, shift, slopes, ..., slope_grad=False, key_padding_mask=None) ->
   (dq, dk, dv, dslopes)``: ``dslopes`` (shaped like ``slopes``, in its dtype) is the surrogate slope gradient
-  ``-dist`` when ``slope_grad`` is true, else zeros (and no extra work). ``register_autograd`` asks for it only
+  ``-slope_dist`` when ``slope_grad`` is true, else zeros (and no extra work). ``register_autograd`` asks for it only
   when autograd needs the gradient of the ``slopes`` input (``ctx.needs_input_grad``): a call that learns the
   slopes passes the slopes tensor requiring grad as ``slopes`` (its values are those the partitions were drawn
   from), any other call ``partitions.slopes``.
@@ -32,19 +34,23 @@ The partition draw under ``torch.compile`` is the custom op ``positional_lsh::sa
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections import OrderedDict
-from typing import Any
 
 import torch
 
-from positional_lsh.ops._engine.engine import Plan, Route, backward, forward, kernel_inputs, plan
-from positional_lsh.ops._engine.kernels import acc_dtype, output_buffers
+from positional_lsh.ops._engine.custom_op import attention_op
+from positional_lsh.ops._engine.engine import backward, forward, kernel_inputs
+from positional_lsh.ops._engine.kinds import Kernel, Method
+from positional_lsh.ops._engine.routing import Plan, Route, plan
+from positional_lsh.ops._engine.torch_attention import acc_dtype
 from positional_lsh.ops.padding import RowGroup, forward_row_groups, row_groups
 from positional_lsh.ops.partitions.partition import Partitions, check_same_slopes
 
-__all__ = ["FORWARD_INPUTS", "PLAN_CACHE_SIZE", "plsh_backward", "plsh_forward", "run", "slope_gradient"]
+__all__ = [
+    "FORWARD_INPUTS", "PLAN_CACHE_SIZE", "PLSH_OP", "plsh_backward", "plsh_forward", "route_args", "route_of", "run",
+    "slope_gradient",
+]  # fmt: skip
 
 
 #: How many plans :func:`_plan_of` keeps (the most recently used): the backward of a call finds its forward's.
@@ -102,8 +108,9 @@ def _plsh_forward(
     max_block: int | None,
     causal: bool,
     scale: float,
-    kernel: str,
     method: str,
+    samples_kernel: str,
+    multiplicity_kernel: str,
     key_padding_mask: torch.Tensor | None = None,
     expected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +119,7 @@ def _plsh_forward(
     given both ``slopes=`` and ``partitions=`` under ``torch.compile``; ``ValueError`` when they differ)."""
     if expected is not None:
         check_same_slopes(expected, slopes)
-    route = Route(method, kernel, False, causal, scale)
+    route = route_of(method, samples_kernel, multiplicity_kernel, causal, scale)
     tensors = (pitch, shift, slopes)
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
@@ -126,21 +133,7 @@ def _plsh_forward(
     return forward_row_groups(q, k, v, groups, attend)
 
 
-#: The names of ``plsh_forward``'s inputs, in order: ``setup_context`` and the backward read and return them by
-#: name.
-FORWARD_INPUTS: tuple[str, ...] = tuple(inspect.signature(_plsh_forward).parameters)
-
-plsh_forward = torch.library.custom_op("positional_lsh::plsh_forward", _plsh_forward, mutates_args=())
-
-
-@plsh_forward.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object, **__: object) -> tuple[torch.Tensor, torch.Tensor]:
-    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    return output_buffers(q, empty=True)
-
-
-@torch.library.custom_op("positional_lsh::plsh_backward", mutates_args=())
-def plsh_backward(
+def _plsh_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -154,85 +147,56 @@ def plsh_backward(
     max_block: int | None,
     causal: bool,
     scale: float,
-    kernel: str,
     method: str,
+    samples_kernel: str,
+    multiplicity_kernel: str,
     slope_grad: bool = False,
     key_padding_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dslopes)`` of :func:`plsh_forward` (see :func:`positional_lsh.ops._engine.engine.backward`),
     row group by row group with a ``key_padding_mask`` (padded positions get zero gradients): ``dslopes`` is the
-    surrogate slope gradient ``-dist`` when ``slope_grad``, else zeros; shaped like ``slopes``, in its dtype."""
-    route = Route(method, kernel, False, causal, scale)
+    surrogate slope gradient ``-slope_dist`` when ``slope_grad``, else zeros; shaped like ``slopes``, in its dtype."""
+    route = route_of(method, samples_kernel, multiplicity_kernel, causal, scale)
     tensors = (pitch, shift, slopes)
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
         p = _plan_of(q.shape[2], k, k.shape[2], tensors, scheme, max_block, route)
-        qp, kp, vp, _ = kernel_inputs(q, k, v, kernel)
-        dq, dk, dv, dist = backward(p, (qp, kp, vp, out, lse), dout, dist_grad=slope_grad)
+        qp, kp, vp, _ = kernel_inputs(q, k, v, p.kernel)
+        dq, dk, dv, slope_dist = backward(p, (qp, kp, vp, out, lse), dout, dist_grad=slope_grad)
     else:
         dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))  # as the fake
-        dist = torch.zeros(q.shape[1], dtype=acc_dtype(q.dtype), device=q.device) if slope_grad else None
+        slope_dist = torch.zeros(q.shape[1], dtype=acc_dtype(q.dtype), device=q.device) if slope_grad else None
         for g in groups:
             qg, kg, vg = _group(q, g, g.queries), _group(k, g, g.keys), _group(v, g, g.keys)
             p = _plan_of(qg.shape[2], k, kg.shape[2], tensors, scheme, max_block, route)
-            qp, kp, vp, _ = kernel_inputs(qg, kg, vg, kernel)
+            qp, kp, vp, _ = kernel_inputs(qg, kg, vg, p.kernel)
             saved = (qp, kp, vp, _group(out, g, g.queries).contiguous(), _group(lse, g, g.queries).contiguous())
             gq, gk, gv, gd = backward(p, saved, _group(dout, g, g.queries), dist_grad=slope_grad)
             dq[g.rows, :, g.queries] = gq
             dk[g.rows, :, g.keys] = gk
             dv[g.rows, :, g.keys] = gv
-            if dist is not None:
-                dist -= slope_gradient(gd, dist, kernel)  # the group's dist (slope_gradient is -dist)
+            if slope_dist is not None:
+                slope_dist -= slope_gradient(gd, slope_dist, p.kernel)  # the group's (slope_gradient is -slope_dist)
     if not slope_grad:
         return dq, dk, dv, torch.zeros(slopes.shape, dtype=slopes.dtype, device=slopes.device)
-    return dq, dk, dv, slope_gradient(dist, slopes, kernel)
+    return dq, dk, dv, slope_gradient(slope_dist, slopes, route.method)
 
 
-@plsh_backward.register_fake
-def _(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    pitch: torch.Tensor,
-    shift: torch.Tensor,
-    slopes: torch.Tensor,
-    *_: object,
-    **__: object,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    dq, dk, dv, ds = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, slopes))
-    return dq, dk, dv, ds
+plsh_forward = torch.library.custom_op("positional_lsh::plsh_forward", _plsh_forward, mutates_args=())
+plsh_backward = torch.library.custom_op("positional_lsh::plsh_backward", _plsh_backward, mutates_args=())
+PLSH_OP = attention_op(
+    plsh_forward, _plsh_forward, plsh_backward, _plsh_backward,
+    tensors=("pitch", "shift", "slopes"),
+    settings=("scheme", "max_block", "causal", "scale", "method", "samples_kernel", "multiplicity_kernel"),
+    grads=("q", "k", "v", "slopes"),
+    flags=lambda need: {"slope_grad": need["slopes"]},
+)  # fmt: skip
+"""The estimator's op pair on the one scaffold (``ops._engine.custom_op``): fakes, ``setup_context`` and the
+autograd backward, inputs read by name."""
 
-
-# The forward's settings the backward takes as they are (its other inputs are tensors saved for it).
-_SETTINGS = ("scheme", "max_block", "causal", "scale", "kernel", "method")
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    args = dict(zip(FORWARD_INPUTS, inputs, strict=True))
-    out, lse = output
-    names = ("q", "k", "v", "pitch", "shift", "slopes")
-    ctx.save_for_backward(*(args[n] for n in names), out, lse, args["key_padding_mask"])
-    ctx.settings = {n: args[n] for n in _SETTINGS}
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward_fn(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    q, k, v, pitch, shift, slopes, out, lse, mask = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    want = bool(ctx.needs_input_grad[FORWARD_INPUTS.index("slopes")])
-    dq, dk, dv, dslopes = plsh_backward(
-        dout, q, k, v, out, lse, pitch, shift, slopes, **ctx.settings, slope_grad=want, key_padding_mask=mask
-    )
-    grads = {"q": dq, "k": dk, "v": dv, "slopes": dslopes if want else None}
-    return tuple(grads.get(name) for name in FORWARD_INPUTS)
-
-
-plsh_forward.register_autograd(_backward_fn, setup_context=_setup_context)
+#: The names of ``plsh_forward``'s inputs, in order: ``setup_context`` and the backward read and return them by
+#: name.
+FORWARD_INPUTS: tuple[str, ...] = PLSH_OP.inputs
 
 
 def run(
@@ -255,18 +219,35 @@ def run(
         expected = partitions.slopes  # the learnable slopes are the op's input: compare them with the partitions'
     out, _ = plsh_forward(
         q, k, v, partitions.pitch, partitions.shift, slopes_in, partitions.scheme, partitions.max_block,
-        route.causal, route.scale, route.kernel, route.method, key_padding_mask=key_padding_mask, expected=expected,
+        route.causal, route.scale, *route_args(route), key_padding_mask=key_padding_mask, expected=expected,
     )  # fmt: skip
     return out
 
 
-def slope_gradient(dist: torch.Tensor | None, like: torch.Tensor, kernel: str) -> torch.Tensor:
-    """The surrogate gradient of slopes ``like`` (a ``(Hq,)`` tensor, or one shaped like it) from
-    :func:`~positional_lsh.ops._engine.engine.backward`'s ``dist`` (asked for with ``dist_grad=True``): ``-dist`` in
-    ``like``'s dtype and device.
+def route_args(route: Route) -> tuple[str, str, str]:
+    """The op's ``(method, samples_kernel, multiplicity_kernel)`` arguments of ``route`` (``""``: no kernel)."""
+    return (
+        route.method.value,
+        "" if route.samples is None else route.samples.value,
+        "" if route.multiplicity is None else route.multiplicity.value,
+    )
 
-    Never silently: a ``dist`` of ``None`` (the ``kernel``'s backward returned no slope gradient although asked)
+
+def route_of(method: str, samples_kernel: str, multiplicity_kernel: str, causal: bool, scale: float) -> Route:
+    """The :class:`~positional_lsh.ops._engine.routing.Route` of the op's arguments (:func:`route_args`'s inverse;
+    ``compiled`` is ``False``: inside the op the call runs)."""
+    samples = Kernel(samples_kernel) if samples_kernel else None
+    multiplicity = Kernel(multiplicity_kernel) if multiplicity_kernel else None
+    return Route(Method(method), samples, multiplicity, False, causal, scale)
+
+
+def slope_gradient(slope_dist: torch.Tensor | None, like: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The surrogate gradient of slopes ``like`` (a ``(Hq,)`` tensor, or one shaped like it) from
+    :func:`~positional_lsh.ops._engine.engine.backward`'s ``slope_dist`` (asked for with ``dist_grad=True``):
+    ``-slope_dist`` in ``like``'s dtype and device.
+
+    Never silently: a ``slope_dist`` of ``None`` (the ``kernel``'s backward returned no slope gradient although asked)
     raises ``RuntimeError``."""
-    if dist is None:
+    if slope_dist is None:
         raise RuntimeError(f"the {kernel!r} backward returned no slope gradient (dist_grad=True)")
-    return (-dist).to(dtype=like.dtype, device=like.device).reshape(like.shape)
+    return (-slope_dist).to(dtype=like.dtype, device=like.device).reshape(like.shape)

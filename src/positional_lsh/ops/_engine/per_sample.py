@@ -10,7 +10,7 @@ Backward: the merged output is one softmax over the union of the (sample, block)
 gradient is the standard flash-attention backward run with the *merged* ``out`` and ``lse``. (Autograd through the
 merge would silently drop the gradient through the fused kernels' non-differentiable ``lse``; this module never
 relies on it.) The surrogate slope gradient (``dist_grad``) adds, for every kernel call, ``sum_ij dS_ij |i - j|``
-over the call's (query, key) positions (``ops._engine.kernels.attend_bias_grad``, one more math pass over the
+over the call's (query, key) positions (``ops._engine.torch_attention.attend_bias_grad``, one more math pass over the
 call's scores) into its query head's entry.
 
 The backend (:class:`PerSampleBackend`, the rows ``("samples", "flash")`` and ``("samples", "math")`` of the
@@ -28,9 +28,11 @@ from functools import partial
 import torch
 
 from positional_lsh.ops._engine.backend import Gradients, Saved, accumulators
-from positional_lsh.ops._engine.kernels import acc_dtype, attend, attend_backward, attend_bias_grad
+from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.parallel import pool_size, run_all, work_items, workers_for
-from positional_lsh.ops.partitions.partition import Partitions, Segment
+from positional_lsh.ops._engine.torch_attention import acc_dtype, attend, attend_backward, attend_bias_grad
+from positional_lsh.ops.partitions.partition import Partitions, block_runs
+from positional_lsh.ops.partitions.schemes import get_scheme
 
 __all__ = [
     "PER_SAMPLE_FLASH",
@@ -38,13 +40,109 @@ __all__ = [
     "HeadWork",
     "PerSampleBackend",
     "SamplesPlan",
+    "Segment",
     "WorkItem",
     "head_work",
     "samples_plan",
     "segment_distance",
+    "segments",
     "split_causal",
     "work_items_of",
 ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``count`` equal-shape blocks of one (sample, head), processed by one kernel call.
+
+    Block ``c`` (``0 <= c < count``) pairs the query rows ``q_start + c*step + [0, q_len)`` with the key rows
+    ``k_start + c*step + [0, k_len)``, where ``step = stride or k_len`` (adjacent blocks by default). Query row
+    ``r`` sits at key position ``r + Lk - Lq``: queries are aligned to the last keys. ``q_len < k_len`` only
+    for the one block that the first query cuts (decoding, chunked prefill); its queries are the block's
+    *last* ``q_len`` positions. If ``index`` is given, it is a ``(count, k_len)`` tensor of the key positions
+    of non-adjacent blocks, and the rows are ``index + q_start`` for queries and ``index + k_start`` for keys.
+    ``masked`` says whether the causal mask applies inside the segment (``False`` for pieces whose keys all
+    precede their queries).
+    """
+
+    q_start: int
+    k_start: int
+    q_len: int
+    k_len: int
+    count: int
+    index: torch.Tensor | None = None
+    stride: int = 0
+    masked: bool = True
+
+    @property
+    def step(self) -> int:
+        """The distance between the starts of consecutive blocks."""
+        return self.stride or self.k_len
+
+
+
+def segments(partitions: Partitions, sample: int, head: int, q_len: int | None = None) -> list[Segment]:
+    """The per-sample work list of one (sample, head) of ``partitions``, for ``q_len`` queries aligned to the last
+    keys (default: all ``n``): its blocks as :class:`Segment` s, equal adjacent blocks in one."""
+    n = partitions.seq_len
+    q_len = n if q_len is None else q_len
+    q0 = n - q_len
+    pitch = float(partitions.pitch[sample, head])
+    shift = float(partitions.shift[sample, head])
+    if get_scheme(partitions.scheme).integer and math.isfinite(pitch):
+        return _integer_segments(int(pitch), int(shift), n, q0)
+    starts, sizes = block_runs(pitch, shift, n)
+    return _generic_segments(starts, sizes, n, q0)
+
+
+def _cut_block(start: int, size: int, q0: int) -> Segment:
+    """A block that the first query position ``q0`` may cut: queries ``max(start, q0)..start+size``."""
+    qs = max(start, q0)
+    return Segment(q_start=qs - q0, k_start=start, q_len=start + size - qs, k_len=size, count=1)
+
+
+def _integer_segments(b: int, s: int, n: int, q0: int) -> list[Segment]:
+    """Blocks ``[0, s)`` (when ``s > 0``), then ``[s + k b, s + (k+1) b)`` clipped to ``n``."""
+    segs: list[Segment] = []
+    if s > 0 and min(s, n) > q0:
+        segs.append(_cut_block(0, min(s, n), q0))
+    if s >= n:
+        return segs
+    start = s + ((q0 - s) // b) * b if q0 > s else s  # the block holding q0, or the first after it
+    if start < q0:
+        end = min(start + b, n)
+        segs.append(_cut_block(start, end - start, q0))
+        start = end
+    full = max(0, (n - start) // b)
+    if full > 0:
+        segs.append(Segment(q_start=start - q0, k_start=start, q_len=b, k_len=b, count=full))
+    tail = start + full * b
+    if tail < n:
+        segs.append(_cut_block(tail, n - tail, q0))
+    return segs
+
+
+def _generic_segments(starts: torch.Tensor, sizes: torch.Tensor, n: int, q0: int) -> list[Segment]:
+    ends = starts + sizes
+    keep = ends > q0
+    starts, sizes = starts[keep], sizes[keep]
+    segs: list[Segment] = []
+    if starts.numel() and int(starts[0]) < q0:
+        segs.append(_cut_block(int(starts[0]), int(sizes[0]), q0))
+        starts, sizes = starts[1:], sizes[1:]
+    if starts.numel() == 0:
+        return segs
+    # Group the remaining (whole) blocks by size; one kernel call per size, gathering rows.
+    for size in torch.unique(sizes).tolist():
+        sel = starts[sizes == size]
+        count = sel.numel()
+        first = int(sel[0])
+        if count == 1 or bool((torch.diff(sel) == size).all()):
+            segs.append(Segment(q_start=first - q0, k_start=first, q_len=size, k_len=size, count=count))
+        else:
+            index = sel[:, None] + torch.arange(size)
+            segs.append(Segment(q_start=-q0, k_start=0, q_len=size, k_len=size, count=count, index=index))
+    return segs
 
 
 @dataclass(frozen=True)
@@ -91,21 +189,47 @@ def split_causal(seg: Segment) -> list[Segment]:
     return out
 
 
-def head_work(partitions: Partitions, h: int, group: int, q_len: int, causal: bool) -> HeadWork:
-    """Per-sample kernel work of query head ``h`` (``group`` query heads per key/value head)."""
+#: How many work lists :func:`head_work` keeps (a dict cleared when full): training draws fresh partitions at every
+#: call, but a head's draws repeat (integer pitches of one law), and building a list costs 20-40 us.
+WORK_CACHE_SIZE = 4096
+_WORK: dict[tuple[float, float, int, int, bool, bool], tuple[Segment, ...]] = {}
+
+
+def _work_of(pitch: float, shift: float, n: int, q_len: int, integer: bool, causal: bool) -> tuple[Segment, ...]:
+    """The segments of one partition (causal blocks split, :func:`split_causal`), cached by value where they hold no
+    index tensors (those of integer partitions never do)."""
+    key = (pitch, shift, n, q_len, integer, causal)
+    hit = _WORK.get(key)
+    if hit is not None:
+        return hit
+    q0 = n - q_len
+    if integer and math.isfinite(pitch):
+        work = _integer_segments(int(pitch), int(shift), n, q0)
+    else:
+        work = _generic_segments(*block_runs(pitch, shift, n), n, q0)
+    if causal:
+        work = [piece for seg in work for piece in split_causal(seg)]
+    out = tuple(work)
+    if all(seg.index is None for seg in out):
+        if len(_WORK) >= WORK_CACHE_SIZE:
+            _WORK.clear()
+        _WORK[key] = out
+    return out
+
+
+def head_work(
+    pitches: list[float], shifts: list[float], partitions: Partitions, h: int, group: int, q_len: int, causal: bool
+) -> HeadWork:
+    """Per-sample kernel work of query head ``h`` (``group`` query heads per key/value head) whose ``T`` partitions
+    are ``pitches``, ``shifts``: its distinct partitions (pitches ``<= 1`` are all one: every position its own block)
+    and how many samples drew each."""
     counts: dict[tuple[float, float], int] = {}
-    first: dict[tuple[float, float], int] = {}
-    for t in range(partitions.num_samples):
-        pitch = float(partitions.pitch[t, h])
-        key = (pitch, float(partitions.shift[t, h])) if pitch > 1.0 else (1.0, 0.0)
+    for pitch, shift in zip(pitches, shifts, strict=True):
+        key = (pitch, shift) if pitch > 1.0 else (1.0, 0.0)
         counts[key] = counts.get(key, 0) + 1
-        first.setdefault(key, t)
-    samples = []
-    for key, c in counts.items():
-        segments = partitions.segments(first[key], h, q_len)
-        if causal:
-            segments = [piece for seg in segments for piece in split_causal(seg)]
-        samples.append((segments, c))
+    integer = get_scheme(partitions.scheme).integer
+    n = partitions.seq_len
+    samples = [(list(_work_of(p, s, n, q_len, integer, causal)), c) for (p, s), c in counts.items()]
     return HeadWork(h, h // group, samples)
 
 
@@ -127,7 +251,10 @@ class SamplesPlan:
 def samples_plan(partitions: Partitions, num_kv_heads: int, q_len: int, causal: bool) -> SamplesPlan:
     """The per-sample work of every query head of ``partitions``."""
     group = partitions.num_heads // num_kv_heads
-    heads = tuple(head_work(partitions, h, group, q_len, causal) for h in range(partitions.num_heads))
+    pitches, shifts = partitions.pitch.T.tolist(), partitions.shift.T.tolist()  # (H, T): once, not per entry
+    heads = tuple(
+        head_work(pitches[h], shifts[h], partitions, h, group, q_len, causal) for h in range(partitions.num_heads)
+    )
     return SamplesPlan(heads, q_len, causal)
 
 
@@ -214,7 +341,7 @@ def _forward_item(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
-    kernel: str,
+    kernel: Kernel,
 ) -> None:
     """Run and merge every segment of one work item into ``out_acc`` and ``lse`` (disjoint rows per item)."""
     works, b = item
@@ -236,11 +363,11 @@ def _backward_item(
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     causal: bool,
     scale: float,
-    kernel: str,
-    dist: torch.Tensor | None = None,
+    kernel: Kernel,
+    slope_dist: torch.Tensor | None = None,
 ) -> None:
     """Accumulate one work item's share of ``(dq, dk, dv)``, each block run against the merged out/lse, and with
-    ``dist (B, Hq)`` its share of ``sum dS |i - j|`` (disjoint entries per item)."""
+    ``slope_dist (B, Hq)`` its share of ``sum dS |i - j|`` (disjoint entries per item)."""
     q, k, v, out, lse = saved
     dq, dk, dv = grads
     works, b = item
@@ -261,10 +388,10 @@ def _backward_item(
                 _add_rows(dq[b, h], seg, seg.q_start, seg.q_len, gq)
                 _add_rows(dk[b, hk], seg, seg.k_start, seg.k_len, gk)
                 _add_rows(dv[b, hk], seg, seg.k_start, seg.k_len, gv)
-                if dist is not None:  # the surrogate slope gradient: sum dS |i - j| of this call (count included)
-                    w = segment_distance(seg, q_offset, dist.dtype, dist.device)
+                if slope_dist is not None:  # the surrogate slope gradient: sum dS |i - j| of this call (count included)
+                    w = segment_distance(seg, q_offset, slope_dist.dtype, slope_dist.device)
                     total = attend_bias_grad(ds, qs, ks, vs, os_, ls, w, causal=causal and seg.masked, scale=scale)
-                    dist[b, h] += total.sum(1).to(dist.dtype)
+                    slope_dist[b, h] += total.sum(1).to(slope_dist.dtype)
 
 
 @dataclass(frozen=True)
@@ -272,15 +399,15 @@ class PerSampleBackend:
     """The per-sample path on a torch kernel (:class:`~positional_lsh.ops._engine.backend.Backend`).
 
     Attributes:
-        kernel: ``"flash"`` or ``"math"`` (``ops._engine.kernels.attend``).
+        kernel: ``Kernel.FLASH`` or ``Kernel.MATH`` (``ops._engine.torch_attention.attend``).
     """
 
-    kernel: str
+    kernel: Kernel
 
     @property
-    def method(self) -> str:
-        """``"samples"``."""
-        return "samples"
+    def method(self) -> Method:
+        """``Method.SAMPLES``."""
+        return Method.SAMPLES
 
     def plan(
         self, partitions: Partitions, num_kv_heads: int, q_len: int, causal: bool, device: torch.device
@@ -308,19 +435,21 @@ class PerSampleBackend:
         """Every block's gradient against the merged ``out``/``lse`` of ``saved``, accumulated in the accumulation
         dtype; with ``dist_grad`` each call's ``sum dS |i - j|`` too (per (batch, head) in the pool, then summed)."""
         q = saved.q
-        grads, dist = accumulators(saved, dist_grad)
+        grads, slope_dist = accumulators(saved, dist_grad)
         items = work_items_of(plan, q.shape[0], workers_for(q.device))
-        per_row = None if dist is None else torch.zeros((q.shape[0], q.shape[1]), dtype=dist.dtype, device=dist.device)
+        per_row = None
+        if slope_dist is not None:
+            per_row = torch.zeros((q.shape[0], q.shape[1]), dtype=slope_dist.dtype, device=slope_dist.device)
         run = partial(_backward_item, saved=tuple(saved), dout=dout, grads=grads, causal=plan.causal, scale=scale,
-                      kernel=self.kernel, dist=per_row)  # fmt: skip
+                      kernel=self.kernel, slope_dist=per_row)  # fmt: skip
         run_all(run, items, pool_size(len(items), q.device))
-        if dist is not None and per_row is not None:
-            dist += per_row.sum(0)
+        if slope_dist is not None and per_row is not None:
+            slope_dist += per_row.sum(0)
         dq, dk, dv = grads
-        return dq.to(q.dtype), dk.to(saved.k.dtype), dv.to(saved.v.dtype), dist
+        return dq.to(q.dtype), dk.to(saved.k.dtype), dv.to(saved.v.dtype), slope_dist
 
 
-PER_SAMPLE_FLASH = PerSampleBackend("flash")
+PER_SAMPLE_FLASH = PerSampleBackend(Kernel.FLASH)
 """The per-sample path on torch's fused flash op of the device (the row ``("samples", "flash")``)."""
-PER_SAMPLE_MATH = PerSampleBackend("math")
+PER_SAMPLE_MATH = PerSampleBackend(Kernel.MATH)
 """The per-sample path on batched matmuls (the row ``("samples", "math")``)."""

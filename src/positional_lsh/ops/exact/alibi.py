@@ -9,7 +9,7 @@ torch's fused CPU flash kernel, every head in one call per ``FUSED_ROWS`` query 
 whenever the kernel is that op and no window drops a key; ``"banks"`` otherwise (``exact.toeplitz``: per head, one
 Toeplitz bias bank per head of which every chunk's bias is a view, each chunk on the keys its window keeps).
 A ``slopes`` tensor that requires grad gets ``dL/dm_h = -sum_{b,i,j} dS_ij |i - j|`` from one more pass of score
-recomputation per chunk in that backward (``ops._engine.kernels.attend_bias_grads`` with the weight
+recomputation per chunk in that backward (``ops._engine.torch_attention.attend_bias_grads`` with the weight
 ``d bias / dm = -|i - j|``, a view of a per-head Toeplitz distance bank). :func:`decay_attention` is the same op for
 the built-in decay families (:data:`~positional_lsh.ops.partitions.decays.DECAY_FAMILIES`, bias
 ``log k_theta(|i - j|)``), with ``params.grad``. Both take a ``key_padding_mask`` (:mod:`positional_lsh.ops.padding`).
@@ -21,11 +21,10 @@ connected by ``torch.library.register_autograd``, which gives ``theta`` its exac
 ``torch.compile(fullgraph=True)`` traces a call as that one opaque op; the values a trace cannot read (slopes,
 window, parameters) are then checked inside it (``check``).
 
-Runs the torch kernels of ``ops._engine.kernels`` only (``backend`` in :data:`ALIBI_BACKENDS`; exact ALiBi has no
-Triton path). Used by the language model (``alibi`` and ``window-alibi``), the transformers swap, and every benchmark
-and report as the exact/windowed peer. The dense conventions and oracles are in
-:mod:`positional_lsh.ops.exact.reference`.
-"""
+Runs torch's attention ops of ``ops._engine.torch_attention`` only (``backend`` in :data:`ALIBI_BACKENDS`, resolved by
+``ops._engine.routing.exact_kernel``; exact ALiBi has no Triton path). Used by the language model (``alibi`` and
+``window-alibi``), the transformers swap, and every benchmark and report as the exact/windowed peer. The dense
+conventions and oracles are in :mod:`positional_lsh.ops.exact.reference`. """
 
 from __future__ import annotations
 
@@ -41,37 +40,16 @@ from positional_lsh.ops._checks import (
     check_bool,
     check_meta_slopes,
     check_qkv,
+    grad_slopes,
     is_meta_tensor,
     meta_output,
 )
-from positional_lsh.ops._engine.kernels import resolve_backend
+from positional_lsh.ops._engine.routing import exact_kernel
 from positional_lsh.ops.exact.op import exact_forward
-from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend
 from positional_lsh.ops.padding import check_key_padding_mask
 from positional_lsh.ops.partitions.decays import decay_family
-from positional_lsh.ops.partitions.sampling import slopes_tensor
 
 __all__ = ["alibi_attention", "decay_attention"]
-
-
-def _kernel_backend(backend: str, q: torch.Tensor, op: str) -> str:
-    """The torch kernel of an exact op's ``backend`` for ``q`` (half types: ``"math"``, float32 scores)."""
-    if backend == "triton":
-        raise ValueError(
-            f"backend='triton' is not available for {op}: exact ALiBi has no Triton path "
-            f"(the Triton kernels are positional LSH's); backend must be one of {ALIBI_BACKENDS}"
-        )
-    check_backend(backend, ALIBI_BACKENDS)
-    requested = backend
-    backend = resolve_backend(backend, q.device)
-    if q.dtype in (torch.float16, torch.bfloat16):
-        if requested == "flash":
-            raise ValueError(
-                f"backend='flash' is not supported for {q.dtype} in {op}: the fused op would round the "
-                "bias to the input precision. Use backend='math' or 'auto' (float32 scores)"
-            )
-        backend = "math"
-    return backend
 
 
 def alibi_attention(
@@ -139,7 +117,7 @@ def alibi_attention(
     _, hq, _, _, lk, d = check_qkv(q, k, v)
     sc = as_scale(scale, d)
     check_bool("causal", causal)
-    backend = _kernel_backend(backend, q, "alibi_attention")
+    backend = exact_kernel(backend, q, "alibi_attention")
     mask = check_key_padding_mask(key_padding_mask, q, lk)
     compiling = torch.compiler.is_compiling()  # then the op checks the values (they cannot be read when tracing)
     if q.device.type == "meta" and is_meta_tensor(slopes) and not compiling:
@@ -150,11 +128,12 @@ def alibi_attention(
             as_window(window, hq)
         return meta_output(q, k, v, slopes)
     if compiling:
-        theta, win = slopes_tensor(slopes, hq), None if window is None else slopes_tensor(window, hq)
+        theta, win = as_slopes(slopes, hq, read=False), None if window is None else as_slopes(window, hq, read=False)
     else:
         theta, win = as_slopes(slopes, hq), as_window(window, hq)  # detached float64 values, checked
-    if isinstance(slopes, torch.Tensor) and slopes.requires_grad:  # learnable: the tensor is the op's input
-        theta = slopes.expand(hq) if slopes.dim() == 0 else slopes
+    learnable = grad_slopes(slopes, hq)
+    if learnable is not None:  # learnable: the tensor is the op's input
+        theta = learnable
     return _exact_call(q, k, v, theta, win, "alibi", causal, sc, backend, compiling, mask)
 
 
@@ -224,7 +203,7 @@ def decay_attention(
             theta = theta[None].expand(hq, fam.num_params)
     else:
         theta, _ = fam.check_params(params, hq)
-    backend = _kernel_backend(backend, q, "decay_attention")
+    backend = exact_kernel(backend, q, "decay_attention")
     mask = check_key_padding_mask(key_padding_mask, q, lk)
     return _exact_call(q, k, v, theta, None, fam.name, causal, sc, backend, compiling, mask)
 

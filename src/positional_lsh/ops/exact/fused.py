@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from positional_lsh.ops._engine.kernels import attend, attend_backward
+from positional_lsh.ops._engine.kinds import Kernel
 from positional_lsh.ops._engine.parallel import pool_size, run_all, work_items, workers_for
+from positional_lsh.ops._engine.torch_attention import attend, attend_backward
 from positional_lsh.ops.exact.toeplitz import Chunk, Toeplitz
 
 #: Query rows per kernel call of the ``"fused"`` route (:func:`exact_route`). Causal, each call's keys end at its last
@@ -42,7 +43,7 @@ def exact_route(window: torch.Tensor | None, k_len: int, backend: str, device: t
 
     The slope and decay-parameter gradients take the ``"banks"`` chunks on either route (one math pass).
     """
-    if backend != "flash" or device.type != "cpu":
+    if backend != Kernel.FLASH or device.type != "cpu":
         return "banks"
     if window is not None and bool((window < k_len - 1).any()):
         return "banks"

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from positional_lsh.ops._checks import as_slopes, as_window
-from positional_lsh.ops._engine.kernels import acc_dtype, output_buffers, poison_rows
 from positional_lsh.ops._engine.parallel import pool_size, run_all
+from positional_lsh.ops._engine.torch_attention import acc_dtype, output_buffers, poison_rows
 from positional_lsh.ops.exact.fused import exact_route, fused_backward, fused_forward
 from positional_lsh.ops.exact.toeplitz import (
     Toeplitz,

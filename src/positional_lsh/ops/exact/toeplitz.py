@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from positional_lsh.ops._engine.kernels import (
+from positional_lsh.ops._engine.kinds import Kernel
+from positional_lsh.ops._engine.parallel import work_items, workers_for
+from positional_lsh.ops._engine.torch_attention import (
     acc_dtype,
     attend,
     attend_backward,
@@ -25,7 +27,6 @@ from positional_lsh.ops._engine.kernels import (
     kernel_layout,
     nonfinite_keys,
 )
-from positional_lsh.ops._engine.parallel import work_items, workers_for
 from positional_lsh.ops.exact.bias import alibi_bias
 from positional_lsh.ops.partitions.decays import decay_family
 
@@ -215,7 +216,7 @@ def _head_chunks(
     """
     group = q.shape[1] // k.shape[1]
     acc = acc_dtype(q.dtype)
-    bias_dtype = q.dtype if backend == "flash" else acc
+    bias_dtype = q.dtype if backend == Kernel.FLASH else acc
     for h in heads:
         plan = HeadPlan(q.shape[2], k.shape[2], spec.reach(h), causal)
         bias_bank, weight_bank = spec.banks(h, plan, causal, bias_dtype, acc if weights else None, q.device)

@@ -119,19 +119,26 @@ def block_bounds(
         raise ValueError(f"seq_len must be in [1, 2**51], got {seq_len}")
     whole = integer_pitch_shift(pitch, shift)
     if whole is not None:
-        b, s = whole
-        if seq_len <= FLOAT32_SEQ_LEN:
-            bf, sf, i32 = b.to(pos.device, torch.float32), s.to(pos.device, torch.float32), pos.to(torch.float32)
-            lab = torch.floor(torch.sub(i32, sf).div_(bf))
-            end32 = torch.add(lab, 1.0).mul_(bf).add_(sf).clamp_(max=float(seq_len))  # s + (lab + 1) b
-            first = lab.mul_(bf).add_(sf).clamp_(min=0.0)  # s + lab b
-            return first.long(), end32.long()
-        i = pos.long()
-        start = torch.sub(i, s)  # of the broadcast shape (s is that of pitch and shift): then in place
-        start = torch.sub(i, torch.remainder(start, b, out=start), out=start)  # unclipped: the end is start + b
-        end = (start + b).clamp_(max=seq_len)
-        return start.clamp_(min=0), end
+        return integer_block_bounds(*whole, seq_len, pos)
     return _real_bounds(pitch, shift, seq_len, pos.to(torch.float64))
+
+
+def integer_block_bounds(
+    b: torch.Tensor, s: torch.Tensor, seq_len: int, pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_bounds` of integer partitions, from :func:`integer_pitch_shift`'s int64 ``(b, s)`` (computed once
+    by a caller that bounds many positions of the same partitions; nothing is checked here)."""
+    if seq_len <= FLOAT32_SEQ_LEN:
+        bf, sf, i32 = b.to(pos.device, torch.float32), s.to(pos.device, torch.float32), pos.to(torch.float32)
+        lab = torch.floor(torch.sub(i32, sf).div_(bf))
+        end32 = torch.add(lab, 1.0).mul_(bf).add_(sf).clamp_(max=float(seq_len))  # s + (lab + 1) b
+        first = lab.mul_(bf).add_(sf).clamp_(min=0.0)  # s + lab b
+        return first.long(), end32.long()
+    i = pos.long()
+    start = torch.sub(i, s)  # of the broadcast shape (s is that of pitch and shift): then in place
+    start = torch.sub(i, torch.remainder(start, b, out=start), out=start)  # unclipped: the end is start + b
+    end = (start + b).clamp_(max=seq_len)
+    return start.clamp_(min=0), end
 
 
 def _real_bounds(

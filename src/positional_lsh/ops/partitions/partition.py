@@ -1,4 +1,4 @@
-"""Sampled positional-LSH partitions (:class:`Partitions`) and the fast path's work lists (:class:`Segment`).
+"""Sampled positional-LSH partitions: :class:`Partitions` and :func:`sample_partitions`.
 
 A partition of positions ``0..n-1`` is a pitch ``b > 0`` and a shift ``xi`` in ``[0, b)`` per (sample, head):
 position ``i`` goes to block ``floor((i - xi) / b)`` (see :mod:`positional_lsh.ops.partitions.schemes` for the schemes
@@ -13,10 +13,9 @@ samples of a draw with ``num_samples > T`` equal a draw with ``num_samples = T``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import FrozenInstanceError, dataclass, field, replace
 
-import numpy as np
 import torch
 
 from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
@@ -24,6 +23,7 @@ from positional_lsh.ops.errors import check_memory, check_seconds
 from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.decays import DecayLike
 from positional_lsh.ops.partitions.schemes import get_scheme
+from positional_lsh.ops.partitions.values import check_partition_values, value_problem
 
 __all__ = ["Partitions", "check_draw_size", "sample_partitions"]
 
@@ -60,35 +60,7 @@ def check_draw_size(num_samples: int, num_heads: int, what: str | None = None, s
     check_seconds(entries * per_entry * 1e-9, MAX_DRAW_SECONDS, what)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """``count`` equal-shape blocks of one (sample, head), processed by one kernel call.
-
-    Block ``c`` (``0 <= c < count``) pairs the query rows ``q_start + c*step + [0, q_len)`` with the key rows
-    ``k_start + c*step + [0, k_len)``, where ``step = stride or k_len`` (adjacent blocks by default). Query row
-    ``r`` sits at key position ``r + Lk - Lq``: queries are aligned to the last keys. ``q_len < k_len`` only
-    for the one block that the first query cuts (decoding, chunked prefill); its queries are the block's
-    *last* ``q_len`` positions. If ``index`` is given, it is a ``(count, k_len)`` tensor of the key positions
-    of non-adjacent blocks, and the rows are ``index + q_start`` for queries and ``index + k_start`` for keys.
-    ``masked`` says whether the causal mask applies inside the segment (``False`` for pieces whose keys all
-    precede their queries).
-    """
-
-    q_start: int
-    k_start: int
-    q_len: int
-    k_len: int
-    count: int
-    index: torch.Tensor | None = None
-    stride: int = 0
-    masked: bool = True
-
-    @property
-    def step(self) -> int:
-        return self.stride or self.k_len
-
-
-def _label_runs(pitch: float, shift: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_runs(pitch: float, shift: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Block starts and sizes (int64) for positions ``0..n-1``."""
     if math.isinf(pitch):
         return torch.zeros(1, dtype=torch.long), torch.full((1,), n, dtype=torch.long)
@@ -103,7 +75,7 @@ def _label_runs(pitch: float, shift: float, n: int) -> tuple[torch.Tensor, torch
     return starts, sizes
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Partitions:
     """``T`` positional-LSH partitions for each of ``H`` heads of a length-``n`` sequence.
 
@@ -114,11 +86,13 @@ class Partitions:
     partitions are used for every element of a batch.
 
     Checked once, when made (by hand, ``dataclasses.replace``, :meth:`select`, :meth:`with_seq_len` or a sampler):
-    :func:`check_partition_values` refuses (``TypeError``/``ValueError`` naming the field) anything the estimator
-    cannot compute with — a NaN, zero or negative pitch, a shift outside ``[0, pitch)`` or not finite, non-integer
-    values under an integer scheme, mismatched shapes, no samples — and copies ``pitch``, ``shift`` and ``slopes``
-    to float64 CPU tensors of its own (so changing the tensors it was made from changes nothing); ``seq_len``,
-    ``decay_len`` and ``max_block`` become Python ints (a numpy integer is taken, a bool refused).
+    :func:`~positional_lsh.ops.partitions.values.check_partition_values` refuses (``TypeError``/``ValueError`` naming
+    the field) anything the estimator cannot compute with — a NaN, zero or negative pitch, a shift outside ``[0,
+    pitch)`` or not finite, non-integer values under an integer scheme, mismatched shapes, no samples — and copies
+    ``pitch``, ``shift`` and ``slopes`` to float64 CPU tensors of its own (so changing the tensors it was made from
+    changes nothing); ``seq_len``, ``decay_len`` and ``max_block`` become Python ints (a numpy integer is taken, a
+    bool refused). Immutable once made: assigning a field raises ``dataclasses.FrozenInstanceError``; pickling and
+    ``torch.compile`` take it as a plain dataclass.
 
     Attributes:
         seq_len: number of positions ``n`` (the key length).
@@ -148,7 +122,16 @@ class Partitions:
     max_block: int | None = None
 
     def __post_init__(self) -> None:
-        check_partition_values(self)
+        for name, value in check_partition_values(self).items():
+            setattr(self, name, value)  # the checked values (Python ints, float64 CPU copies), before sealing
+        self._sealed: bool = True  # (not a field) no assignment from here on
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Read-only once made (dataclasses.replace, select and with_seq_len make new ones): set only while
+        # __init__ / __post_init__ run.
+        if getattr(self, "_sealed", False):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}: Partitions are immutable")
+        super().__setattr__(name, value)
 
     @property
     def num_samples(self) -> int:
@@ -211,7 +194,7 @@ class Partitions:
 
     def blocks(self, sample: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block boundaries of one (sample, head): ``(starts, sizes)``, int64 tensors covering ``0..n-1``."""
-        return _label_runs(float(self.pitch[sample, head]), float(self.shift[sample, head]), self.seq_len)
+        return block_runs(float(self.pitch[sample, head]), float(self.shift[sample, head]), self.seq_len)
 
     def block_span(self, head: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For each position ``j``, the union over samples of the blocks holding ``j``: ``[lo, hi)`` int64.
@@ -248,73 +231,6 @@ class Partitions:
             out += (lab[t, :, :, None] == lab[t, :, None, :]).to(dtype)
         return out / self.num_samples
 
-    def segments(self, sample: int, head: int, q_len: int | None = None) -> list[Segment]:
-        """Kernel work list for one (sample, head), for ``q_len`` queries aligned to the last keys."""
-        n = self.seq_len
-        q_len = n if q_len is None else q_len
-        q0 = n - q_len
-        pitch = float(self.pitch[sample, head])
-        shift = float(self.shift[sample, head])
-        if get_scheme(self.scheme).integer and math.isfinite(pitch):
-            return _integer_segments(int(pitch), int(shift), n, q0)
-        starts, sizes = _label_runs(pitch, shift, n)
-        return _generic_segments(starts, sizes, n, q0)
-
-    def iter_segments(self, q_len: int | None = None) -> Iterator[tuple[int, int, list[Segment]]]:
-        """``(head, sample, segments)`` for every head and sample, head-major."""
-        for h in range(self.num_heads):
-            for t in range(self.num_samples):
-                yield h, t, self.segments(t, h, q_len)
-
-
-def _cut_block(start: int, size: int, q0: int) -> Segment:
-    """A block that the first query position ``q0`` may cut: queries ``max(start, q0)..start+size``."""
-    qs = max(start, q0)
-    return Segment(q_start=qs - q0, k_start=start, q_len=start + size - qs, k_len=size, count=1)
-
-
-def _integer_segments(b: int, s: int, n: int, q0: int) -> list[Segment]:
-    """Blocks ``[0, s)`` (when ``s > 0``), then ``[s + k b, s + (k+1) b)`` clipped to ``n``."""
-    segs: list[Segment] = []
-    if s > 0 and min(s, n) > q0:
-        segs.append(_cut_block(0, min(s, n), q0))
-    if s >= n:
-        return segs
-    start = s + ((q0 - s) // b) * b if q0 > s else s  # the block holding q0, or the first after it
-    if start < q0:
-        end = min(start + b, n)
-        segs.append(_cut_block(start, end - start, q0))
-        start = end
-    full = max(0, (n - start) // b)
-    if full > 0:
-        segs.append(Segment(q_start=start - q0, k_start=start, q_len=b, k_len=b, count=full))
-    tail = start + full * b
-    if tail < n:
-        segs.append(_cut_block(tail, n - tail, q0))
-    return segs
-
-
-def _generic_segments(starts: torch.Tensor, sizes: torch.Tensor, n: int, q0: int) -> list[Segment]:
-    ends = starts + sizes
-    keep = ends > q0
-    starts, sizes = starts[keep], sizes[keep]
-    segs: list[Segment] = []
-    if starts.numel() and int(starts[0]) < q0:
-        segs.append(_cut_block(int(starts[0]), int(sizes[0]), q0))
-        starts, sizes = starts[1:], sizes[1:]
-    if starts.numel() == 0:
-        return segs
-    # Group the remaining (whole) blocks by size; one kernel call per size, gathering rows.
-    for size in torch.unique(sizes).tolist():
-        sel = starts[sizes == size]
-        count = sel.numel()
-        first = int(sel[0])
-        if count == 1 or bool((torch.diff(sel) == size).all()):
-            segs.append(Segment(q_start=first - q0, k_start=first, q_len=size, k_len=size, count=count))
-        else:
-            index = sel[:, None] + torch.arange(size)
-            segs.append(Segment(q_start=-q0, k_start=0, q_len=size, k_len=size, count=count, index=index))
-    return segs
 
 
 def sample_partitions(
@@ -553,102 +469,3 @@ def check_same_slopes(slopes: torch.Tensor, drawn: torch.Tensor) -> None:
     (``torch.allclose`` in float64 on the CPU; both ``(H,)``)."""
     if not torch.allclose(slopes.detach().to("cpu", torch.float64), drawn.detach().to("cpu", torch.float64)):
         raise ValueError("slopes differ from partitions.slopes; pass one or the other")
-
-
-def value_problem(pitch: torch.Tensor, shift: torch.Tensor, integer: bool) -> str | None:
-    """What is wrong with these pitch and shift values (float64 CPU tensors of one shape), or ``None``.
-
-    Every pitch must be ``> 0`` and not NaN (``inf``: one block holding the whole sequence), every shift finite with
-    ``0 <= shift < pitch``; with ``integer``, finite pitches and all shifts must be integers. The message names the
-    first offending (sample, head) and its values. ``O(T*H)``, through numpy (about 3 us at T = 16, H = 8).
-    """
-    p = pitch.detach().numpy()
-    s = shift.detach().numpy()
-    # Fast path: 0 <= shift < pitch alone rules out NaN anywhere, pitch <= 0 and an infinite shift (inf < inf is
-    # false); floor(inf) == inf, so infinite pitches pass the integer test.
-    ok = (s >= 0) & (s < p)
-    if integer:
-        ok &= (np.floor(p) == p) & (np.floor(s) == s)
-    if ok.all():
-        return None
-    with np.errstate(invalid="ignore"):
-        checks = [
-            (~(p > 0), "pitch > 0 (or inf: one block)"),
-            (~np.isfinite(s) | ~(s >= 0), "a finite shift >= 0"),
-            (~(s < p), "shift < pitch"),
-        ]
-        if integer:
-            finite = np.isfinite(p)
-            checks.append(((finite & (p != np.floor(np.where(finite, p, 0.0)))) | (s != np.floor(s)),
-                           "integer pitches and shifts (the scheme is declared integer)"))  # fmt: skip
-    for bad, want in checks:
-        if bad.any():
-            t, h = (int(i) for i in np.argwhere(bad)[0])
-            count = int(bad.sum())
-            return (f"pitch={float(p[t, h])!r}, shift={float(s[t, h])!r} at sample {t}, head {h} ({count} such entr"
-                    f"{'y' if count == 1 else 'ies'}); expected {want}")  # fmt: skip
-    return None
-
-
-def _as_values(name: str, x: object) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.is_complex() or x.dtype == torch.bool:
-        what = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"Partitions.{name} must be a real tensor, got {what}")
-    if x.device.type == "meta":
-        raise ValueError(f"Partitions.{name} must hold values (a CPU tensor), got a meta tensor")
-    return x
-
-
-def check_partition_values(p: Partitions) -> None:
-    """Refuse a :class:`Partitions` whose fields are not what the estimator computes with; run once, when one is
-    made (``Partitions.__post_init__``: by hand, by ``dataclasses.replace``, ``select``, ``with_seq_len``, or from a
-    sampler), raising ``TypeError``/``ValueError`` naming the field.
-
-    * Structure, always (also inside a ``torch.compile`` trace, where it reads shapes only): ``seq_len`` an int
-      ``>= 1``; ``pitch`` and ``shift`` real tensors of one shape ``(T, H)`` with ``T, H >= 1``; ``slopes`` ``(H,)``;
-      a registered ``scheme``; ``decays`` ``None`` or one per head; ``decay_len`` ``None`` or ``>= seq_len``;
-      ``max_block`` ``None`` or an int ``>= 1`` (the ints become Python ints). In eager mode, ``pitch``, ``shift`` and
-      ``slopes`` are copied to float64 CPU tensors of the ``Partitions`` (never the caller's: mutating those later
-      cannot bypass this check), and a ``device`` given by name becomes a ``torch.device``.
-    * Values, in eager mode only (under ``torch.compile`` they come from the draw op, which is trusted, and are not
-      read): :func:`value_problem` for the scheme (``get_scheme(scheme).integer``). ``O(T*H)`` numbers; about
-      10 us per ``Partitions`` made at T = 16, H = 8.
-    """
-    compiling = torch.compiler.is_compiling()
-    if not (compiling and isinstance(p.seq_len, torch.SymInt)):
-        # A Python int from here on (a numpy int64 would reach the kernels' launch arguments).
-        object.__setattr__(p, "seq_len", positive_int("seq_len", p.seq_len))
-    pitch, shift = _as_values("pitch", p.pitch), _as_values("shift", p.shift)
-    slopes = _as_values("slopes", p.slopes)
-    if pitch.dim() != 2 or shift.shape != pitch.shape:
-        raise ValueError(
-            f"Partitions.pitch and shift must be (num_samples, num_heads) tensors of one shape, got "
-            f"{tuple(pitch.shape)} and {tuple(shift.shape)}"
-        )
-    if not compiling and min(pitch.shape) < 1:
-        raise ValueError(f"Partitions need at least one sample and one head, got pitch of shape {tuple(pitch.shape)}")
-    if slopes.dim() != 1 or (not compiling and slopes.shape[0] != pitch.shape[1]):
-        raise ValueError(f"Partitions.slopes must be ({pitch.shape[1]},), one per head, got {tuple(slopes.shape)}")
-    integer = get_scheme(p.scheme).integer
-    if p.decays is not None and (not isinstance(p.decays, tuple) or len(p.decays) != pitch.shape[1]):
-        raise ValueError(f"Partitions.decays must be None or a tuple of one Decay per head ({pitch.shape[1]})")
-    if p.decay_len is not None and not compiling:
-        object.__setattr__(p, "decay_len", positive_int("decay_len", p.decay_len))
-        if p.decay_len < p.seq_len:
-            raise ValueError(f"Partitions.decay_len={p.decay_len} is below seq_len={p.seq_len}: the decay "
-                             "partitions are exact only up to decay_len")  # fmt: skip
-    if p.max_block is not None:
-        object.__setattr__(p, "max_block", positive_int("max_block", p.max_block))
-    if compiling:
-        return
-    if not isinstance(p.device, torch.device):
-        try:
-            object.__setattr__(p, "device", torch.device(p.device))
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"Partitions.device must be a torch.device or its name, got {p.device!r}") from exc
-    # Always a copy (about 1 us each at T*H = 128): the caller's tensors may change after this check.
-    for name, x in (("pitch", pitch), ("shift", shift), ("slopes", slopes)):
-        object.__setattr__(p, name, x.detach().to("cpu", torch.float64, copy=True))
-    problem = value_problem(p.pitch, p.shift, integer)
-    if problem is not None:
-        raise ValueError(f"Partitions of scheme {p.scheme!r} hold {problem}")

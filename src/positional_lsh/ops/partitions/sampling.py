@@ -20,14 +20,10 @@ for that draw (the same seeds; eager and compiled).
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Sequence
-
 import torch
 
 from positional_lsh.ops._checks import SlopesLike, as_slopes, check_int, positive_int
 from positional_lsh.ops.partitions.partition import Partitions, sample_partitions
-from positional_lsh.ops.partitions.slopes import alibi_slopes
 
 __all__ = ["PartitionSampler", "layer_seed"]
 
@@ -73,21 +69,6 @@ def _(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (num_samples, slopes.shape[0])
     return torch.empty(shape, dtype=torch.float64), torch.empty(shape, dtype=torch.float64)
-
-
-def slopes_tensor(slopes: object, num_heads: int) -> torch.Tensor:
-    """Slopes as a float64 CPU ``(H,)`` tensor *without reading their values* (for a ``torch.compile`` trace; the
-    draw op validates them). Eager code uses ``ops._checks.as_slopes``, which checks them."""
-    if slopes is None:
-        return alibi_slopes(num_heads).double()
-    if isinstance(slopes, torch.Tensor):
-        out = slopes.detach().to("cpu", torch.float64)
-        return out.expand(num_heads).clone() if out.dim() == 0 else out
-    if isinstance(slopes, numbers.Real) and not isinstance(slopes, bool):
-        return torch.full((num_heads,), float(slopes), dtype=torch.float64)
-    if isinstance(slopes, Sequence):
-        return torch.tensor([float(s) for s in slopes], dtype=torch.float64)
-    raise TypeError(f"slopes must be a tensor, a sequence of floats or a float, got {type(slopes).__name__}")
 
 
 def _check_seed(name: str, seed: object, allow_none: bool) -> int | None:
@@ -174,7 +155,7 @@ class PartitionSampler:
         return sample_partitions(1, slopes, self.num_samples, scheme=self.scheme, generator=seed)
 
     def _compiled_draw(self, seq_len: int, training: bool, step: int | torch.Tensor, slopes: SlopesLike) -> Partitions:
-        values = self.slopes if slopes is None else slopes_tensor(slopes, self.num_heads)
+        values = self.slopes if slopes is None else as_slopes(slopes, self.num_heads, read=False)
         if not training:
             pitch, shift = sample_op(None, self.eval_seed, values, self.num_samples, self.scheme)
         elif self.seed is None:

@@ -1,19 +1,18 @@
-"""Regular (positionally unbiased) attention kernels that also return the log-sum-exp.
+"""torch's attention ops as the engine calls them: the fused flash SDPA op of the device and the math kernel.
 
-Two kernels share one contract:
+Both return the log-sum-exp, and both share one contract:
 
-* ``"flash"`` — torch's fused flash-attention op of the device, with its log-sum-exp and a backward that takes an
-  externally supplied ``out``/``lse``, which is exactly what the positional-LSH merge needs:
-  on the CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (and ``..._backward``), which also takes a float
-  mask; on CUDA ``aten._scaled_dot_product_flash_attention`` (and ``..._backward``, dropout 0), which takes no mask.
-  What the CUDA op refuses for a whole call (:func:`flash_refusal`: an additive mask, float32/float64, a head dim
-  that is not a multiple of 8 or above 256, a GPU older than sm_80) the engine decides up front
-  (``ops._engine.engine.decide``: such calls run ``"math"``). What only one kernel call's tensors show
-  (:func:`cuda_flash_refusal`: causal with ``Lq != Lk``, whose mask the op aligns elsewhere, no rows, or torch's own
-  check) the ``"flash"`` kernel computes with the math formula, forward and backward alike (the same test decides
-  both); so do calls whose caller did not decide (the exact ops, which always pass a mask).
-* ``"math"`` — plain batched matmuls with softmax, processed in chunks to bound memory. Runs on any
-  device and dtype.
+* :attr:`~positional_lsh.ops._engine.kinds.Kernel.FLASH` (public ``backend="flash"``) — torch's fused flash
+  SDPA op of the device (a private ATen op: on the CPU too), with its log-sum-exp and a backward that takes an
+  externally supplied ``out``/``lse``, which is exactly what the positional-LSH merge needs: on the CPU
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` (and ``..._backward``), which also takes a float mask; on
+  CUDA ``aten._scaled_dot_product_flash_attention`` (and ``..._backward``, dropout 0), which takes no mask. What the
+  CUDA op refuses (:func:`flash_refusal`: an additive mask, float32/float64, a head dim that is not a multiple of 8
+  or above 256, a GPU older than sm_80; causal calls with ``Lq != Lk``) is decided once per call, up front, by the
+  engine's routing (``ops._engine.routing.dispatch``: such calls run the math kernel). There is no fallback here:
+  each call runs the kernel it is given.
+* :attr:`~positional_lsh.ops._engine.kinds.Kernel.MATH` — plain batched matmuls with softmax, processed in chunks
+  to bound memory. Runs on any device and dtype.
 
 Contract: ``q (N, M, Lq, d)``, ``k, v (N, M, Lk, d)`` (any strides on the first two dims; the flash kernel
 needs stride 1 in the last dim, see :func:`kernel_layout`),
@@ -23,6 +22,7 @@ needs stride 1 in the last dim, see :func:`kernel_layout`),
 ``attend_backward`` takes the upstream gradient with an arbitrary ``out``/``lse`` — when these are the
 *merged* output and log-sum-exp of several attention calls whose key sets are united in one softmax,
 it returns this call's share of the gradient of the merged output (docs/design.md, the merged-lse backward).
+The ``kernel`` arguments are :class:`~positional_lsh.ops._engine.kinds.Kernel` members.
 """
 
 from __future__ import annotations
@@ -31,31 +31,17 @@ from collections.abc import Sequence
 
 import torch
 
-from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend
+from positional_lsh.ops._engine.kinds import Kernel
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 _cuda_flash = torch.ops.aten._scaled_dot_product_flash_attention
 _cuda_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
-# The devices whose fused flash op backend="flash" runs (CPU and CUDA; "meta" takes the CUDA op's shape functions).
-_FLASH_DEVICES = ("cpu", "cuda")
+FLASH_DEVICES = ("cpu", "cuda")
+"""The devices whose fused flash op ``backend="flash"`` runs (``"meta"`` takes the CUDA op's shape functions)."""
 
 # The math kernel materializes at most this many score entries at once.
 _MATH_CHUNK_ELEMENTS = 2**24
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The torch kernel (``"flash"`` or ``"math"``) for ``backend`` in ``ops.options.ALIBI_BACKENDS`` on ``device``:
-    ``"auto"`` is the device's fused flash op on the CPU and on CUDA and the math kernel elsewhere."""
-    check_backend(backend, ALIBI_BACKENDS)
-    if backend == "auto":
-        return "flash" if device.type in _FLASH_DEVICES else "math"
-    if backend == "flash" and device.type not in _FLASH_DEVICES:
-        raise ValueError(
-            f"backend='flash' uses torch's fused flash-attention op of the CPU or CUDA; tensors are on {device}. "
-            "Use 'math'"
-        )
-    return backend
 
 
 def flash_refusal(
@@ -63,7 +49,7 @@ def flash_refusal(
 ) -> str | None:
     """Why torch's fused flash op of ``device`` refuses every kernel call of an op whose inputs are ``dtype`` with
     ``head_dim`` (with an additive mask when ``masked``; ``None``: not known, not checked); ``None`` where it takes
-    them. The engine's decision of a call's kernel (then ``"math"``); :func:`cuda_flash_refusal` starts from it.
+    them: what the engine's routing (``ops._engine.routing.refusal``) reads of the flash op.
 
     The CPU op takes every float dtype and a mask: never refused. The CUDA op (any other device: ``"meta"`` stands
     for CUDA in shape checks) takes no additive mask, half precision only, head dims that are multiples of 8 up to
@@ -82,39 +68,6 @@ def flash_refusal(
     return None
 
 
-def cuda_flash_refusal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None
-) -> str | None:
-    """Why torch's fused CUDA flash op does not take this kernel call (``None`` if it does); then ``"flash"`` runs
-    the math formula. Decided from the shapes, dtypes and device alone, so the forward and the backward of a call
-    agree.
-
-    The op computes ``softmax(scale q k^T) v`` (with ``is_causal`` only for ``Lq == Lk``, where its causal mask is
-    the contract's) and returns the natural-log ``lse (N, M, Lq)`` float32. Besides :func:`flash_refusal` (the
-    whole call's dtype, head dim, mask and GPU) the call's own shapes must suit it, and on a CUDA device torch's own
-    check (``torch.backends.cuda.can_use_flash_attention``) must agree too.
-    """
-    d = q.shape[-1]
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (one dtype)"
-    if k.shape[-1] != d or v.shape[-1] != d:
-        return f"head dims {d}, {k.shape[-1]}, {v.shape[-1]} (one head dim)"
-    why = flash_refusal(q.device, q.dtype, d, bias is not None)
-    if why is not None:
-        return why
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "not (N, M, L, d)"
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        return "no queries or keys"
-    if causal and q.shape[-2] != k.shape[-2]:
-        return "causal with Lq != Lk (the op aligns its causal mask to the first key)"
-    if q.device.type == "cuda":
-        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, False)
-        if not torch.backends.cuda.can_use_flash_attention(params, False):
-            return "torch's check (torch.backends.cuda.can_use_flash_attention)"
-    return None
-
-
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -122,7 +75,7 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
 def cuda_flash_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` from torch's fused CUDA flash op (the caller checked :func:`cuda_flash_refusal`)."""
+    """``(out, lse)`` from torch's fused CUDA flash op (the routing checked that it takes the call)."""
     q, k, v = (_last_contiguous(x) for x in (q, k, v))
     out, lse = _cuda_flash(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return out, lse
@@ -175,7 +128,7 @@ def kernel_layout(x: torch.Tensor, kernel: str) -> torch.Tensor:
     ``stride(-2) == d``); the batch and head strides may be anything (expanded tensors are kept as views).
     Called once per op call, so that the per-block kernel calls get views of it. ``"math"`` takes any layout.
     """
-    if kernel != "flash":
+    if kernel != Kernel.FLASH:
         return x
     length, d = x.shape[-2], x.shape[-1]
     if (d == 1 or x.stride(-1) == 1) and (length == 1 or x.stride(-2) == d):
@@ -282,14 +235,12 @@ def attend(
     kernel: str,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention returning ``(out, lse)`` with ``kernel`` (``"flash"`` or ``"math"``); see the module
-    docstring."""
+    """Softmax attention returning ``(out, lse)`` with ``kernel`` (flash or math, decided by the caller: on CUDA
+    the flash op must take the call, ``ops._engine.routing``); see the module docstring."""
     lk = k.shape[-2]
-    if kernel == "flash" and q.device.type != "cpu":
-        if cuda_flash_refusal(q, k, v, causal, bias) is None:
-            return cuda_flash_attend(q, k, v, causal, scale)
-        kernel = "math"
-    if kernel == "flash":
+    if kernel == Kernel.FLASH and q.device.type != "cpu":
+        return cuda_flash_attend(q, k, v, causal, scale)
+    if kernel == Kernel.FLASH:
         mask = _full_bias(q, lk, causal, bias, q.dtype)
         plain_causal = causal and mask is None
         out, lse = _flash(q, k, v, 0.0, plain_causal, attn_mask=mask, scale=scale)
@@ -322,11 +273,9 @@ def attend_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one call with ``kernel``, given the (possibly merged) ``out`` and ``lse``."""
     lk = k.shape[-2]
-    if kernel == "flash" and q.device.type != "cpu":
-        if cuda_flash_refusal(q, k, v, causal, bias) is None:
-            return cuda_flash_attend_backward(dout, q, k, v, out, lse, causal, scale)
-        kernel = "math"
-    if kernel == "flash":
+    if kernel == Kernel.FLASH and q.device.type != "cpu":
+        return cuda_flash_attend_backward(dout, q, k, v, out, lse, causal, scale)
+    if kernel == Kernel.FLASH:
         mask = _full_bias(q, lk, causal, bias, q.dtype)
         plain_causal = causal and mask is None
         return _flash_backward(dout, q, k, v, out, lse, 0.0, plain_causal, attn_mask=mask, scale=scale)

@@ -1,0 +1,117 @@
+"""The scaffold of an attention custom op: a forward op ``(q, k, v, ...) -> (out, lse)`` and its backward op,
+connected by ``torch.library.register_autograd``, used eager and compiled alike.
+
+The estimator's op (``ops._engine.op``: ``positional_lsh::plsh_forward`` / ``plsh_backward``) is built on it; the
+exact op (``ops.exact.alibi``: ``exact_forward`` / ``exact_backward``) has the same shape. What the scaffold
+shares (:func:`attention_op`):
+
+* inputs read by name, never by position (:func:`input_names`: the forward's signature);
+* the fakes: the forward returns :func:`~positional_lsh.ops._engine.torch_attention.output_buffers` of ``q`` (``out``
+  in ``q``'s dtype, ``lse`` in the accumulation dtype); the backward returns empty tensors shaped like the inputs
+  whose gradients it computes (``grads``, named in the backward's signature); only the tensors that shape the
+  outputs are read;
+* ``setup_context``: saves ``q, k, v``, the forward's other tensor inputs (``tensors``), ``out``, ``lse`` and the
+  ``key_padding_mask``; keeps the settings (``settings``) as they are; ``lse`` is not differentiable;
+* the autograd backward: ``dout`` (zeros where autograd gives none), the flags that say which gradients are needed
+  (``flags``, from ``ctx.needs_input_grad`` by name), one call of the backward op
+  ``backward(dout, q, k, v, out, lse, *tensors, **settings, **flags, key_padding_mask=mask)``, and its four outputs
+  returned at the inputs they belong to (``grads``), ``None`` for the others and for those not needed.
+
+Each op module still registers its own ops (``torch.library.custom_op`` with its name, in its module:
+``tests/test_architecture.py``, ``CUSTOM_OPS``) and hands them to :func:`attention_op`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from positional_lsh.ops._engine.torch_attention import output_buffers
+
+__all__ = ["AttentionOp", "attention_op", "input_names"]
+
+
+def input_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``fn``'s parameters, in order: how an op's inputs are read (by name, never by position)."""
+    return tuple(inspect.signature(fn).parameters)
+
+
+@dataclass(frozen=True)
+class AttentionOp:
+    """A registered forward / backward pair (see :func:`attention_op`).
+
+    Attributes:
+        forward: the forward op, ``(q, k, v, ...) -> (out, lse)``.
+        backward: the backward op, ``(dout, q, k, v, out, lse, ...) -> (four gradients)``.
+        inputs: the forward's input names, in order.
+        tensors: the forward's tensor inputs saved for the backward besides ``q, k, v`` and the mask.
+        settings: the forward's inputs the backward takes as they are.
+        grads: the forward inputs the backward's four outputs belong to.
+    """
+
+    forward: Any
+    backward: Any
+    inputs: tuple[str, ...]
+    tensors: tuple[str, ...]
+    settings: tuple[str, ...]
+    grads: tuple[str, str, str, str]
+
+
+def attention_op(
+    forward: Any,
+    forward_fn: Callable[..., Any],
+    backward: Any,
+    backward_fn: Callable[..., Any],
+    *,
+    tensors: tuple[str, ...],
+    settings: tuple[str, ...],
+    grads: tuple[str, str, str, str],
+    flags: Callable[[Mapping[str, bool]], dict[str, bool]],
+) -> AttentionOp:
+    """Register the fakes and the autograd of the custom ops ``forward`` (made from ``forward_fn``) and ``backward``
+    (from ``backward_fn``), as the module docstring says. ``flags(need)``: the backward op's keyword flags from
+    ``need`` (input name -> whether autograd needs its gradient; inputs left at their defaults read ``False``)."""
+    inputs = names_in = input_names(forward_fn)
+    grad_like = grads
+    back_names = input_names(backward_fn)
+    missing = [n for n in ("q", "k", "v", "key_padding_mask", *tensors, *settings) if n not in inputs]
+    missing += [n for n in ("dout", "q", "k", "v", "out", "lse", *grad_like[3:]) if n not in back_names]
+    if missing:
+        raise ValueError(f"attention_op: the ops have no inputs named {missing}")
+
+    def forward_fake(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        q = kwargs["q"] if "q" in kwargs else args[inputs.index("q")]
+        return output_buffers(q, empty=True)
+
+    def backward_fake(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        named = dict(zip(back_names, args, strict=False)) | kwargs
+        return tuple(torch.empty(named[n].shape, dtype=named[n].dtype, device=named[n].device) for n in grad_like)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        # (torch calls it with keywords: ctx, inputs, output)
+        args = dict(zip(names_in, inputs, strict=True))
+        out, lse = output
+        ctx.save_for_backward(*(args[n] for n in ("q", "k", "v", *tensors)), out, lse, args["key_padding_mask"])
+        ctx.settings = {n: args[n] for n in settings}
+        ctx.mark_non_differentiable(lse)
+
+    def backward_autograd(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        q, k, v, *rest = ctx.saved_tensors
+        *saved, out, lse, mask = rest
+        if dout is None:
+            dout = torch.zeros_like(out)
+        # (the dispatcher drops trailing inputs left at their defaults from needs_input_grad: none of them is a grad's)
+        need = {n: bool(x) for n, x in zip(inputs, ctx.needs_input_grad, strict=False)}
+        need.update({n: False for n in inputs if n not in need})
+        result = backward(dout, q, k, v, out, lse, *saved, **ctx.settings, **flags(need), key_padding_mask=mask)
+        by_name = dict(zip(grads, result, strict=True))
+        return tuple(by_name[n] if n in by_name and need[n] else None for n in inputs)
+
+    forward.register_fake(forward_fake)
+    backward.register_fake(backward_fake)
+    forward.register_autograd(backward_autograd, setup_context=setup_context)
+    return AttentionOp(forward, backward, inputs, tensors, settings, grads)

@@ -1,0 +1,271 @@
+"""The multiplicity form's plan, host-side: query tiles of each head's cheapest height, grouped by shape.
+
+A tile's keys are one window ``[k_start, k_start + k_len)`` covering the union of its rows' intervals; tiles of
+equal ``(tile, k_len)`` form a :class:`Group` (one batched kernel call). The method:
+:mod:`positional_lsh.ops._engine.multiplicity`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from positional_lsh.ops._engine.cost import TILE_HEIGHTS, tiling_estimate
+from positional_lsh.ops.partitions.bounds import block_bounds
+from positional_lsh.ops.partitions.partition import Partitions
+
+__all__ = [
+    "CHUNK_ELEMENTS", "KEEP_MASK_ELEMENTS", "WHOLE_TILE_ROWS", "Call", "Group", "MultiplicityPlan", "Tiling",
+    "call_chunks", "distinct_partitions", "multiplicity_plan", "tile_rows", "tilings",
+]  # fmt: skip
+
+#: Calls of at most this many query rows may take one tile of all of them (:func:`tilings`).
+WHOLE_TILE_ROWS = 1024
+# Key-window lengths are rounded up to one of this many sizes per octave (fewer distinct shapes, fewer calls).
+_STEPS_PER_OCTAVE = 4
+# Planning evaluates block bounds over at most about this many (tile, sample, head) entries at once.
+_BOUNDS_ELEMENTS = 2**18
+# One kernel call's mask has at most about this many entries, and its per-row bounds as many (tile row, sample)
+# pairs: small enough for the mask, its counts and the gathered keys to stay in the cache between the passes
+# (2**21: about 20 % faster than 2**23 at n = 32768, T = 8, one thread).
+CHUNK_ELEMENTS = 2**21
+#: A forward keeps its calls' masks for its backward (which then does not build them again) when they hold at most
+#: this many entries in all (16 MB in float32; n = 256, H = 8, T = 8 needs about 2**19); the backward releases them.
+KEEP_MASK_ELEMENTS = 2**22
+
+
+@dataclass(frozen=True)
+class Group:
+    """Query tiles sharing one shape ``(tile, k_len)``; tile ``a`` holds query rows ``q_start[a] + [0, tile)``
+    (clamped to ``Lq - 1``) of query head ``head[a]`` and keys ``k_start[a] + [0, k_len)`` of ``kv_head[a]``."""
+
+    tile: int
+    k_len: int
+    head: torch.Tensor  # (N,) int64
+    kv_head: torch.Tensor  # (N,) int64
+    q_start: torch.Tensor  # (N,) int64, query rows
+    k_start: torch.Tensor  # (N,) int64, key positions
+    pitch: torch.Tensor  # (N, U) float64: the distinct partitions of each tile's head ...
+    shift: torch.Tensor  # (N, U) float64
+    weight: torch.Tensor  # (N, U) int32: ... and how many of the T samples each is (0: padding)
+
+    def to(self, device: torch.device) -> Group:
+        """The group with its tensors on ``device``."""
+        return Group(self.tile, self.k_len, *(x.to(device) for x in self._columns()))
+
+    def _columns(self) -> tuple[torch.Tensor, ...]:
+        return (self.head, self.kv_head, self.q_start, self.k_start, self.pitch, self.shift, self.weight)
+
+    def split(self, size: int) -> list[Group]:
+        """The group cut into groups of at most ``size`` tiles."""
+        n = self.head.shape[0]
+        return [
+            Group(
+                self.tile,
+                self.k_len,
+                *(x[a : a + size] for x in self._columns()),
+            )
+            for a in range(0, n, size)
+        ]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call (a chunk of a group) with its index tensors, computed once per plan (they do not depend on
+    ``q, k, v``): the rows and their key positions, the keys, and the flat ``head * length + position`` indices of
+    the gathers and scatters."""
+
+    g: Group
+    rows: torch.Tensor  # (N, tile) query rows, clamped to Lq - 1
+    real: torch.Tensor  # (N, tile) bool: a real row (not padding past Lq)
+    pos: torch.Tensor  # (N, tile) the rows' key positions
+    keys: torch.Tensor  # (N, k_len) key positions, clamped to n - 1
+    q_index: torch.Tensor  # (N * tile,) head * Lq + row
+    kv_index: torch.Tensor  # (N * k_len,) kv_head * n + key
+    whole: tuple[torch.Tensor, torch.Tensor] | None  # int64 (pitch, shift) on the integer path, once per call
+    # (ops.partitions.bounds.integer_pitch_shift); None: real partitions
+    moves: tuple[torch.Tensor, torch.Tensor] | None = None  # (flat index, value) of the block-move events, if used
+
+
+@dataclass(frozen=True)
+class MultiplicityPlan:
+    """Kernel groups for the multiplicity form of some heads; built by :func:`multiplicity_plan`."""
+
+    heads: tuple[int, ...]
+    groups: tuple[Group, ...]
+    q_len: int
+    k_len: int
+    causal: bool
+    num_samples: int
+    calls_cache: dict[tuple[str, int, int], tuple[Call, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    kept_masks: dict[tuple[str, int, int, torch.dtype], tuple[torch.Tensor, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @property
+    def num_groups(self) -> int:
+        """The groups of tiles of one shape: one batched kernel call each (split further only to cap memory,
+        :func:`~positional_lsh.ops._engine.multiplicity.mask.kernel_calls`)."""
+        return len(self.groups)
+
+
+def round_up(k: torch.Tensor, limit: int) -> torch.Tensor:
+    """Round lengths up to one of ``_STEPS_PER_OCTAVE`` sizes per octave (multiples of 8), at most ``limit``."""
+    kf = k.to(torch.float64).clamp_min(8.0)
+    octave = torch.floor(torch.log2(kf)) - math.log2(_STEPS_PER_OCTAVE)
+    unit = torch.exp2(octave).clamp_min(8.0)
+    out = (torch.ceil(kf / unit) * unit).long()
+    out = ((out + 7) // 8) * 8
+    return torch.minimum(out, torch.full_like(out, limit))
+
+
+Tiling = tuple[float, tuple[torch.Tensor, ...], int]
+"""One head's tiling: ``(estimated ns, (q_start, k_start, k_len), tile height)`` (see :func:`tilings`)."""
+
+
+def distinct_count(x: torch.Tensor) -> torch.Tensor:
+    """The number of distinct values in each column of ``x (rows, cols)``, float64 ``(cols,)``."""
+    srt = x.sort(0).values
+    return ((srt[1:] != srt[:-1]).sum(0) + 1).to(torch.float64)
+
+
+def tilings(partitions: Partitions, heads: list[int], q_len: int, causal: bool) -> dict[int, Tiling]:
+    """The cheapest tiling of each of ``heads`` by the cost model (``ops._engine.cost.tiling_estimate``):
+    ``head -> (estimated ns, (q_start, k_start, k_len), tile)``.
+
+    For each candidate tile height the bounds of every head's tile rows come from one vectorized
+    :func:`~positional_lsh.ops.partitions.bounds.block_bounds` over ``(tiles, T, heads)`` (a per-head loop costs
+    ~30 % of a short call's forward in planning overhead). A tile's key window covers the union of its rows'
+    intervals; both ends are monotone in the row, so the first and last row fix it.
+    """
+    n = partitions.seq_len
+    q0 = n - q_len
+    index = torch.tensor(heads, dtype=torch.long)
+    pitch, shift = partitions.pitch[:, index], partitions.shift[:, index]  # (T, heads)
+    # Every candidate height is a multiple of the smallest (or covers all rows in one tile), so the first and
+    # last rows of all tilings are among those of the finest: their bounds once, for all heads and heights.
+    unit = TILE_HEIGHTS[0]
+    fine = torch.arange(0, q_len, unit, dtype=torch.long)
+    fine_last = torch.clamp(fine + unit, max=q_len) - 1 + q0
+    # (fine tiles, T, heads) bounds, a few heads at a time: block_bounds holds ~10 float64 temporaries of that
+    # shape, which for all heads at once would dominate the call's peak memory at large n and T.
+    # At very large T one head alone is too many: then a head's samples are taken a slice at a time as well.
+    num_t = pitch.shape[0]
+    chunk = max(1, _BOUNDS_ELEMENTS // max(1, fine.numel() * num_t))
+    t_chunk = num_t if chunk > 1 else max(1, _BOUNDS_ELEMENTS // max(1, fine.numel()))
+    lo_cols, end_cols = [], []
+    for a in range(0, len(heads), chunk):
+        lo_h: torch.Tensor | None = None
+        end_h: torch.Tensor | None = None
+        for b in range(0, num_t, t_chunk):
+            p, sh = pitch[b : b + t_chunk, a : a + chunk], shift[b : b + t_chunk, a : a + chunk]
+            lo = block_bounds(p, sh, n, (fine + q0)[:, None, None])[0].amin(1)
+            lo_h = lo if lo_h is None else torch.minimum(lo_h, lo)
+            if not causal:
+                end = block_bounds(p, sh, n, fine_last[:, None, None])[1].amax(1)
+                end_h = end if end_h is None else torch.maximum(end_h, end)
+        assert lo_h is not None
+        lo_cols.append(lo_h)
+        if end_h is not None:
+            end_cols.append(end_h)
+    lo_fine = torch.cat(lo_cols, 1)  # (fine tiles, heads)
+    end_fine = (fine_last + 1)[:, None].expand_as(lo_fine) if causal else torch.cat(end_cols, 1)
+    best: dict[int, Tiling] = {}
+    # Short calls may also take one tile of all rows (fewer, larger kernel calls; the cost model weighs the pairs).
+    heights = TILE_HEIGHTS if q_len > WHOLE_TILE_ROWS else (*TILE_HEIGHTS, q_len)
+    for tile in heights:
+        tile = min(tile, q_len)
+        step = tile // unit if tile < q_len else fine.numel()  # one tile: first row 0, last row Lq - 1
+        first_idx = torch.arange(0, fine.numel(), step)
+        last_idx = torch.clamp(first_idx + step - 1, max=fine.numel() - 1)
+        q_start = fine[first_idx]
+        lo, end = lo_fine[first_idx], end_fine[last_idx]  # (tiles, heads)
+        k_len = round_up(end - lo, n)
+        k_start = torch.minimum(lo, n - k_len)
+        pairs = k_len.sum(0).to(torch.float64) * tile
+        shapes = distinct_count(k_len)  # each distinct window length is (at least) one kernel call
+        costs = tiling_estimate(pairs, tile, q_start.numel(), q_len, partitions.num_samples, shapes).tolist()
+        for col, (h, cost) in enumerate(zip(heads, costs, strict=True)):
+            if h not in best or cost < best[h][0]:
+                best[h] = (cost, (q_start, k_start[:, col].contiguous(), k_len[:, col].contiguous()), tile)
+        if tile >= q_len:
+            break
+    return best
+
+
+def distinct_partitions(partitions: Partitions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each head's distinct ``(pitch, shift)`` pairs and how many samples drew each: ``(H, U)`` float64 pitches and
+    shifts and int32 weights, ``U`` the most distinct pairs of a head (the rest of a row repeats its first pair with
+    weight 0). Equal partitions give equal blocks, so a count ``c`` is the weighted count over the distinct ones: at
+    large ``T`` the heads of small ``sigma`` (whose draws repeat) have a fraction of ``T`` events per row."""
+    pitches, shifts = partitions.pitch.numpy(), partitions.shift.numpy()  # (T, H) float64 CPU: numpy, no copies
+    per_head = [
+        np.unique(np.stack([pitches[:, h], shifts[:, h]], 1), axis=0, return_counts=True)  # sorted, as torch.unique
+        for h in range(partitions.num_heads)
+    ]
+    width = max(u.shape[0] for u, _ in per_head)
+    pitch = np.empty((partitions.num_heads, width), dtype=np.float64)
+    shift = np.empty_like(pitch)
+    weight = np.zeros((partitions.num_heads, width), dtype=np.int32)
+    for h, (uniq, counts) in enumerate(per_head):
+        u = uniq.shape[0]
+        pitch[h], shift[h] = uniq[0, 0], uniq[0, 1]
+        pitch[h, :u], shift[h, :u], weight[h, :u] = uniq[:, 0], uniq[:, 1], counts
+    return torch.from_numpy(pitch), torch.from_numpy(shift), torch.from_numpy(weight)
+
+
+def multiplicity_plan(
+    partitions: Partitions,
+    heads: list[int],
+    num_kv_heads: int,
+    q_len: int,
+    causal: bool,
+    tiles: dict[int, Tiling] | None = None,
+) -> MultiplicityPlan:
+    """Tiles of the given query heads, grouped by shape (one batched kernel call per group).
+
+    ``tiles``: the per-head choice of :func:`tilings` where already computed (``method="auto"``).
+    """
+    group_size = partitions.num_heads // num_kv_heads
+    tiles = dict(tiles or {})
+    missing = [h for h in heads if h not in tiles]
+    if missing:
+        tiles.update(tilings(partitions, missing, q_len, causal))
+    # Every tile of every head as one row of (head, q_start, k_start, k_len), per tile height; sorted by k_len,
+    # each run of equal k_len is one group (vectorized: a per-head loop was most of a short call's planning).
+    distinct = distinct_partitions(partitions)
+    by_tile: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+    for h in heads:
+        _, (q_start, k_start, k_len), tile = tiles[h]
+        by_tile.setdefault(tile, []).append((torch.full_like(q_start, h), q_start, k_start, k_len))
+    groups = []
+    for tile in sorted(by_tile):
+        head, q_start, k_start, k_len = (torch.cat(c) for c in zip(*by_tile[tile], strict=True))
+        k_len, order = torch.sort(k_len, stable=True)
+        head, q_start, k_start = head[order], q_start[order], k_start[order]
+        lengths, counts = torch.unique_consecutive(k_len, return_counts=True)
+        cols = (head, head // group_size, q_start, k_start, *(x[head] for x in distinct))
+        splits = [c.split(counts.tolist()) for c in cols]
+        for kl, *parts in zip(lengths.tolist(), *splits, strict=True):
+            groups.append(Group(tile, int(kl), *(c.contiguous() for c in parts)))
+    return MultiplicityPlan(tuple(heads), tuple(groups), q_len, partitions.seq_len, causal, partitions.num_samples)
+
+
+def call_chunks(group: Group, batch: int, d: int) -> list[Group]:
+    """Split a group so that one call's mask (and its gathered keys and values) and its per-row bounds each have
+    about ``CHUNK_ELEMENTS`` entries at most."""
+    per_tile = max(group.tile * group.k_len + 2 * batch * group.k_len * d // 8, group.tile * group.pitch.shape[1])
+    size = max(1, CHUNK_ELEMENTS // max(1, per_tile))
+    return group.split(size) if group.head.shape[0] > size else [group]
+
+
+def tile_rows(g: Group, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query rows of every tile of ``g``, int64 ``(N, tile)`` clamped to ``q_len - 1``, and whether each is a
+    real row (bool, ``False`` for the padding past ``q_len``)."""
+    r = g.q_start[:, None] + torch.arange(g.tile, device=g.q_start.device)
+    return r.clamp(max=q_len - 1), r < q_len
