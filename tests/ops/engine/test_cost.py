@@ -1,6 +1,6 @@
 """``method="auto"``'s rule as docs/implementation.md states it ("Choosing the method"): the tables of what the
 decision function chooses over a grid of n and T, five draws per cell, are recomputed here from
-``ops._engine.engine.decide`` (the cost model of ``ops/_engine/cost.py`` on the drawn blocks). A change of the cost
+``ops._engine.routing.decide`` (the cost model of ``ops/_engine/cost.py`` on the drawn blocks). A change of the cost
 model that moves a documented decision fails here, and the words are rewritten with it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from positional_lsh import alibi_slopes, sample_partitions
-from positional_lsh.ops._engine import engine
+from positional_lsh.ops._engine import routing
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "implementation.md"
 DRAWS = 5  # generator = 0 ... 4 per cell
@@ -40,9 +40,9 @@ def documented(caption: str) -> dict[tuple[int, int], int]:
 def chosen(n: int, t: int, causal: bool) -> int:
     """How many of the DRAWS draws ``method="auto"`` sends to the multiplicity form (CPU route, 8 heads)."""
     q = torch.zeros(1, HEADS, n, 64)
-    route = engine.dispatch(q, causal=causal, scale=None, backend="auto", method="auto")
+    route = routing.dispatch(q, causal=causal, scale=None, backend="auto", method="auto")
     slopes = alibi_slopes(HEADS)
-    decisions = [engine.decide(route, sample_partitions(n, slopes, t, generator=s), HEADS, n, q.device).method
+    decisions = [routing.decide(route, sample_partitions(n, slopes, t, generator=s), HEADS, n).method
                  for s in range(DRAWS)]  # fmt: skip
     return sum(d == "multiplicity" for d in decisions)
 

@@ -21,8 +21,8 @@ connected by ``torch.library.register_autograd``, which gives ``theta`` its exac
 ``torch.compile(fullgraph=True)`` traces a call as that one opaque op; the values a trace cannot read (slopes,
 window, parameters) are then checked inside it (``check``).
 
-Runs torch's attention ops of ``ops._engine.torch_attention`` only (``backend`` in :data:`ALIBI_BACKENDS`, resolved by
-``ops._engine.routing.exact_kernel``; exact ALiBi has no Triton path). Used by the language model (``alibi`` and
+Runs torch's attention ops of ``ops._engine.torch_attention`` only (``backend`` in
+:data:`~positional_lsh.ops.options.ALIBI_BACKENDS`, resolved by ``ops._engine.routing.exact_kernel``; exact ALiBi has no Triton path). Used by the language model (``alibi`` and
 ``window-alibi``), the transformers swap, and every benchmark and report as the exact/windowed peer. The dense
 conventions and oracles are in :mod:`positional_lsh.ops.exact.reference`. """
 
@@ -81,8 +81,9 @@ def alibi_attention(
         causal: causal masking.
         window: ``None`` (exact), or the largest kept distance ``|i - j|``, one float or ``(Hq,)``.
         scale: score scale, default ``1/sqrt(d)``.
-        backend: one of :data:`ALIBI_BACKENDS`: ``"auto"`` (CPU: ``"flash"``, other devices: ``"math"``),
-            ``"flash"`` (CPU fused op, float32/float64) or ``"math"``. ``"auto"`` uses ``"math"`` (float32 scores)
+        backend: one of :data:`~positional_lsh.ops.options.ALIBI_BACKENDS`: ``"auto"`` (CPU: ``"flash"``, other
+            devices: ``"math"``), ``"flash"`` (CPU fused op, float32/float64; on CUDA, which takes no bias, refused)
+            or ``"math"``. ``"auto"`` uses ``"math"`` (float32 scores)
             for half types, so that the bias is not rounded to 8 bits; an explicit ``"flash"`` with a half type
             is refused (``ValueError``), and so is ``"triton"`` (no Triton path for exact ALiBi).
         key_padding_mask: ``None`` (every key valid) or a ``(B, Lk)`` bool tensor on ``q``'s device, ``True`` for a
