@@ -22,9 +22,10 @@ connected by ``torch.library.register_autograd``, which gives ``theta`` its exac
 window, parameters) are then checked inside it (``check``).
 
 Runs torch's attention ops of ``ops._engine.torch_attention`` only (``backend`` in
-:data:`~positional_lsh.ops.options.ALIBI_BACKENDS`, resolved by ``ops._engine.routing.exact_kernel``; exact ALiBi has no Triton path). Used by the language model (``alibi`` and
-``window-alibi``), the transformers swap, and every benchmark and report as the exact/windowed peer. The dense
-conventions and oracles are in :mod:`positional_lsh.ops.exact.reference`. """
+:data:`~positional_lsh.ops.options.ALIBI_BACKENDS`, resolved by ``ops._engine.routing.exact_kernel``; exact ALiBi has
+no Triton path). Used by the language model (``alibi`` and ``window-alibi``), the transformers swap, and every
+benchmark and report as the exact/windowed peer. The dense conventions and oracles are in
+:mod:`positional_lsh.ops.exact.reference`. """
 
 from __future__ import annotations
 
