@@ -142,3 +142,24 @@ def tokenizer_file(text_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
     splits = D.load_splits(str(text_dir))
     return D.train_tokenizer(splits["train"], 300).save(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def hf_text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``plsh train-hf`` tests' corpus: ten documents of the shipped corpus cut at 5,000 characters."""
+    from positional_lsh.lm import data as D
+
+    root = tmp_path_factory.mktemp("hf-texts")
+    docs = D.load_corpus()
+    for i, d in enumerate(docs[:4] + docs[20:26]):
+        (root / f"doc{i:02d}.txt").write_text(d.text[:5000], encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tok_file(hf_text_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 300-token BPE trained on ``hf_text_dir``'s training split (nothing is downloaded)."""
+    from positional_lsh.lm import data as D
+
+    splits = D.load_splits(str(hf_text_dir))
+    return D.train_tokenizer(splits["train"], 300).save(tmp_path_factory.mktemp("hf-tok") / "tokenizer.json")

@@ -40,10 +40,10 @@ def trained(run: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def base_run(text_dir: Path, tok_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def base_run(hf_text_dir: Path, tok_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 trained from the built-in config with positional LSH (the tiny preset, 4 steps)."""
     out = tmp_path_factory.mktemp("runs") / "base"
-    assert cli.main(["--out", str(out), *flags(text_dir, tok_file)]) == 0
+    assert cli.main(["--out", str(out), *flags(hf_text_dir, tok_file)]) == 0
     return out
 
 
@@ -69,12 +69,12 @@ def test_train_from_config_writes_a_loadable_swapped_checkpoint(base_run: Path, 
     assert all(torch.equal(params[k], v) for k, v in state.items())
 
 
-def test_resume_equals_uninterrupted_full_and_lora(base_run: Path, text_dir: Path, tok_file: Path,
+def test_resume_equals_uninterrupted_full_and_lora(base_run: Path, hf_text_dir: Path, tok_file: Path,
                                                    tmp_path: Path) -> None:  # fmt: skip
     """Stopped at step 2 and resumed == 4 steps in one go, bit for bit: from a config and a LoRA fine-tune."""
     lora = ["--checkpoint", str(base_run), "--finetune", "lora", "--lora-r", "4", "--lr", "1e-2"]
     for name, extra, tok in (("full", [], True), ("lora", lora, False)):
-        args = flags(text_dir, tok_file if tok else None) + extra
+        args = flags(hf_text_dir, tok_file if tok else None) + extra
         one, two = tmp_path / f"{name}-one", tmp_path / f"{name}-two"
         assert cli.main(["--out", str(one), *args]) == 0
         assert cli.main(["--out", str(two), *args, "--stop-after", "2"]) == 0
@@ -90,13 +90,13 @@ def test_resume_equals_uninterrupted_full_and_lora(base_run: Path, text_dir: Pat
             assert Path(base) == checkpoint_dir(base_run).resolve()
 
 
-def test_eval_scores_the_lora_run_with_its_saved_swap(base_run: Path, text_dir: Path, tmp_path: Path,
+def test_eval_scores_the_lora_run_with_its_saved_swap(base_run: Path, hf_text_dir: Path, tmp_path: Path,
                                                       capsys) -> None:  # fmt: skip
     run = tmp_path / "lora"
-    args = [*flags(text_dir), "--checkpoint", str(base_run), "--finetune", "lora", "--lora-r", "4", "--steps", "2"]
+    args = [*flags(hf_text_dir), "--checkpoint", str(base_run), "--finetune", "lora", "--lora-r", "4", "--steps", "2"]
     assert cli.main(["--out", str(run), *args]) == 0
     capsys.readouterr()
-    common = ["--data", str(text_dir), "--factors", "1,2", "--max-tokens", "300", "--samples", "2",
+    common = ["--data", str(hf_text_dir), "--factors", "1,2", "--max-tokens", "300", "--samples", "2",
               "--schemes", "discrete", "--no-progress", "--cache-dir", ""]  # fmt: skip
     assert cli_eval.main([str(run), *common, "--out", str(tmp_path / "ev")]) == 0
     out = capsys.readouterr()
@@ -126,19 +126,19 @@ def test_eval_scores_the_lora_run_with_its_saved_swap(base_run: Path, text_dir: 
         (["--position", "plsh", "--slopes", "0.5,0.25"], "slopes"),  # 2 slopes for 4 heads
     ],
 )
-def test_eval_refuses_what_cannot_apply(base_run: Path, text_dir: Path, capsys, argv, match) -> None:
+def test_eval_refuses_what_cannot_apply(base_run: Path, hf_text_dir: Path, capsys, argv, match) -> None:
     capsys.readouterr()
-    code = cli_eval.main([str(base_run), "--data", str(text_dir), "--no-progress", "--cache-dir", "", *argv])
+    code = cli_eval.main([str(base_run), "--data", str(hf_text_dir), "--no-progress", "--cache-dir", "", *argv])
     err = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
     assert code == 2 and len(err) == 1 and match in err[0], err
 
 
-def test_eval_refuses_a_swap_on_a_model_that_has_none(tmp_path: Path, text_dir: Path, tok_file: Path,
+def test_eval_refuses_a_swap_on_a_model_that_has_none(tmp_path: Path, hf_text_dir: Path, tok_file: Path,
                                                       capsys) -> None:  # fmt: skip
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
-    base = [str(tmp_path / "gpt2"), "--data", str(text_dir), "--tokenizer", str(tok_file), "--no-progress",
+    base = [str(tmp_path / "gpt2"), "--data", str(hf_text_dir), "--tokenizer", str(tok_file), "--no-progress",
             "--cache-dir", "", "--train-len", "16", "--max-tokens", "100", "--factors", "1"]  # fmt: skip
     capsys.readouterr()
     assert cli_eval.main([*base, "--position", "alibi"]) == 2
@@ -159,10 +159,10 @@ def test_eval_refuses_a_swap_on_a_model_that_has_none(tmp_path: Path, text_dir: 
         (["--scheme", "nope"], "scheme"),
     ],
 )
-def test_cli_refusals_are_one_line_and_change_nothing(tmp_path: Path, text_dir: Path, capsys, argv, match) -> None:
+def test_cli_refusals_are_one_line_and_change_nothing(tmp_path: Path, hf_text_dir: Path, capsys, argv, match) -> None:
     out = tmp_path / "run"
     capsys.readouterr()
-    code = cli.main(["--out", str(out), *flags(text_dir), *argv])
+    code = cli.main(["--out", str(out), *flags(hf_text_dir), *argv])
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert code == 2 and len(err) == 1 and match in err[0] and err[0].startswith("plsh train-hf: error:"), err
     assert not out.exists() or not any(out.iterdir())
@@ -192,9 +192,9 @@ def test_presets_and_flags_agree() -> None:
     assert HF_POSITIONS == ("plsh", "alibi", "window-alibi", "native")
 
 
-def test_datasets_folder_as_data(tmp_path: Path, text_dir: Path) -> None:
+def test_datasets_folder_as_data(tmp_path: Path, hf_text_dir: Path) -> None:
     datasets = pytest.importorskip("datasets")
-    texts = [p.read_text() for p in sorted(text_dir.glob("*.txt"))]
+    texts = [p.read_text() for p in sorted(hf_text_dir.glob("*.txt"))]
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:6]}),
                                "validation": datasets.Dataset.from_dict({"text": texts[6:8]}),
                                "test": datasets.Dataset.from_dict({"text": texts[8:]})})  # fmt: skip
@@ -204,9 +204,11 @@ def test_datasets_folder_as_data(tmp_path: Path, text_dir: Path) -> None:
     assert splits["train"][0].text == texts[0]
 
 
-def test_two_process_ddp_equals_one_process_with_double_batch(text_dir: Path, tok_file: Path, tmp_path: Path) -> None:
+def test_two_process_ddp_equals_one_process_with_double_batch(
+    hf_text_dir: Path, tok_file: Path, tmp_path: Path
+) -> None:
     """torchrun --nproc_per_node 2 with batch 2 per process == one process with batch 4 (gloo on CPU)."""
-    args = [*flags(text_dir, tok_file), "--steps", "3", "--eval-interval", "3", "--ckpt-interval", "3"]
+    args = [*flags(hf_text_dir, tok_file), "--steps", "3", "--eval-interval", "3", "--ckpt-interval", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
            "positional_lsh.cli", "train-hf", "--out", str(tmp_path / "ddp"), *args, "--batch-size", "2"]  # fmt: skip
@@ -220,9 +222,9 @@ def test_two_process_ddp_equals_one_process_with_double_batch(text_dir: Path, to
     assert json.loads((checkpoint_dir(tmp_path / "ddp") / hf.SWAP_FILE).read_text())["step"] == 3
 
 
-def test_sigterm_saves_a_checkpoint_and_resumes(text_dir: Path, tok_file: Path, tmp_path: Path) -> None:
+def test_sigterm_saves_a_checkpoint_and_resumes(hf_text_dir: Path, tok_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "sig"
-    args = [*flags(text_dir, tok_file), "--steps", "400", "--ckpt-interval", "1000", "--eval-interval", "1000"]
+    args = [*flags(hf_text_dir, tok_file), "--steps", "400", "--ckpt-interval", "1000", "--eval-interval", "1000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen([sys.executable, "-m", "positional_lsh.cli", "train-hf", "--out", str(out), *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -239,8 +241,8 @@ def test_sigterm_saves_a_checkpoint_and_resumes(text_dir: Path, tok_file: Path, 
     assert json.loads((checkpoint_dir(out) / hf.SWAP_FILE).read_text())["step"] == step + 1
 
 
-def test_gradient_checkpointing_and_bf16_autocast(text_dir: Path, tok_file: Path, tmp_path: Path) -> None:
-    args = [*flags(text_dir, tok_file), "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "2"]
+def test_gradient_checkpointing_and_bf16_autocast(hf_text_dir: Path, tok_file: Path, tmp_path: Path) -> None:
+    args = [*flags(hf_text_dir, tok_file), "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "2"]
     runs = {"plain": [], "ckpt": ["--gradient-checkpointing"], "bf16": ["--autocast", "bfloat16"]}
     for name, extra in runs.items():
         assert cli.main(["--out", str(tmp_path / name), *args, *extra]) == 0

@@ -48,15 +48,15 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def test_fsdp_on_two_processes_equals_one_process_resumes_and_evaluates(text_dir: Path, tok_file: Path,
+def test_fsdp_on_two_processes_equals_one_process_resumes_and_evaluates(hf_text_dir: Path, tok_file: Path,
                                                                         tmp_path: Path, capsys) -> None:  # fmt: skip
     """2 gloo processes, --fsdp with gradient checkpointing, batch 2 each, stopped after step 2 and resumed to step 3
     == one process, batch 4, 3 steps uninterrupted (float32 summation order); the checkpoint loads with its swap and
     in plsh eval; a sharded LoRA fine-tune of it on a bf16 base follows one process."""
-    args = [*flags(text_dir, "--tokenizer", str(tok_file)), "--steps", "3", "--eval-interval", "3",
+    args = [*flags(hf_text_dir, "--tokenizer", str(tok_file)), "--steps", "3", "--eval-interval", "3",
             "--ckpt-interval", "1"]  # fmt: skip
     (tmp_path / "driver.py").write_text(_DRIVER, encoding="utf-8")
-    lora = [*flags(text_dir), "--checkpoint", str(tmp_path / "fsdp"), "--finetune", "lora", "--lora-r", "4",
+    lora = [*flags(hf_text_dir), "--checkpoint", str(tmp_path / "fsdp"), "--finetune", "lora", "--lora-r", "4",
             "--dtype", "bfloat16"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "LORA_ARGS": json.dumps(["--out", str(tmp_path / "lora"), *lora])}  # fmt: skip
@@ -79,7 +79,7 @@ def test_fsdp_on_two_processes_equals_one_process_resumes_and_evaluates(text_dir
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), a[name], rtol=0, atol=0)
     capsys.readouterr()
-    common = ["--data", str(text_dir), "--factors", "1", "--max-tokens", "200", "--samples", "none",
+    common = ["--data", str(hf_text_dir), "--factors", "1", "--max-tokens", "200", "--samples", "none",
               "--no-progress", "--cache-dir", ""]  # fmt: skip
     assert cli_eval.main([str(tmp_path / "fsdp"), *common]) == 0
     assert "saved with the checkpoint" in capsys.readouterr().err
@@ -98,19 +98,19 @@ def test_fsdp_on_two_processes_equals_one_process_resumes_and_evaluates(text_dir
 
 
 @pytest.mark.parametrize("extra", [["--fsdp"], ["--nproc", "2"]])
-def test_fsdp_mistakes_are_one_line_and_change_nothing(tmp_path: Path, text_dir: Path, capsys,
+def test_fsdp_mistakes_are_one_line_and_change_nothing(tmp_path: Path, hf_text_dir: Path, capsys,
                                                        extra: list[str]) -> None:  # fmt: skip
     out = tmp_path / "run"
     out.mkdir()
     (out / "notes.txt").write_text("mine\n", encoding="utf-8")
     before = snapshot(out)
     capsys.readouterr()
-    assert cli.main(["--out", str(out), "--overwrite", *flags(text_dir), *extra]) == 2
+    assert cli.main(["--out", str(out), "--overwrite", *flags(hf_text_dir), *extra]) == 2
     assert extra[0] in one_line_error(capsys)
     assert snapshot(out) == before
 
 
-def test_full_fine_tuning_keeps_float32_masters(tmp_path: Path, text_dir: Path, tok_file: Path, capsys) -> None:
+def test_full_fine_tuning_keeps_float32_masters(tmp_path: Path, hf_text_dir: Path, tok_file: Path, capsys) -> None:
     """A bfloat16 checkpoint fine-tuned fully trains float32 weights and AdamW state, and saves float32 weights;
     --dtype bfloat16 with --finetune full is refused (one line naming --dtype); the Mistral preset's bf16 base dtype
     applies to LoRA only."""
@@ -121,7 +121,7 @@ def test_full_fine_tuning_keeps_float32_masters(tmp_path: Path, text_dir: Path, 
     config = AutoConfig.for_model(d.pop("model_type"), **d)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
     run = tmp_path / "full"
-    assert cli.main(["--out", str(run), *flags(text_dir, "--tokenizer", str(tok_file)), "--checkpoint",
+    assert cli.main(["--out", str(run), *flags(hf_text_dir, "--tokenizer", str(tok_file)), "--checkpoint",
                      str(tmp_path / "m"), "--autocast", "bfloat16", "--steps", "1"]) == 0  # fmt: skip
     state = torch.load(checkpoint_dir(run) / "trainer_state.pt", weights_only=True)
     assert {t.dtype for t in state["trainable"].values()} == {torch.float32}
@@ -129,7 +129,7 @@ def test_full_fine_tuning_keeps_float32_masters(tmp_path: Path, text_dir: Path, 
     assert moments and {t.dtype for t in moments} == {torch.float32}
     assert {t.dtype for t in load_file(checkpoint_dir(run) / "model.safetensors").values()} == {torch.float32}
     capsys.readouterr()
-    assert cli.main(["--out", str(tmp_path / "bf"), *flags(text_dir), "--dtype", "bfloat16"]) == 2
+    assert cli.main(["--out", str(tmp_path / "bf"), *flags(hf_text_dir), "--dtype", "bfloat16"]) == 2
     assert "--dtype" in one_line_error(capsys) and not (tmp_path / "bf").exists()
     parser = argparse.ArgumentParser()
     cli.add_train_hf_arguments(parser)
@@ -200,9 +200,9 @@ def test_memory_estimate_terms(position: str) -> None:
     assert big[1]["working"] > big[0]["working"]  # gathered layers
 
 
-def test_dry_run_estimates_per_rank_under_fsdp(tmp_path: Path, text_dir: Path, tok_file: Path, capsys) -> None:
+def test_dry_run_estimates_per_rank_under_fsdp(tmp_path: Path, hf_text_dir: Path, tok_file: Path, capsys) -> None:
     capsys.readouterr()
-    base = ["--out", str(tmp_path / "run"), *flags(text_dir, "--tokenizer", str(tok_file)), "--dry-run"]
+    base = ["--out", str(tmp_path / "run"), *flags(hf_text_dir, "--tokenizer", str(tok_file)), "--dry-run"]
     assert cli.main(base) == 0
     one = capsys.readouterr().out.splitlines()[-1]
     assert cli.main([*base, "--fsdp", "--nproc", "4"]) == 0

@@ -52,7 +52,7 @@ def gqa_config(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("prepared", [False, True])
-def test_a_head_mismatch_refused_by_the_attention_leaves_out_unchanged(tmp_path: Path, text_dir: Path, capsys,
+def test_a_head_mismatch_refused_by_the_attention_leaves_out_unchanged(tmp_path: Path, hf_text_dir: Path, capsys,
                                                                        prepared: bool) -> None:  # fmt: skip
     out = tmp_path / "run"
     if prepared:
@@ -60,26 +60,28 @@ def test_a_head_mismatch_refused_by_the_attention_leaves_out_unchanged(tmp_path:
         (out / "notes.txt").write_text("mine\n", encoding="utf-8")
     before = snapshot(out)
     capsys.readouterr()
-    code = cli.main(["--out", str(out), *flags(text_dir, "--config", str(gqa_config(tmp_path)), "--vocab-size", "300")])
+    code = cli.main(
+        ["--out", str(out), *flags(hf_text_dir, "--config", str(gqa_config(tmp_path)), "--vocab-size", "300")]
+    )
     assert code == 2 and "key/value heads (3)" in one_line_error(capsys)
     assert snapshot(out) == before  # absent, or the same files with the same bytes: no tokenizer, config or log
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton backend runs on a GPU")
-def test_triton_on_cpu_refused_before_anything_is_written(tmp_path: Path, text_dir: Path, tok_file: Path) -> None:
+def test_triton_on_cpu_refused_before_anything_is_written(tmp_path: Path, hf_text_dir: Path, tok_file: Path) -> None:
     pytest.importorskip("triton")
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the tests' interpreter would run it
     env["PYTHONPATH"] = str(Path(T.__file__).parents[3]) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "positional_lsh.cli", "train-hf", "--out", str(out),
-                           *flags(text_dir, "--tokenizer", str(tok_file), "--attn-backend", "triton")],
+                           *flags(hf_text_dir, "--tokenizer", str(tok_file), "--attn-backend", "triton")],
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     err = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(err) == 1 and "Triton" in err[0] and "CUDA" in err[0], proc.stderr
     assert not out.exists()
 
 
-def test_the_probe_leaves_the_run_unchanged(text_dir: Path, tok_file: Path, tmp_path: Path) -> None:
+def test_the_probe_leaves_the_run_unchanged(hf_text_dir: Path, tok_file: Path, tmp_path: Path) -> None:
     """The attention probe restores the swap's step and the random state: the run trains as without it."""
     cfg = HFTrainConfig(config="tiny-qwen3", out_dir=str(tmp_path / "x"), position="plsh", num_samples=4, sigma=16.0,
                         seq_len=16, seed=3)  # fmt: skip
@@ -99,29 +101,31 @@ def test_the_probe_leaves_the_run_unchanged(text_dir: Path, tok_file: Path, tmp_
 # -- item 16: a stale tokenizer in --out ----------------------------------------------------------------------------
 
 
-def test_a_tokenizer_of_another_size_in_out_is_refused(tmp_path: Path, text_dir: Path, tok_file: Path,
+def test_a_tokenizer_of_another_size_in_out_is_refused(tmp_path: Path, hf_text_dir: Path, tok_file: Path,
                                                        capsys) -> None:  # fmt: skip
     out = tmp_path / "run"
     out.mkdir()
     (out / "tokenizer.json").write_bytes(tok_file.read_bytes())  # 300 tokens, e.g. left by an earlier attempt
     before = snapshot(out)
     capsys.readouterr()
-    assert cli.main(["--out", str(out), *flags(text_dir, "--vocab-size", "400")]) == 2
+    assert cli.main(["--out", str(out), *flags(hf_text_dir, "--vocab-size", "400")]) == 2
     line = one_line_error(capsys)
     assert str(out / "tokenizer.json") in line and "300" in line and "400" in line
     assert snapshot(out) == before
     # Asked for its own size, the prepared tokenizer is used.
-    assert cli.main(["--out", str(out), *flags(text_dir, "--vocab-size", "300")]) == 0
+    assert cli.main(["--out", str(out), *flags(hf_text_dir, "--vocab-size", "300")]) == 0
     assert (out / "tokenizer.json").read_bytes() == tok_file.read_bytes()
 
 
-def test_a_refused_attempt_then_another_vocab_size_trains_a_new_tokenizer(tmp_path: Path, text_dir: Path,
+def test_a_refused_attempt_then_another_vocab_size_trains_a_new_tokenizer(tmp_path: Path, hf_text_dir: Path,
                                                                           capsys) -> None:  # fmt: skip
     out = tmp_path / "run"
-    code = cli.main(["--out", str(out), *flags(text_dir, "--config", str(gqa_config(tmp_path)), "--vocab-size", "300")])
+    code = cli.main(
+        ["--out", str(out), *flags(hf_text_dir, "--config", str(gqa_config(tmp_path)), "--vocab-size", "300")]
+    )
     assert code == 2 and not out.exists()
     capsys.readouterr()
-    assert cli.main(["--out", str(out), *flags(text_dir, "--vocab-size", "400")]) == 0
+    assert cli.main(["--out", str(out), *flags(hf_text_dir, "--vocab-size", "400")]) == 0
     tok = D.BPETokenizer.load(out / "tokenizer.json")
     saved = json.loads((out / "train_config.json").read_text())
     assert tok.vocab_size > 300 and saved["model"]["vocab_size"] == tok.vocab_size
@@ -130,13 +134,13 @@ def test_a_refused_attempt_then_another_vocab_size_trains_a_new_tokenizer(tmp_pa
 # -- item 5: optimizer steps and micro-batches --------------------------------------------------------------------
 
 
-def test_step_counts_say_optimizer_steps_and_micro_batches(tmp_path: Path, text_dir: Path, tok_file: Path,
+def test_step_counts_say_optimizer_steps_and_micro_batches(tmp_path: Path, hf_text_dir: Path, tok_file: Path,
                                                            capsys) -> None:  # fmt: skip
     assert step_label(10, 1) == "step 10"
     assert step_label(10, 2) == "step 10 (optimizer; 20 micro-batches)"
     out = tmp_path / "run"
     capsys.readouterr()
-    assert cli.main(["--out", str(out), *flags(text_dir, "--tokenizer", str(tok_file), "--grad-accum", "2")]) == 0
+    assert cli.main(["--out", str(out), *flags(hf_text_dir, "--tokenizer", str(tok_file), "--grad-accum", "2")]) == 0
     text = capsys.readouterr().out
     assert "x 2 optimizer steps" in text and "(2 micro-batches)" in text
     assert "step 2 (optimizer; 4 micro-batches): train loss" in text
@@ -199,14 +203,14 @@ def test_hub_offline_reads_the_environment(monkeypatch) -> None:
 # -- item 8: the memory estimate and --dry-run --------------------------------------------------------------------
 
 
-def test_dry_run_prints_the_estimate_from_the_config_alone(tmp_path: Path, text_dir: Path, tok_file: Path, capsys,
+def test_dry_run_prints_the_estimate_from_the_config_alone(tmp_path: Path, hf_text_dir: Path, tok_file: Path, capsys,
                                                            monkeypatch) -> None:  # fmt: skip
     out = tmp_path / "run"
     capsys.readouterr()
     with monkeypatch.context() as m:  # no weights are loaded or built on a real device
         m.setattr(TM, "build_model", lambda *a, **k: pytest.fail("--dry-run built the model"))
         m.setattr(TM, "load_local_model", lambda *a, **k: pytest.fail("--dry-run loaded weights"))
-        assert cli.main(["--out", str(out), *flags(text_dir, "--tokenizer", str(tok_file), "--dry-run")]) == 0
+        assert cli.main(["--out", str(out), *flags(hf_text_dir, "--tokenizer", str(tok_file), "--dry-run")]) == 0
     printed = capsys.readouterr().out.splitlines()
     lines = [line for line in printed if line.startswith("plsh train-hf: memory estimate")]  # (and the preset's line)
     assert len(lines) == 1 and lines[0].startswith("plsh train-hf: memory estimate per process: parameters ")
@@ -218,7 +222,7 @@ def test_dry_run_prints_the_estimate_from_the_config_alone(tmp_path: Path, text_
     for part in ("gradients", "optimizer state", "activations"):
         assert part in lines[0]
     # A normal run prints the same line first (after the preset's line).
-    assert cli.main(["--out", str(out), *flags(text_dir, "--tokenizer", str(tok_file))]) == 0
+    assert cli.main(["--out", str(out), *flags(hf_text_dir, "--tokenizer", str(tok_file))]) == 0
     run_lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("plsh train-hf: preset ")]
     assert run_lines[0] == lines[0]
 

@@ -83,10 +83,10 @@ def test_help_says_flags_override_the_preset() -> None:
         (["--position", "native", "--sigma", "4"], "--sigma sets the ALiBi slopes"),
     ],
 )
-def test_ignored_flags_are_refused(tmp_path: Path, text_dir: Path, capsys, argv, match) -> None:
+def test_ignored_flags_are_refused(tmp_path: Path, hf_text_dir: Path, capsys, argv, match) -> None:
     out = tmp_path / "run"
     capsys.readouterr()
-    code = cli.main(["--out", str(out), *flags(text_dir), *argv])
+    code = cli.main(["--out", str(out), *flags(hf_text_dir), *argv])
     err = one_error(capsys)
     assert code == 2 and len(err) == 1 and match in err[0] and err[0].startswith("plsh train-hf: error:"), err
     assert not out.exists()
@@ -96,12 +96,12 @@ def test_ignored_flags_are_refused(tmp_path: Path, text_dir: Path, capsys, argv,
 
 
 @pytest.mark.parametrize(("field", "value"), [("hidden_size", -5), ("num_hidden_layers", 0), ("head_dim", "16")])
-def test_bad_config_size_is_one_line(tmp_path: Path, text_dir: Path, capsys, field, value) -> None:
+def test_bad_config_size_is_one_line(tmp_path: Path, hf_text_dir: Path, capsys, field, value) -> None:
     file = tmp_path / "config.json"
     file.write_text(json.dumps({**BUILTIN_CONFIGS["tiny-qwen3"], field: value}), encoding="utf-8")
     out = tmp_path / "run"
     capsys.readouterr()
-    code = cli.main(["--out", str(out), *flags(text_dir), "--config", str(file)])
+    code = cli.main(["--out", str(out), *flags(hf_text_dir), "--config", str(file)])
     err = one_error(capsys)
     assert code == 2 and len(err) == 1 and str(file) in err[0] and field in err[0], err
     assert not out.exists()
@@ -110,7 +110,7 @@ def test_bad_config_size_is_one_line(tmp_path: Path, text_dir: Path, capsys, fie
 # item 25: attention dropout in --config is set to 0 in the attention modules too, not refused
 
 
-def test_attention_dropout_is_really_off(tmp_path: Path, text_dir: Path, tok_file: Path, capsys) -> None:
+def test_attention_dropout_is_really_off(tmp_path: Path, hf_text_dir: Path, tok_file: Path, capsys) -> None:
     file = tmp_path / "config.json"
     file.write_text(json.dumps({**BUILTIN_CONFIGS["tiny-qwen3"], "attention_dropout": 0.1}), encoding="utf-8")
     cfg = HFTrainConfig(out_dir=str(tmp_path / "x"), config=str(file), num_samples=2, sigma=16.0)
@@ -120,7 +120,7 @@ def test_attention_dropout_is_really_off(tmp_path: Path, text_dir: Path, tok_fil
     x = torch.randint(0, 300, (2, 16))
     model(input_ids=x).logits.sum().backward()  # refused before: "attention dropout (p=0.1) is not supported"
     out = tmp_path / "run"
-    assert cli.main(["--out", str(out), *flags(text_dir, tok_file), "--config", str(file)]) == 0
+    assert cli.main(["--out", str(out), *flags(hf_text_dir, tok_file), "--config", str(file)]) == 0
     assert "attention dropout 0.1 is set to 0" in capsys.readouterr().out
 
 
@@ -136,21 +136,21 @@ def test_attention_dropout_off_in_bloom_modules() -> None:
 # item 1 (and 2): the §5.1 RoPE baseline is one flag away, and plsh eval scores it at its training length
 
 
-def test_native_run_is_scored_at_its_recorded_training_length(tmp_path: Path, text_dir: Path, tok_file: Path,
+def test_native_run_is_scored_at_its_recorded_training_length(tmp_path: Path, hf_text_dir: Path, tok_file: Path,
                                                               capsys) -> None:  # fmt: skip
     out = tmp_path / "native"
     capsys.readouterr()
-    assert cli.main(["--out", str(out), *flags(text_dir, tok_file), "--position", "native"]) == 0
+    assert cli.main(["--out", str(out), *flags(hf_text_dir, tok_file), "--position", "native"]) == 0
     printed = capsys.readouterr().out
     assert "plsh train-hf: preset tiny sets" in printed and "not applied (unused by this run): num_samples" in printed
     saved = json.loads((out / "train_config.json").read_text())["train"]
     assert (saved["position"], saved["sigma"], saved["seq_len"]) == ("native", None, 32)
-    kw = {"label": None, "data": str(text_dir), "split": "validation", "tokenizer": None, "cache_dir": None,
+    kw = {"label": None, "data": str(hf_text_dir), "split": "validation", "tokenizer": None, "cache_dir": None,
           "seed": 0, "device": torch.device("cpu")}  # fmt: skip
     adapter, _ = load_for_eval(out, train_len=None, **kw)
     assert adapter.train_len == 32  # was 4096, the config's max_position_embeddings
     step = next((out / "steps").iterdir())
     assert load_for_eval(step, train_len=None, **kw)[0].train_len == 32  # a step directory of the run, too
     assert load_for_eval(out, train_len=64, **kw)[0].train_len == 64  # --train-len still overrides
-    assert cli_eval.main([str(out), "--data", str(text_dir), "--no-progress", "--cache-dir", "", "--factors", "1",
+    assert cli_eval.main([str(out), "--data", str(hf_text_dir), "--no-progress", "--cache-dir", "", "--factors", "1",
                           "--max-tokens", "200"]) == 0  # fmt: skip
