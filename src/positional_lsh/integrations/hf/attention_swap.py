@@ -37,6 +37,7 @@ from torch import nn
 
 from positional_lsh.ops import alibi_attention, plsh_attention
 from positional_lsh.ops._checks import nonnegative_int
+from positional_lsh.ops.exact.weights import alibi_attention_weights, plsh_attention_weights
 from positional_lsh.ops.kvcache import DecodeState, key_reach, plsh_attention_with_kvcache
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
@@ -65,6 +66,9 @@ class AttentionSwap:
         resample_in_training: draw fresh partitions at every forward pass in training mode.
         backend: kernel backend passed to the attention functions (one of ``positional_lsh.ops.options.BACKENDS``;
             never ``"triton"`` in ``"alibi"`` mode).
+        output_attentions: whether the model call in progress asked for its attention weights (set at every call
+            of the model from its ``output_attentions`` argument or config; the replacement forwards then return
+            :meth:`attention_weights`).
     """
 
     model: nn.Module = field(repr=False)
@@ -84,6 +88,7 @@ class AttentionSwap:
     _step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long), repr=False)
     _samplers: dict[int, PartitionSampler] = field(default_factory=dict, repr=False)
     _active: bool = field(default=True, repr=False)
+    output_attentions: bool = field(default=False, repr=False)
     # Decoding: per layer, the partitions of the current (mode, step), drawn for a length that grows geometrically,
     # and their key reach; so that a decoded token does not build partitions.
     _decoding: dict[int, tuple[tuple[bool, int], Partitions, int | None]] = field(default_factory=dict, repr=False)
@@ -322,6 +327,39 @@ class AttentionSwap:
         elif dropped or lq < lk:
             return self._with_kvcache(layer_idx, training, q, k, v, key_valid, scale)
         return self._kernel(layer_idx, training, q, k, v, scale, key_padding_mask=key_valid)
+
+    def attention_weights(
+        self,
+        layer_idx: int,
+        training: bool,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        key_valid: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """The ``(B, Hq, Lq, Lk)`` attention weights of the call :meth:`attend` makes with the same arguments
+        (``output_attentions=True``): positional LSH's ``softmax(s + log Mbar)`` with the call's partitions (those
+        of a prompt, or the decoding ones when the call continues a cache), or exact / windowed ALiBi's weights;
+        causal, queries aligned to the last keys, padded keys weight 0, padded query rows zeros. Dense: refused up
+        front above the dense oracles' size (:mod:`positional_lsh.ops.exact.weights`)."""
+        device = q.device.type
+        if torch.is_autocast_enabled(device):
+            low = torch.get_autocast_dtype(device)
+            q, k = (x.to(low) if x.is_floating_point() and x.dtype != torch.float64 else x for x in (q, k))
+        lq, lk = q.shape[-2], k.shape[-2]
+        offset = 0 if key_valid is None else key_valid.shape[-1] - lk
+        if self.mode == "alibi":
+            return alibi_attention_weights(
+                q, k, self.slopes, causal=True, window=self.window, scale=scale, key_padding_mask=key_valid,
+                key_offset=offset,
+            )  # fmt: skip
+        if not torch.compiler.is_compiling() and (offset > 0 or lq < lk):  # continued a cache: _with_kvcache's
+            parts, _ = self._decode_partitions(layer_idx, offset + lk, training)
+        else:
+            parts = self.partitions(layer_idx, lk, training=training)
+        return plsh_attention_weights(
+            q, k, parts, causal=True, scale=scale, key_padding_mask=key_valid, key_offset=offset
+        )
 
     def restore(self) -> None:
         """Put the model's own attention back (idempotent)."""

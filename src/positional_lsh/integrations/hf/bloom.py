@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from positional_lsh.integrations.hf.forward import attend_native, check_dropout, check_no_attentions, swap_of
+from positional_lsh.integrations.hf.forward import attend_native, check_dropout, native_weights, swap_of
 
 
 def bloom_forward(
@@ -25,12 +25,12 @@ def bloom_forward(
     use_cache: bool = False,
     output_attentions: bool = False,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward of a swapped ``BloomAttention`` (installed on the instance): the layer's own projections, then
     this library's attention (positional LSH or exact ALiBi, as the swap says), the output projection and the
-    residual; the same arguments and return value as transformers' forward."""
+    residual; the same arguments and return value as transformers' forward (the ``(B, H, Lq, Lk)`` attention
+    weights when asked: :func:`~positional_lsh.integrations.hf.forward.native_weights`)."""
     layer: Any = self  # a transformers BloomAttention: its attributes are read by name, untyped
-    check_no_attentions(output_attentions)
     swap = swap_of(self)
     check_dropout(self, layer.attention_dropout.p)
     q, k, v = layer._reshape(layer.query_key_value(hidden_states))  # (B, H, L, d) each
@@ -46,4 +46,4 @@ def bloom_forward(
     else:
         out = layer.dense(ctx)
     out = residual + F.dropout(out, p=layer.hidden_dropout, training=layer.training)
-    return out, None
+    return out, native_weights(self, swap, q, k, attention_mask, layer.inv_norm_factor, output_attentions)

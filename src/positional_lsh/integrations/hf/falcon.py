@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.forward import attend_native, check_dropout, check_no_attentions, swap_of
+from positional_lsh.integrations.hf.forward import attend_native, check_dropout, native_weights, swap_of
 
 
 def falcon_forward(
@@ -27,12 +27,12 @@ def falcon_forward(
     output_attentions: bool = False,
     position_embeddings: Any = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward of a swapped ``FalconAttention`` (``alibi=True`` models; installed on the instance): the
     layer's own projections, then this library's attention (positional LSH or exact ALiBi, as the swap says) and
-    the output projection; the same arguments and return value as transformers' forward."""
+    the output projection; the same arguments and return value as transformers' forward (the ``(B, H, Lq, Lk)``
+    attention weights, per query head, when asked: :func:`~positional_lsh.integrations.hf.forward.native_weights`)."""
     layer: Any = self  # a transformers FalconAttention: its attributes are read by name, untyped
-    check_no_attentions(output_attentions)
     swap = swap_of(self)
     check_dropout(self, layer.attention_dropout.p)
     num_kv_heads = layer.num_heads if layer.new_decoder_architecture else layer.num_kv_heads
@@ -43,4 +43,5 @@ def falcon_forward(
     v = v.transpose(1, 2).reshape(b, num_kv_heads, lq, layer.head_dim)
     if layer_past is not None:
         k, v = layer_past.update(k, v, layer.layer_idx)
-    return layer.dense(attend_native(self, swap, q, k, v, attention_mask, layer.inv_norm_factor)), None
+    out = layer.dense(attend_native(self, swap, q, k, v, attention_mask, layer.inv_norm_factor))
+    return out, native_weights(self, swap, q, k, attention_mask, layer.inv_norm_factor, output_attentions)

@@ -1,4 +1,5 @@
-"""What the replacement attention forwards share: finding the swap, the attention call, the refusals, installing.
+"""What the replacement attention forwards share: finding the swap, the attention call and its weights, the
+refusals, installing.
 
 Used by every family's replacement (:mod:`~positional_lsh.integrations.hf.bloom`, ``mpt``, ``falcon``, and the
 registered attention function of :mod:`~positional_lsh.integrations.hf.rope`) and by the installer
@@ -73,13 +74,29 @@ def check_dropout(module: nn.Module, p: float) -> None:
         )
 
 
-def check_no_attentions(output_attentions: object) -> None:
-    """``ValueError`` if ``output_attentions`` is truthy (no attention probabilities are ever materialized)."""
-    if output_attentions:
-        raise ValueError(
-            "output_attentions=True is not supported: positional_lsh attention never materializes attention "
-            "probabilities"
-        )
+def native_weights(
+    module: nn.Module,
+    swap: AttentionSwap,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    asked: object = False,
+) -> torch.Tensor | None:
+    """The ``(B, Hq, Lq, Lk)`` attention weights of :func:`attend_native`'s call on the same arguments
+    (:meth:`AttentionSwap.attention_weights`) when ``asked`` or the model call asked for them
+    (``swap.output_attentions``), else ``None``."""
+    if not (asked or swap.output_attentions):
+        return None
+    layer: Any = module  # a transformers attention module: its layer_idx is read by name, untyped
+    valid = key_validity(attention_mask, q.shape[0], k.shape[-2])
+    return swap.attention_weights(layer.layer_idx, module.training, q, k, valid, scale)
+
+
+def asks_for_attentions(config: Any, kwargs: dict[str, object]) -> bool:
+    """Whether a model call asks for attention weights: its ``output_attentions`` argument, else the config's."""
+    asked = kwargs.get("output_attentions")
+    return bool(getattr(config, "output_attentions", False) if asked is None else asked)
 
 
 def check_model_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.forward import check_dropout, check_no_attentions, swap_of
+from positional_lsh.integrations.hf.forward import check_dropout, swap_of
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, key_validity
 
 
@@ -32,11 +32,13 @@ def attention_function(
     sliding_window: int | None = None,
     softcap: float | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention function registered as ``"positional_lsh"`` in transformers' ``AttentionInterface``.
 
     ``query (B, Hq, Lq, d)``, ``key, value (B, Hkv, Lk, d)`` (after the model's — neutralized — rotary
-    embedding and KV cache); returns ``((B, Lq, Hq, d), None)``.
+    embedding and KV cache); returns ``((B, Lq, Hq, d), weights)``: the ``(B, Hq, Lq, Lk)`` attention weights
+    (:meth:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap.attention_weights`) when the model call
+    asked for them (``output_attentions``), else ``None``.
     """
     swap = swap_of(module)
     if is_causal is False or getattr(module, "is_causal", True) is False:
@@ -47,14 +49,17 @@ def attention_function(
         raise ValueError("attention logit soft-capping is not supported by positional_lsh attention")
     if kwargs.get("s_aux") is not None:
         raise ValueError("attention sinks are not supported by positional_lsh attention")
-    check_no_attentions(kwargs.get("output_attentions", False))
     if dropout:
         check_dropout(module, float(dropout))
     b, lk = query.shape[0], key.shape[-2]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     layer: Any = module  # a transformers attention module: its layer_idx is read by name, untyped
-    out = swap.attend(layer.layer_idx, module.training, query, key, value, key_validity(attention_mask, b, lk), scale)
-    return out.transpose(1, 2).contiguous(), None
+    valid = key_validity(attention_mask, b, lk)
+    out = swap.attend(layer.layer_idx, module.training, query, key, value, valid, scale)
+    weights = None
+    if kwargs.get("output_attentions") or swap.output_attentions:
+        weights = swap.attention_weights(layer.layer_idx, module.training, query, key, valid, scale)
+    return out.transpose(1, 2).contiguous(), weights
 
 
 def _neutral_rotary(original: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., Any]:

@@ -52,7 +52,7 @@ from positional_lsh.integrations.hf import rope
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
 from positional_lsh.integrations.hf.cache import LiveKeyCache
 from positional_lsh.integrations.hf.configs import own_config
-from positional_lsh.integrations.hf.forward import check_model_inputs, check_no_attentions
+from positional_lsh.integrations.hf.forward import asks_for_attentions, check_model_inputs
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION
 from positional_lsh.integrations.hf.saved import (
     CONFIG_KEY,
@@ -248,7 +248,7 @@ def _diff(before: list[tuple[Any, dict[str, Any]]]) -> list[tuple[Any, str, bool
 
 @dataclass(eq=False)
 class StepHook:
-    """The base model's forward pre-hook of one swap: refuses ``output_attentions`` and advances the training step.
+    """The base model's forward pre-hook of one swap: records ``output_attentions`` and advances the training step.
 
     It acts only while its swap is the one in effect (not shadowed by a swap stacked on top). A new step per
     training-mode model call, except calls continuing a KV cache (they keep the step's partitions). Every input is
@@ -274,7 +274,7 @@ class StepHook:
                 UserWarning,
                 stacklevel=2,
             )
-        check_no_attentions(kwargs.get("output_attentions") or getattr(config, "output_attentions", False))
+        self.swap.output_attentions = asks_for_attentions(config, kwargs)
         check_model_inputs(args, kwargs)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, LiveKeyCache) and not torch.compiler.is_compiling():

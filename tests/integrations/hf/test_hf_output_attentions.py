@@ -1,0 +1,164 @@
+"""``output_attentions=True`` on swapped models: the weights each layer's call used, checked against float64
+computations written here (exact ALiBi ``softmax(s - m |i - j|)``; positional LSH ``softmax(s + log Mbar)`` from the
+swap's partitions' ``mean_mask()``), against the call's own output (weights @ v), and against transformers' own
+eager weights where the stock model computes the same ALiBi (BLOOM, MPT)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_tiny import tiny_model, token_ids  # noqa: E402
+
+from positional_lsh.integrations import hf  # noqa: E402
+from positional_lsh.ops.exact import weights as weights_module  # noqa: E402
+
+FAMILIES = ("bloom", "falcon", "mpt", "llama", "qwen3")
+
+
+def _record(swap: Any) -> list[dict[str, Any]]:
+    """Record every attention call of ``swap`` (its inputs and output) by wrapping the instance's ``attend``."""
+    calls: list[dict[str, Any]] = []
+    attend = swap.attend
+
+    def wrapped(layer_idx, training, q, k, v, key_valid, scale):  # type: ignore[no-untyped-def]
+        out = attend(layer_idx, training, q, k, v, key_valid, scale)
+        calls.append(dict(layer=layer_idx, q=q, k=k, v=v, valid=key_valid, scale=scale, out=out))
+        return out
+
+    swap.attend = wrapped
+    return calls
+
+
+def _oracle(swap: Any, call: dict[str, Any]) -> torch.Tensor:
+    """float64 ``softmax(s + bias)`` of one recorded call, row by row on each row's valid keys (positions counted
+    from its first valid key); padded keys and padded query rows 0."""
+    q, k = call["q"].double(), call["k"].double()
+    b, hq, lq, _ = q.shape
+    lk = k.shape[-2]
+    valid = call["valid"] if call["valid"] is not None else torch.ones(b, lk, dtype=torch.bool)
+    assert valid.shape[-1] == lk  # no dropped keys in these calls
+    kk = k.repeat_interleave(hq // k.shape[1], dim=1)
+    s = q @ kk.transpose(-1, -2) * call["scale"]
+    out = torch.zeros(b, hq, lq, lk, dtype=torch.float64)
+    for r in range(b):
+        idx = torch.nonzero(valid[r]).flatten()
+        first, end = int(idx[0]), int(idx[-1]) + 1
+        n = end - first
+        qpos = torch.arange(lk - lq, lk)
+        rows = (qpos >= first) & (qpos < end)
+        i = (qpos[rows] - first)[:, None]
+        j = torch.arange(n)[None, :]
+        if swap.mode == "alibi":
+            bias = -swap.slopes.double()[:, None, None] * (i - j).abs()
+        else:  # the row alone: the call's partitions restricted to its run
+            mbar = swap.partitions(call["layer"], lk).with_seq_len(n).mean_mask()
+            bias = mbar[:, i.flatten()].log()
+        logits = s[r][:, rows][:, :, first:end] + bias
+        logits = logits.masked_fill(j > i, float("-inf"))
+        out[r, :, rows, first:end] = torch.softmax(logits, dim=-1)
+    return out
+
+
+def _check_weights(attentions: tuple[torch.Tensor, ...], calls: list[dict[str, Any]], swap: Any) -> None:
+    assert len(attentions) == len(calls) == swap.model.config.num_hidden_layers
+    for w, call in zip(attentions, calls, strict=True):
+        q, v = call["q"], call["v"]
+        b, hq, lq, _ = q.shape
+        assert w.shape == (b, hq, lq, call["k"].shape[-2]) and w.dtype == q.dtype
+        want = _oracle(swap, call)
+        torch.testing.assert_close(w.double(), want, atol=2e-6, rtol=1e-5)
+        live = want.sum(-1) > 0  # valid query rows
+        torch.testing.assert_close(w.double().sum(-1)[live], torch.ones(int(live.sum()), dtype=torch.float64))
+        # the weights are the call's: weights @ v is its output
+        vv = v.double().repeat_interleave(hq // v.shape[1], dim=1)
+        torch.testing.assert_close((w.double() @ vv).float(), call["out"], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["plsh", "alibi"])
+def test_output_attentions_are_the_call_weights(family: str, mode: str) -> None:
+    model = tiny_model(family)
+    x = token_ids(2, 12)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0  # left padding: its keys weigh 0, its query rows are 0
+    swap = hf.use_positional_lsh(model, num_samples=4) if mode == "plsh" else hf.use_alibi(model)
+    with torch.no_grad():
+        plain = model(x, attention_mask=mask)
+        calls = _record(swap)
+        out = model(x, attention_mask=mask, output_attentions=True)
+    assert plain.attentions is None
+    assert torch.equal(out.logits, plain.logits)  # asking for the weights changes nothing else
+    _check_weights(out.attentions, calls, swap)
+    assert bool((out.attentions[0][1, :, :, :4] == 0).all()) and bool((out.attentions[0][1, :, :4] == 0).all())
+    with torch.no_grad():
+        assert model(x, attention_mask=mask, output_attentions=False).attentions is None  # asked per call
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_exact_alibi_weights_equal_transformers_eager(family: str) -> None:
+    """The stock BLOOM and MPT eager attention computes the same ALiBi: their weights are ours."""
+    model = tiny_model(family)
+    x = token_ids(2, 10)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        stock = model(x, output_attentions=True).attentions
+        with hf.use_alibi(model):
+            ours = model(x, output_attentions=True).attentions
+    for a, b in zip(stock, ours, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_windowed_alibi_weights() -> None:
+    model = tiny_model("bloom")
+    x = token_ids(1, 12)
+    swap = hf.use_alibi(model, window=3.0)
+    calls = _record(swap)
+    with torch.no_grad():
+        w = model(x, output_attentions=True).attentions[0]
+    call = calls[0]
+    s = call["q"].double() @ call["k"].double().transpose(-1, -2) * call["scale"]
+    dist = torch.arange(12)[:, None] - torch.arange(12)[None, :]
+    s = (s - swap.slopes.double()[:, None, None] * dist.abs()).masked_fill((dist < 0) | (dist > 3), float("-inf"))
+    torch.testing.assert_close(w.double(), torch.softmax(s, dim=-1), atol=2e-6, rtol=1e-5)
+    assert bool((w[..., dist > 3] == 0).all())
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon"])
+@pytest.mark.parametrize("mode", ["plsh", "alibi"])
+def test_kv_cache_weights(family: str, mode: str) -> None:
+    """Continuing a cache: ``(B, Hq, Lq, Lk)`` with the queries aligned to the last keys (GQA: per query head); the
+    weights are the decoding call's (weights @ v is its output); exact ALiBi's equal the full call's last rows."""
+    model = tiny_model(family)
+    x = token_ids(2, 12)
+    swap = hf.use_positional_lsh(model, num_samples=4) if mode == "plsh" else hf.use_alibi(model)
+    with torch.no_grad():
+        full = model(x, output_attentions=True).attentions
+        cache = transformers.DynamicCache(config=model.config)
+        model(x[:, :9], past_key_values=cache, use_cache=True)
+        calls = _record(swap)
+        step = model(x[:, 9:], past_key_values=cache, use_cache=True, output_attentions=True).attentions
+    heads = model.config.num_attention_heads
+    for w, call, f in zip(step, calls, full, strict=True):
+        assert w.shape == (2, heads, 3, 12)
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, heads, 3))
+        assert bool((w[:, :, 0, 10:] == 0).all()) and bool((w[:, :, 1, 11:] == 0).all())  # causal
+        vv = call["v"].double().repeat_interleave(heads // call["v"].shape[1], dim=1)
+        torch.testing.assert_close((w.double() @ vv).float(), call["out"], atol=2e-5, rtol=1e-4)
+        if mode == "alibi":
+            torch.testing.assert_close(w, f[:, :, 9:], atol=1e-5, rtol=1e-4)
+
+
+def test_too_large_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model("llama")
+    x = token_ids(1, 12)
+    monkeypatch.setattr(weights_module, "MAX_DENSE_ELEMENTS", 100)  # 4 heads x 12 x 12 weights > 100
+    with hf.use_positional_lsh(model, num_samples=2), torch.no_grad():
+        with pytest.raises(ValueError, match=r"would materialize .* attention weights") as e:
+            model(x, output_attentions=True)
+        assert "\n" not in str(e.value)
+        assert model(x).logits.shape == (1, 12, 97)  # without the weights, the same call runs
