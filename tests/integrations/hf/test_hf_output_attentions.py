@@ -162,3 +162,17 @@ def test_too_large_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
             model(x, output_attentions=True)
         assert "\n" not in str(e.value)
         assert model(x).logits.shape == (1, 12, 97)  # without the weights, the same call runs
+
+
+def test_generate_returns_each_steps_weights() -> None:
+    model = tiny_model("llama")
+    x = token_ids(1, 8)
+    with hf.use_positional_lsh(model, num_samples=4), torch.no_grad():
+        out = model.generate(x, max_new_tokens=3, do_sample=False, output_attentions=True, return_dict_in_generate=True)
+        plain = model.generate(x, max_new_tokens=3, do_sample=False)
+    assert torch.equal(out.sequences, plain)
+    assert [tuple(step[0].shape) for step in out.attentions] == [(1, 4, 8, 8), (1, 4, 1, 9), (1, 4, 1, 10)]
+    for step in out.attentions:
+        for w in step:
+            torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))
+

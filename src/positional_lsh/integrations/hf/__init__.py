@@ -41,8 +41,12 @@ only) against :data:`~positional_lsh.ops.options.METHODS`; both are passed to :f
 Padding. Each batch row may be left- and/or right-padded (its valid tokens one contiguous run); the row
 is then computed on its valid tokens only, with positions counted from its first valid token — exactly
 what the same row would give without padding. Masks with holes, 4-D or custom masks, packed sequences,
-sliding windows, static caches, attention dropout in training and ``output_attentions`` raise
-``ValueError``.
+sliding windows, static caches and attention dropout in training raise ``ValueError``.
+
+Attention weights. ``output_attentions=True`` returns, per layer, the ``(B, Hq, Lq, Lk)`` weights the call used
+(:meth:`AttentionSwap.attention_weights`): positional LSH's ``softmax(s + log Mbar)`` with the call's partitions,
+or exact / windowed ALiBi's ``softmax(s - m |i - j|)``; computed only when asked, dense (refused up front above
+the dense oracles' size).
 
 Modules, each importing only those listed before it (no import cycle, no private names across modules):
 
@@ -54,8 +58,8 @@ Modules, each importing only those listed before it (no import cycle, no private
   settings, per-layer partition samplers and attention call (autocast, the decoding path, padding; its custom ops
   under ``torch.compile``);
 * :mod:`~positional_lsh.integrations.hf.forward` — what the replacement forwards share: finding a module's swap,
-  the attention call with merged heads, the refusals (dropout, ``output_attentions``), installing an instance
-  attribute;
+  the attention call with merged heads and its weights (``output_attentions``), the refusals (dropout, masks),
+  installing an instance attribute;
 * one module per family's replacement attention: :mod:`~positional_lsh.integrations.hf.bloom`, ``mpt``, ``falcon``
   (each a ``forward``) and :mod:`~positional_lsh.integrations.hf.rope` (the registered attention function and the
   rotary neutralization);

@@ -341,7 +341,13 @@ class AttentionSwap:
         (``output_attentions=True``): positional LSH's ``softmax(s + log Mbar)`` with the call's partitions (those
         of a prompt, or the decoding ones when the call continues a cache), or exact / windowed ALiBi's weights;
         causal, queries aligned to the last keys, padded keys weight 0, padded query rows zeros. Dense: refused up
-        front above the dense oracles' size (:mod:`positional_lsh.ops.exact.weights`)."""
+        front above the dense oracles' size (:mod:`positional_lsh.ops.exact.weights`); eager only (``ValueError``
+        under ``torch.compile``)."""
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                "output_attentions=True is not supported under torch.compile (the weights are a dense eager "
+                "computation): call the uncompiled model for attention weights"
+            )
         device = q.device.type
         if torch.is_autocast_enabled(device):
             low = torch.get_autocast_dtype(device)
@@ -353,7 +359,7 @@ class AttentionSwap:
                 q, k, self.slopes, causal=True, window=self.window, scale=scale, key_padding_mask=key_valid,
                 key_offset=offset,
             )  # fmt: skip
-        if not torch.compiler.is_compiling() and (offset > 0 or lq < lk):  # continued a cache: _with_kvcache's
+        if offset > 0 or lq < lk:  # the call continued a cache: the decoding partitions (_with_kvcache)
             parts, _ = self._decode_partitions(layer_idx, offset + lk, training)
         else:
             parts = self.partitions(layer_idx, lk, training=training)
