@@ -41,7 +41,7 @@ OUTPUT_FIELDS = (
     "cosine_mean",
     "cosine_min",
 )
-MEASUREMENT_FIELDS = (
+_HEAD_FIELDS = (
     "seq_len",
     "slope_set",
     "scheme",
@@ -51,6 +51,10 @@ MEASUREMENT_FIELDS = (
     "head",
     "slope",
     "sigma",
+)
+"""The columns that name one head of one draw, first in both :data:`MEASUREMENT_FIELDS` and :data:`BLOCK_FIELDS`."""
+MEASUREMENT_FIELDS = (
+    *_HEAD_FIELDS,
     "input",
     "layer",
     "spectral",
@@ -69,15 +73,7 @@ MEASUREMENT_FIELDS = (
 
 
 BLOCK_FIELDS = (
-    "seq_len",
-    "slope_set",
-    "scheme",
-    "samples",
-    "repeat",
-    "seed",
-    "head",
-    "slope",
-    "sigma",
+    *_HEAD_FIELDS,
     "largest",
     "bound",
     "delta",
