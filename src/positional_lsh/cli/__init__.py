@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from positional_lsh.ops.errors import UserError
 
-__all__ = ["USER_ERRORS", "OneLineParser", "UserError", "build_parser", "guarded", "main"]
+__all__ = ["USER_ERRORS", "OneLineParser", "UserError", "build_parser", "command_main", "guarded", "main"]
 
 # Modules that contribute subcommands, in the order they appear in --help.
 _COMMAND_MODULES = (
@@ -73,6 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args.command_line = shlex.join(["plsh", *argv])
     return guarded(f"plsh {args.command}", lambda: int(args.func(args) or 0), debug=bool(args.debug))
+
+
+def command_main(command: str, argv: Sequence[str] | None = None) -> int:
+    """``plsh COMMAND ARGV`` (default ``sys.argv[1:]``): :func:`main` with ``command`` in front, the same parser and
+    the same error handling; the ``main`` of each command module that has one."""
+    return main([command, *(sys.argv[1:] if argv is None else argv)])
 
 
 USER_ERRORS = (ValueError, TypeError, OSError, FloatingPointError)

@@ -12,7 +12,6 @@ the rows as they come and writes ``results.csv``, ``loss_by_position.csv``, ``re
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from positional_lsh.cli import main as plsh_main
+from positional_lsh.cli import command_main
 from positional_lsh.cli.parsers import (
     MIN_SIGMA,
     add_command,
@@ -224,4 +223,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     It is :func:`positional_lsh.cli.main` with ``eval`` in front: the same parser and the same error handling.
     """
-    return plsh_main(["eval", *(sys.argv[1:] if argv is None else argv)])
+    return command_main("eval", argv)

@@ -34,6 +34,7 @@ from positional_lsh.ops._checks import positive_int
 __all__ = [
     "Flag",
     "add_arguments",
+    "add_parser_command",
     "comma_list",
     "config_from_args",
     "float_text",
@@ -382,6 +383,23 @@ def add_command(
     p = sub.add_parser(name, help=help, description=doc.split("\n\n")[0] if doc else None)
     add_arguments(p, cls)
     p.set_defaults(func=functools.partial(run_command, cls=cls, run=run))
+    return p
+
+
+def add_parser_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    add: Callable[[argparse.ArgumentParser], None],
+    func: Callable[[argparse.Namespace], int],
+    *,
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """Add the command ``plsh name`` whose flags ``add(parser)`` adds and that runs ``func(args)`` (for commands
+    that take more than one settings dataclass, where :func:`add_command` does not fit)."""
+    p = sub.add_parser(name, help=help, description=description)
+    add(p)
+    p.set_defaults(func=func)
     return p
 
 

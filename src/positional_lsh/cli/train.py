@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from positional_lsh.cli import main as plsh_main
-from positional_lsh.cli.parsers import Flag, add_arguments, option, values_from_args
+from positional_lsh.cli import command_main
+from positional_lsh.cli.parsers import Flag, add_arguments, add_parser_command, option, values_from_args
 from positional_lsh.lm.config import ALIBI_IMPLS, POSITIONS, ModelConfig
 from positional_lsh.lm.run_dir import RESUME_MAY_CHANGE, read_train_config
 from positional_lsh.lm.train import TrainConfig, TrainResult, train
@@ -228,15 +228,13 @@ def resume_changes(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def register_cli(sub: argparse._SubParsersAction) -> None:
     """Add ``plsh train`` to the ``plsh`` command line."""
-    p = sub.add_parser(
-        "train",
-        help="train a language model with alibi / plsh / window-alibi / rope / nope attention",
-        description="Train a decoder-only LM on the shipped corpus (or --data). Works under torchrun for "
+    help = "train a language model with alibi / plsh / window-alibi / rope / nope attention"
+    description = (
+        "Train a decoder-only LM on the shipped corpus (or --data). Works under torchrun for "
         "data-parallel training: torchrun --nproc_per_node N -m positional_lsh.cli train --out DIR ... "
-        "(add --context-parallel C to also split each sequence over C ranks).",
+        "(add --context-parallel C to also split each sequence over C ranks)."
     )
-    add_train_arguments(p)
-    p.set_defaults(func=_main)
+    add_parser_command(sub, "train", add_train_arguments, _main, help=help, description=description)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -245,4 +243,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     It is :func:`positional_lsh.cli.main` with ``train`` in front: the same parser and the same error handling
     (one line and exit code 2, see :func:`positional_lsh.cli.guarded`).
     """
-    return plsh_main(["train", *(sys.argv[1:] if argv is None else argv)])
+    return command_main("train", argv)

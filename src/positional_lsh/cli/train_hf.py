@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from positional_lsh.cli import main as plsh_main
-from positional_lsh.cli.parsers import Flag, add_arguments, comma_list, option, values_from_args
+from positional_lsh.cli import command_main
+from positional_lsh.cli.parsers import Flag, add_arguments, add_parser_command, comma_list, option, values_from_args
 from positional_lsh.cli.train import check_resume_or_overwrite, shared_train_flags, train_exit_code
 from positional_lsh.integrations.hf_train_config import (
     FINETUNE_MODES,
@@ -239,17 +239,15 @@ def _main(args: argparse.Namespace) -> int:
 
 def register_cli(sub: argparse._SubParsersAction) -> None:
     """Add ``plsh train-hf`` to the ``plsh`` command line."""
-    p = sub.add_parser(
-        "train-hf",
-        help="train or fine-tune (full or LoRA) a transformers model with plsh / alibi / window-alibi / native",
-        description="Train a transformers model from a config, or fine-tune a local checkpoint (full or LoRA), with "
+    help = "train or fine-tune (full or LoRA) a transformers model with plsh / alibi / window-alibi / native"
+    description = (
+        "Train a transformers model from a config, or fine-tune a local checkpoint (full or LoRA), with "
         "positional-LSH (or ALiBi) attention; the run directory, resume and torchrun of plsh train. Needs "
-        "transformers (and peft for LoRA): pip install 'positional-lsh[train]'.",
+        "transformers (and peft for LoRA): pip install 'positional-lsh[train]'."
     )
-    add_train_hf_arguments(p)
-    p.set_defaults(func=_main)
+    add_parser_command(sub, "train-hf", add_train_hf_arguments, _main, help=help, description=description)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``plsh train-hf ARGS`` as a function: :func:`positional_lsh.cli.main` with ``train-hf`` in front."""
-    return plsh_main(["train-hf", *(sys.argv[1:] if argv is None else argv)])
+    return command_main("train-hf", argv)

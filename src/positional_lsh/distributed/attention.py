@@ -16,9 +16,14 @@ import torch
 import torch.distributed as dist
 
 from positional_lsh import Partitions, alibi_slopes, plsh_attention, sample_partitions
-from positional_lsh.distributed.chunked import ChunkedWindowAttention, LocalOptions, local_window_attention
+from positional_lsh.distributed.chunked import (
+    ChunkedWindowAttention,
+    LocalOptions,
+    RankWindow,
+    local_window_attention,
+)
 from positional_lsh.distributed.exchange import halo_exchange
-from positional_lsh.distributed.halo import HaloPlan, crop_partitions, halo_plan
+from positional_lsh.distributed.halo import crop_partitions, halo_plan
 from positional_lsh.ops._checks import as_scale, check_bool, check_qkv, nonnegative_int, positive_int
 from positional_lsh.ops.options import DEFAULT_BACKEND, DEFAULT_METHOD, check_backend, check_method
 from positional_lsh.ops.partitions.partition import check_partitions, check_slopes_match
@@ -172,7 +177,7 @@ def context_parallel_plsh_attention(
         )
     whole = call.partitions if partitions is not None else call.partitions.with_seq_len(n)
     plan = halo_plan(whole, lengths, causal=causal)
-    return _local_attention(q, k, v, plan, dist.get_rank(group), group, whole, call.local, call.head_chunk)
+    return _local_attention(q, k, v, RankWindow(plan, dist.get_rank(group), group, whole, call.local, call.head_chunk))
 
 
 class _Call(NamedTuple):
@@ -320,26 +325,16 @@ def _agreed_lengths(table: torch.Tensor, lengths: list[int] | None) -> list[int]
     return local
 
 
-def _local_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: HaloPlan,
-    rank: int,
-    group: Any,
-    partitions: Partitions,
-    local: LocalOptions,
-    head_chunk: int | None,
-) -> torch.Tensor:
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: RankWindow) -> torch.Tensor:
     """Exchange the halo and run ``plsh_attention`` on this rank's key window (whole or in head chunks)."""
     n_local = q.shape[2]
+    plan, rank, group, partitions, local, head_chunk = window
     left, end, right = plan.left[rank], plan.ends[rank], plan.right[rank]
     if head_chunk is not None and n_local > 0:
-        local_parts = crop_partitions(partitions, left, right)
-        exchange_group = dist.group.WORLD if group is None else group
-        out: torch.Tensor = ChunkedWindowAttention.apply(
-            q, k, v, plan, rank, exchange_group, local_parts, local, head_chunk
+        chunked = window._replace(
+            group=dist.group.WORLD if group is None else group, partitions=crop_partitions(partitions, left, right)
         )
+        out: torch.Tensor = ChunkedWindowAttention.apply(q, k, v, chunked)
         return out
     k_win, v_win = halo_exchange(k, v, plan, rank, group)
     if n_local == 0:

@@ -31,6 +31,19 @@ class LocalOptions(NamedTuple):
     method: str
 
 
+class RankWindow(NamedTuple):
+    """This rank's part of a context-parallel call: the halo plan, the rank in its process group, the partitions
+    of its key window (whole sequence before :func:`~positional_lsh.distributed.halo.crop_partitions`), the local
+    options and the head chunk (``None``: all heads at once)."""
+
+    plan: HaloPlan
+    rank: int
+    group: Any
+    partitions: Partitions
+    options: LocalOptions
+    head_chunk: int | None
+
+
 def head_slice(partitions: Partitions, h0: int, h1: int) -> Partitions:
     """The partitions of query heads ``h0 .. h1 - 1`` (every per-head field sliced, the rest kept)."""
     changes: dict[str, Any] = {
@@ -62,13 +75,10 @@ class ChunkedWindowAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        plan: HaloPlan,
-        rank: int,
-        group: Any,
-        local_parts: Partitions,
-        options: LocalOptions,
-        head_chunk: int,
+        window: RankWindow,  # partitions cropped to the window, head_chunk set, group not None
     ) -> torch.Tensor:
+        plan, rank, group, local_parts, options, head_chunk = window
+        assert head_chunk is not None
         left, right = receive_halo(k, v, plan, rank, group)
         hkv, group_size = k.shape[1], q.shape[1] // k.shape[1]
         right_len = plan.right[rank] - plan.ends[rank]
@@ -81,16 +91,16 @@ class ChunkedWindowAttention(torch.autograd.Function):
             out[:, qs] = local_window_attention(q[:, qs], kw, vw, parts, options, right_len)
             del kw, vw
         ctx.save_for_backward(q, k, v, *left, *right)
-        ctx.n_left, ctx.plan, ctx.rank, ctx.group = len(left), plan, rank, group
-        ctx.local_parts, ctx.options, ctx.head_chunk, ctx.right_len = local_parts, options, head_chunk, right_len
+        ctx.n_left, ctx.window, ctx.right_len = len(left), window, right_len
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, *halo = ctx.saved_tensors
-        plan: HaloPlan = ctx.plan
-        rank = ctx.rank
+        window: RankWindow = ctx.window
+        plan, rank, head_chunk = window.plan, window.rank, window.head_chunk
+        assert head_chunk is not None
         hkv, group_size = k.shape[1], q.shape[1] // k.shape[1]
         start, end, win_left = plan.starts[rank], plan.ends[rank], plan.left[rank]
         incoming = plan.incoming(rank)
@@ -98,14 +108,14 @@ class ChunkedWindowAttention(torch.autograd.Function):
         halo_grads = [torch.empty_like(p) for p in halo]  # sorted by position, like `halo`
         order = sorted(range(len(incoming)), key=lambda i: incoming[i].start)
         offsets = [incoming[i].start - win_left for i in order]
-        for h0 in range(0, hkv, ctx.head_chunk):
-            hs = slice(h0, min(hkv, h0 + ctx.head_chunk))
+        for h0 in range(0, hkv, head_chunk):
+            hs = slice(h0, min(hkv, h0 + head_chunk))
             qs = slice(hs.start * group_size, hs.stop * group_size)
             with torch.enable_grad():
                 qc = q[:, qs].detach().requires_grad_()
                 kw, vw = (x.detach().requires_grad_() for x in _window(k, v, halo, ctx.n_left, hs))
-                parts = head_slice(ctx.local_parts, qs.start, qs.stop)
-                out = local_window_attention(qc, kw, vw, parts, ctx.options, ctx.right_len)
+                parts = head_slice(window.partitions, qs.start, qs.stop)
+                out = local_window_attention(qc, kw, vw, parts, window.options, ctx.right_len)
                 gq, gk, gv = torch.autograd.grad(out, (qc, kw, vw), dout[:, qs])
             del out, kw, vw, qc
             dq[:, qs] = gq
@@ -118,8 +128,8 @@ class ChunkedWindowAttention(torch.autograd.Function):
             del gq, gk, gv
         # Back to plan order for the exchange.
         in_plan_order = [halo_grads[order.index(i)] for i in range(len(incoming))]
-        return_halo_grads(in_plan_order, dk, dv, plan, rank, ctx.group)
-        return dq, dk, dv, None, None, None, None, None, None
+        return_halo_grads(in_plan_order, dk, dv, plan, rank, window.group)
+        return dq, dk, dv, None
 
 
 def local_window_attention(

@@ -86,7 +86,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-KVCache = Sequence["tuple[torch.Tensor, torch.Tensor] | None"]
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+"""One layer's keys and values ``(B, H, L, head_dim)``: what a layer returns and takes back as its cache."""
+KVCache = Sequence["LayerKV | None"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -274,11 +276,8 @@ class CausalSelfAttention(nn.Module):
         )
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        context: ShardedAttention | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        self, x: torch.Tensor, cache: LayerKV | None = None, context: ShardedAttention | None = None
+    ) -> tuple[torch.Tensor, LayerKV]:
         """``x (B, L, d_model)`` -> ``(y (B, L, d_model), (k, v))``; ``cache`` holds earlier keys/values,
         ``context`` a context-parallel shard (:meth:`attend`)."""
         b, l, c = x.shape
@@ -325,11 +324,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        context: ShardedAttention | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        self, x: torch.Tensor, cache: LayerKV | None = None, context: ShardedAttention | None = None
+    ) -> tuple[torch.Tensor, LayerKV]:
         a, kv = self.attn(self.norm1(x), cache, context)
         x = x + a
         x = x + self.mlp(self.norm2(x))
@@ -467,9 +463,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"{name} holds ids outside [0, {self.cfg.vocab_size})")
         return idx.long()
 
-    def forward_with_cache(
-        self, idx: torch.Tensor, cache: KVCache | None = None
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def forward_with_cache(self, idx: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, list[LayerKV]]:
         """Logits ``(B, L, V)`` float32 of ``idx (B, L)`` that follow the cached positions, and the new cache."""
         idx = self._check_idx(idx)
         if cache is not None and len(cache) != len(self.blocks):
@@ -546,7 +540,7 @@ class TransformerLM(nn.Module):
         self.eval()
         out = idx.to(self.device)
         done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-        cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        cache: list[LayerKV] | None = None
         for _ in range(max_new_tokens):
             if use_cache:
                 logits, cache = self.forward_with_cache(out if cache is None else out[:, -1:], cache)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -41,7 +42,7 @@ OUTPUT_FIELDS = (
     "cosine_mean",
     "cosine_min",
 )
-MEASUREMENT_FIELDS = (
+_HEAD_FIELDS = (
     "seq_len",
     "slope_set",
     "scheme",
@@ -51,6 +52,10 @@ MEASUREMENT_FIELDS = (
     "head",
     "slope",
     "sigma",
+)
+"""The columns that name one head of one draw, first in both :data:`MEASUREMENT_FIELDS` and :data:`BLOCK_FIELDS`."""
+MEASUREMENT_FIELDS = (
+    *_HEAD_FIELDS,
     "input",
     "layer",
     "spectral",
@@ -69,15 +74,7 @@ MEASUREMENT_FIELDS = (
 
 
 BLOCK_FIELDS = (
-    "seq_len",
-    "slope_set",
-    "scheme",
-    "samples",
-    "repeat",
-    "seed",
-    "head",
-    "slope",
-    "sigma",
+    *_HEAD_FIELDS,
     "largest",
     "bound",
     "delta",
@@ -126,6 +123,35 @@ def _mask_measure(
     }
 
 
+def _draws(
+    cfg: ValidateConfig,
+    experiment: str,
+    n: int,
+    slope_sets: dict[str, torch.Tensor],
+    heads: list[int],
+    schemes: Sequence[str],
+    samples: Sequence[int],
+    repeats: int,
+    on_skip: Callable[[int], None] | None = None,
+) -> Iterator[tuple[dict[str, Any], torch.Tensor, Partitions]]:
+    """Every seeded draw of ``experiment`` at length ``n``: for each slope set, scheme, sample count ``s`` and
+    repeat (in that order), the row coordinates ``seq_len .. seed``, the set's slopes and the partitions of
+    ``heads`` (seed :func:`derive_seed` of the coordinates). With ``on_skip``, an ``s`` with ``n * s`` above
+    ``cfg.max_work`` is not drawn: ``on_skip(s)`` instead."""
+    for mode, slopes in slope_sets.items():
+        for scheme in schemes:
+            for s in samples:
+                if on_skip is not None and n * s > cfg.max_work:
+                    on_skip(s)
+                    continue
+                for rep in range(repeats):
+                    seed = derive_seed(cfg.seed, experiment, n, mode, scheme, s, rep)
+                    parts = sample_partitions(n, slopes[heads], s, scheme=scheme, generator=seed)
+                    coords = {"seq_len": n, "slope_set": mode, "scheme": scheme, "samples": s, "repeat": rep,
+                              "seed": seed}  # fmt: skip
+                    yield coords, slopes, parts
+
+
 def main_sweep(
     cfg: ValidateConfig,
     contexts: list[Context],
@@ -139,21 +165,16 @@ def main_sweep(
     skipped: list[str] = []
     for n in cfg.seq_lens:
         ctxs = [c for c in contexts if c.seq_len == n]
-        for mode, slopes in slope_sets.items():
-            for scheme in cfg.schemes:
-                for s in cfg.samples:
-                    if n * s > cfg.max_work:
-                        skipped.append(f"n={n}, s={s} (n*s > {cfg.max_work:g})")
-                        bar.update(cfg.repeats * len(heads))
-                        continue
-                    for rep in range(cfg.repeats):
-                        seed = derive_seed(cfg.seed, "main", n, mode, scheme, s, rep)
-                        parts = sample_partitions(n, slopes[heads], s, scheme=scheme, generator=seed)
-                        for hi, h in enumerate(heads):
-                            coords = {"seq_len": n, "slope_set": mode, "scheme": scheme, "samples": s,
-                                      "repeat": rep, "seed": seed, "head": h}  # fmt: skip
-                            rows += _measure_head(cfg, ctxs, parts, hi, float(slopes[h]), coords, scale)
-                            bar.update(1)
+
+        def skip(s: int, n: int = n) -> None:
+            skipped.append(f"n={n}, s={s} (n*s > {cfg.max_work:g})")
+            bar.update(cfg.repeats * len(heads))
+
+        for coords, slopes, parts in _draws(cfg, "main", n, slope_sets, heads, cfg.schemes, cfg.samples, cfg.repeats,
+                                            on_skip=skip):  # fmt: skip
+            for hi, h in enumerate(heads):
+                rows += _measure_head(cfg, ctxs, parts, hi, float(slopes[h]), {**coords, "head": h}, scale)
+                bar.update(1)
     return rows, skipped
 
 
@@ -169,32 +190,24 @@ def block_sweep(cfg: ValidateConfig, slope_sets: dict[str, torch.Tensor], heads:
 
     rows: list[dict[str, Any]] = []
     for n in cfg.seq_lens:
-        for mode, slopes in slope_sets.items():
-            for scheme in cfg.schemes:
-                for s in cfg.samples:
-                    if n * s > cfg.max_work:
-                        continue
-                    for rep in range(cfg.repeats):
-                        seed = derive_seed(cfg.seed, "main", n, mode, scheme, s, rep)
-                        parts = sample_partitions(n, slopes[heads], s, scheme=scheme, generator=seed)
-                        st = block_stats(parts)
-                        for hi, h in enumerate(heads):
-                            slope = float(slopes[h])
-                            try:
-                                bound = float(n if slope == 0 else block_size_bound(n, 1 / slope, s, cfg.block_delta,
-                                                                                    scheme))  # fmt: skip
-                            except ValueError:  # no pitch tail for this scheme
-                                bound = math.nan
-                            largest = int(st.largest_per_head[hi])
-                            rows.append({
-                                "seq_len": n, "slope_set": mode, "scheme": scheme, "samples": s, "repeat": rep,
-                                "seed": seed, "head": h, "slope": slope, "sigma": 1 / slope if slope > 0 else math.inf,
-                                "largest": largest, "bound": bound, "delta": cfg.block_delta,
-                                "within_bound": bool(largest <= bound) if math.isfinite(bound) else None,
-                                "blocks": int(st.blocks[hi]), "work": float(st.work[hi]),
-                                "causal_work": float(st.causal_work[hi]),
-                                "work_over_dense": float(st.work[hi]) / (s * st.dense_work),
-                            })  # fmt: skip
+        for coords, slopes, parts in _draws(cfg, "main", n, slope_sets, heads, cfg.schemes, cfg.samples, cfg.repeats,
+                                            on_skip=lambda s: None):  # fmt: skip
+            s, scheme = coords["samples"], coords["scheme"]
+            st = block_stats(parts)
+            for hi, h in enumerate(heads):
+                slope = float(slopes[h])
+                try:
+                    bound = float(n if slope == 0 else block_size_bound(n, 1 / slope, s, cfg.block_delta, scheme))
+                except ValueError:  # no pitch tail for this scheme
+                    bound = math.nan
+                largest = int(st.largest_per_head[hi])
+                rows.append({
+                    **coords, "head": h, "slope": slope, "sigma": 1 / slope if slope > 0 else math.inf,
+                    "largest": largest, "bound": bound, "delta": cfg.block_delta,
+                    "within_bound": bool(largest <= bound) if math.isfinite(bound) else None,
+                    "blocks": int(st.blocks[hi]), "work": float(st.work[hi]), "causal_work": float(st.causal_work[hi]),
+                    "work_over_dense": float(st.work[hi]) / (s * st.dense_work),
+                })  # fmt: skip
     return rows
 
 
@@ -250,37 +263,22 @@ def compare_sweep(
     ctx = next(c for c in contexts if c.seq_len == n)
     lq = ctx.layers[0]
     t = cfg.compare_samples
-    for mode, slopes in slope_sets.items():
-        for scheme in cfg.compare_schemes:
-            for rep in range(cfg.compare_repeats):
-                seed = derive_seed(cfg.seed, "compare", n, mode, scheme, t, rep)
-                parts = sample_partitions(n, slopes[heads], t, scheme=scheme, generator=seed)
-                for hi, h in enumerate(heads):
-                    dense = theory.MeanMaskOperator(parts, hi).dense() if n <= cfg.max_output_len else None
-                    op, mask = _mask_measure(parts, hi, dense, cfg.tol)
-                    row = {
-                        "seq_len": n,
-                        "slope_set": mode,
-                        "scheme": scheme,
-                        "samples": t,
-                        "repeat": rep,
-                        "seed": seed,
-                        "head": h,
-                        "slope": float(slopes[h]),
-                        "input": ctx.index,
-                        "layer": lq.layer,
-                        **mask,
-                    }
-                    if dense is not None:
-                        q, k, v = lq.head(h)
-                        oe = theory.output_errors(
-                            q, k, v, parts, hi, causal=cfg.causal, scale=scale, operator=op, dense_mbar=dense
-                        )
-                        row.update(softmax_rel=oe.softmax_rel, exp_rel=oe.exp_rel, row_p90=oe.row_p90)
-                    else:
-                        row.update(softmax_rel=math.nan, exp_rel=math.nan, row_p90=math.nan)
-                    rows.append(row)
-                    bar.update(1)
+    for coords, slopes, parts in _draws(cfg, "compare", n, slope_sets, heads, cfg.compare_schemes, [t],
+                                        cfg.compare_repeats):  # fmt: skip
+        for hi, h in enumerate(heads):
+            dense = theory.MeanMaskOperator(parts, hi).dense() if n <= cfg.max_output_len else None
+            op, mask = _mask_measure(parts, hi, dense, cfg.tol)
+            row = {**coords, "head": h, "slope": float(slopes[h]), "input": ctx.index, "layer": lq.layer, **mask}
+            if dense is not None:
+                q, k, v = lq.head(h)
+                oe = theory.output_errors(
+                    q, k, v, parts, hi, causal=cfg.causal, scale=scale, operator=op, dense_mbar=dense
+                )
+                row.update(softmax_rel=oe.softmax_rel, exp_rel=oe.exp_rel, row_p90=oe.row_p90)
+            else:
+                row.update(softmax_rel=math.nan, exp_rel=math.nan, row_p90=math.nan)
+            rows.append(row)
+            bar.update(1)
     return rows
 
 
@@ -291,31 +289,15 @@ def length_sweep(
     rows: list[dict[str, Any]] = []
     s = cfg.length_samples
     for n in cfg.lengths:
-        for mode, slopes in slope_sets.items():
-            for scheme in cfg.schemes:
-                for rep in range(cfg.repeats):
-                    seed = derive_seed(cfg.seed, "length", n, mode, scheme, s, rep)
-                    parts = sample_partitions(n, slopes[heads], s, scheme=scheme, generator=seed)
-                    for hi, h in enumerate(heads):
-                        t0 = time.perf_counter()
-                        _, mask = _mask_measure(parts, hi, None, cfg.tol)
-                        slope = float(slopes[h])
-                        rows.append(
-                            {
-                                "seq_len": n,
-                                "slope_set": mode,
-                                "scheme": scheme,
-                                "samples": s,
-                                "repeat": rep,
-                                "seed": seed,
-                                "head": h,
-                                "slope": slope,
-                                **mask,
-                                **_bounds(n, slope, s, mask["alibi_norm"], cfg),
-                                "seconds": time.perf_counter() - t0,
-                            }
-                        )
-                        bar.update(1)
+        for coords, slopes, parts in _draws(cfg, "length", n, slope_sets, heads, cfg.schemes, [s], cfg.repeats):
+            for hi, h in enumerate(heads):
+                t0 = time.perf_counter()
+                _, mask = _mask_measure(parts, hi, None, cfg.tol)
+                slope = float(slopes[h])
+                bounds = _bounds(n, slope, s, mask["alibi_norm"], cfg)
+                rows.append({**coords, "head": h, "slope": slope, **mask, **bounds,
+                             "seconds": time.perf_counter() - t0})  # fmt: skip
+                bar.update(1)
     return rows
 
 
