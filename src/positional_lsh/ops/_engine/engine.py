@@ -6,8 +6,8 @@ module, :mod:`~positional_lsh.ops._engine.routing` (``dispatch`` where the input
 partitions, ``plan``); this module runs its :class:`~positional_lsh.ops._engine.routing.Plan`: :func:`forward` (the
 estimator's ``(out, lse)``) and :func:`backward` (``(dq, dk, dv)`` from the merged ``out``/``lse``, and with
 ``dist_grad=True`` the surrogate slope gradient's ``slope_dist (Hq,)``, ``sum dS |i - j|``; ``slopes.grad =
--slope_dist``). Forward and backward apply the non-finite-key rule (:func:`kernel_inputs`, :func:`rows_reaching`)
-for every backend.
+-slope_dist``). Forward and backward apply the non-finite-key rule (``torch_attention.kernel_inputs``,
+:func:`rows_reaching`) for every backend.
 
 The backends implement one interface, :class:`~positional_lsh.ops._engine.backend.Backend` (``plan`` → ``forward``
 → ``backward``, each with a typed plan), in their own modules: :mod:`~positional_lsh.ops._engine.per_sample` (one
@@ -19,27 +19,16 @@ multiplicity form as Triton kernels; ``triton`` is imported only when that row i
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from positional_lsh.ops._engine.backend import Saved
-from positional_lsh.ops._engine.kinds import Kernel
 from positional_lsh.ops._engine.routing import Plan
-from positional_lsh.ops._engine.torch_attention import kernel_layout, nonfinite_keys, poison_rows
+from positional_lsh.ops._engine.torch_attention import kernel_inputs, poison_rows
 from positional_lsh.ops.partitions.partition import Partitions
 
-__all__ = ["Layout", "backward", "forward", "kernel_inputs", "rows_reaching"]
-
-
-class Layout(NamedTuple):
-    """``q, k, v`` as a kernel reads them (its layout, non-finite keys zeroed) and those keys (``(B, Hkv, Lk)`` bool,
-    or ``None``): what :func:`kernel_inputs` makes once per forward, and its backward reuses."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    bad: torch.Tensor | None
+__all__ = ["backward", "forward", "rows_reaching"]
 
 
 def rows_reaching(bad: torch.Tensor, partitions: Partitions, q_len: int, causal: bool) -> torch.Tensor:
@@ -65,24 +54,12 @@ def rows_reaching(bad: torch.Tensor, partitions: Partitions, q_len: int, causal:
     return out.to(device)
 
 
-def kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: Kernel) -> Layout:
-    """``q, k, v`` in the kernel's layout with non-finite keys zeroed, and those keys (``nonfinite_keys``)."""
-    if kernel == Kernel.TRITON:
-        q, k, v = (x.contiguous() for x in (q, k, v))
-    else:
-        q, k, v = (kernel_layout(x, kernel) for x in (q, k, v))
-    bad = nonfinite_keys(k, v)  # zeroed here; the rows that keep them are set to NaN by forward
-    if bad is not None:
-        k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
-    return Layout(q, k, v, bad)
-
-
 def forward(
     p: Plan[Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The estimator for the plan ``p``: ``(out, lse, (q, k, v))`` with ``out`` in ``q``'s dtype, ``lse (B, Hq, Lq)``
     in the accumulation dtype (float32 from the Triton kernels), and the inputs as the kernels read them (the
-    :class:`Layout`'s, what the backward takes). Rows that keep a non-finite key are NaN."""
+    ``Layout``'s, what the backward takes). Rows that keep a non-finite key are NaN."""
     layout = kernel_inputs(q, k, v, p.kernel)
     out, lse = p.backend.forward(p.backend_plan, layout.q, layout.k, layout.v, p.route.scale)
     if layout.bad is not None:
@@ -93,7 +70,7 @@ def forward(
 def backward(
     p: Plan[Any], saved: tuple[torch.Tensor, ...], dout: torch.Tensor, dist_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(dq, dk, dv, slope_dist)`` from ``saved = (q, k, v, out, lse)`` (the :class:`Layout`'s inputs, as
+    """``(dq, dk, dv, slope_dist)`` from ``saved = (q, k, v, out, lse)`` (the ``Layout``'s inputs, as
     :func:`forward` returned them, and its outputs) and the upstream gradient ``dout``: ``dq, dk, dv`` in the inputs'
     dtypes; with ``dist_grad``, ``slope_dist (Hq,)`` ``= sum over batch,
     i, j of dS[b, h, i, j] * |i - j|`` with the estimator's own ``dS`` (query row ``r`` at position ``Lk - Lq + r``),

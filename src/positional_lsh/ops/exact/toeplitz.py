@@ -24,8 +24,6 @@ from positional_lsh.ops._engine.torch_attention import (
     attend,
     attend_backward,
     attend_bias_grads,
-    kernel_layout,
-    nonfinite_keys,
 )
 from positional_lsh.ops.exact.bias import alibi_bias
 from positional_lsh.ops.partitions.decays import decay_family
@@ -323,15 +321,3 @@ def _param_grad_share(
         ws = [weights[p, rs, ks][None, None] for p in range(weights.shape[0])]
         total += attend_bias_grads(*sub, ws, causal=False, scale=scale, bias=bias[..., rs, ks])[:, 0]
     return total
-
-
-def kernel_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``q, k, v`` in the kernel's layout (once per call; chunks are views) with non-finite keys zeroed, and those
-    keys; the forward and the backward read the same tensors."""
-    q, k, v = (kernel_layout(x, backend) for x in (q, k, v))
-    bad = nonfinite_keys(k, v)  # zeroed here, and the rows that keep them set to NaN by the forward
-    if bad is not None:
-        k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
-    return q, k, v, bad
