@@ -25,33 +25,24 @@ import torch
 
 from positional_lsh.ops._engine.backend import Saved
 from positional_lsh.ops._engine.routing import Plan
-from positional_lsh.ops._engine.torch_attention import kernel_inputs, poison_rows
+from positional_lsh.ops._engine.torch_attention import kernel_inputs, poison_rows, rows_keeping
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = ["backward", "forward", "rows_reaching"]
 
 
 def rows_reaching(bad: torch.Tensor, partitions: Partitions, q_len: int, causal: bool) -> torch.Tensor:
-    """``(B, Hq, Lq)`` bool: query rows that keep a ``bad`` key (``bad`` is ``(B, Hkv, Lk)``) in some sample."""
-    b, hkv, lk = bad.shape
-    hq = partitions.num_heads
-    device = bad.device
-    bad = bad.cpu()
-    out = torch.zeros((b, hq, q_len), dtype=torch.bool)
-    for h in range(hq):
-        keys = bad[:, h // (hq // hkv)]
-        j = torch.nonzero(keys.any(0)).flatten()
-        if j.numel() == 0:
-            continue
-        lo, hi = partitions.block_span(h, j)
-        if causal:
-            lo = j  # rows before a key never see it
-        for bi in range(b):
-            sel = keys[bi, j]
-            diff = torch.zeros(lk + 1, dtype=torch.long)
-            diff.index_add_(0, lo[sel], torch.ones_like(lo[sel])).index_add_(0, hi[sel], -torch.ones_like(hi[sel]))
-            out[bi, h] = diff.cumsum(0)[lk - q_len : lk] > 0
-    return out.to(device)
+    """``(B, Hq, Lq)`` bool: query rows that keep a ``bad`` key (``bad`` is ``(B, Hkv, Lk)``) in some sample: a
+    row's kept keys are the union of its blocks (``Partitions.block_span``; up to the row when ``causal``), searched
+    by ``torch_attention.rows_keeping``."""
+    lk = bad.shape[-1]
+    pos = torch.arange(lk - q_len, lk)
+    spans = [partitions.block_span(h, pos) for h in range(partitions.num_heads)]
+    first = torch.stack([lo for lo, _ in spans])
+    last = torch.stack([hi for _, hi in spans]) - 1
+    if causal:
+        last = torch.minimum(last, pos)
+    return rows_keeping(bad, first.to(bad.device), last.to(bad.device))
 
 
 def forward(

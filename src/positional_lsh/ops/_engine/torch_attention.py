@@ -172,6 +172,18 @@ def kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str
     return Layout(q, k, v, bad)
 
 
+def rows_keeping(bad: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """``(B, Hq, Lq)`` bool: the query rows whose kept keys, ``first[h, r]`` to ``last[h, r]`` (int64 ``(Hq, Lq)``,
+    inclusive, within ``[0, Lk)``; none where ``last < first``), include a ``bad`` key (``(B, Hkv, Lk)`` bool, see
+    :func:`nonfinite_keys`; query head ``h`` reads key head ``h // (Hq // Hkv)``): one prefix sum of the bad keys.
+    The ops' one search of the rows to set to NaN (the estimator's and exact ALiBi's kept keys)."""
+    b, hkv, _ = bad.shape
+    before = torch.nn.functional.pad(bad.long().cumsum(-1), (1, 0))  # before[..., j]: bad keys among 0..j-1
+    before = before.repeat_interleave(first.shape[0] // hkv, dim=1)  # (B, Hq, Lk + 1)
+    count = before.gather(-1, (last + 1).expand(b, -1, -1)) - before.gather(-1, first.expand(b, -1, -1))
+    return count > 0
+
+
 def poison_rows(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor) -> None:
     """Set to NaN, in place, the output ``(B, H, Lq, d)`` and lse ``(B, H, Lq)`` of the ``rows`` (bool
     ``(B, H, Lq)``) that keep a non-finite key (see :func:`nonfinite_keys`)."""
