@@ -505,9 +505,7 @@ ROUTING_NAMES = frozenset({"flash", "math", "triton", "samples", "multiplicity"}
 # ops._engine.kinds' enums, or asks the routing module.
 ROUTING_BOUNDARY = ("positional_lsh.cli",)
 # Modules that still compare the names, each with what must change; an entry is removed when its module is fixed.
-ROUTING_PENDING = {
-    "positional_lsh.integrations.hf.swap": "refuse backend='triton' with ops.options.check_backend(ALIBI_BACKENDS)",
-}
+ROUTING_PENDING: dict[str, str] = {}
 ROUTING_RULE = (
     "kernel and method names (flash, math, triton, samples, multiplicity) are compared, or used as dict keys, in one "
     "routing module (ops._engine.routing) and at the CLI only; elsewhere compare ops._engine.kinds.Kernel / Method"

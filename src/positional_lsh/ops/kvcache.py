@@ -32,6 +32,7 @@ import torch
 
 from positional_lsh.ops._checks import SlopesLike, as_scale, check_bool, check_int, check_qkv
 from positional_lsh.ops._decode import RampPlan, RowPlan, decode_rows
+from positional_lsh.ops._engine.routing import decode_forced
 from positional_lsh.ops.attention import plsh_attention
 from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend, check_method
@@ -44,10 +45,6 @@ __all__ = ["DecodeState", "key_reach", "plsh_attention_with_kvcache"]
 #: cache dropped keys).
 DECODE_QUERIES = 16
 
-# The backend and method the decoding kernels are (see the module docstring).
-_DECODE_BACKENDS = ("auto", "math")
-_DECODE_METHODS = ("auto", "multiplicity")
-
 
 def key_reach(partitions: Partitions, *, backend: str = "auto", method: str = "auto") -> int | None:
     """The farthest a query of :func:`plsh_attention_with_kvcache` reaches back: ``max_{t,h} ceil(pitch) - 1``
@@ -59,7 +56,7 @@ def key_reach(partitions: Partitions, *, backend: str = "auto", method: str = "a
     """
     if not isinstance(partitions, Partitions):
         raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
-    if check_backend(backend) not in _DECODE_BACKENDS or check_method(method) not in _DECODE_METHODS:
+    if decode_forced(check_backend(backend), check_method(method)):
         return None
     pitch = partitions.pitch
     if not bool(torch.isfinite(pitch).all()):
@@ -183,8 +180,7 @@ def _plsh(
             f"partitions are for {partitions.num_heads} heads and seq_len={partitions.seq_len}; q has {hq} heads "
             f"and the keys cover positions {key_offset}..{n - 1} (at least seq_len={n})"
         )
-    forced = [(name, x) for name, x, ok in (("backend", backend, _DECODE_BACKENDS), ("method", method, _DECODE_METHODS))
-              if x not in ok]  # fmt: skip
+    forced = decode_forced(backend, method)
     if forced or (key_offset == 0 and lq > min(n - 1, DECODE_QUERIES)):
         # The full op on every cached key: a forced backend or method, or a long chunk of queries.
         if key_offset > 0:
@@ -234,7 +230,7 @@ def _alibi(
 
         return _by_row_groups(q, k, v, mask, key_offset, group)
     plan.check_reach(key_offset, lq, lk)
-    if lq == 1 and causal and backend in _DECODE_BACKENDS and (mask is None or bool(mask.all())):
+    if lq == 1 and causal and not decode_forced(backend, "auto") and (mask is None or bool(mask.all())):
         return plan.step(q, k, v, scale, keys_finite)
     return alibi_attention(q, k, v, plan.slopes, causal=causal, window=plan.window, scale=scale, backend=backend,
                            key_padding_mask=mask)  # fmt: skip

@@ -31,6 +31,7 @@ from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.multiplicity.backend import MultiplicityBackend
 from positional_lsh.ops._engine.multiplicity.plan import MultiplicityPlan
 from positional_lsh.ops._engine.per_sample import PerSampleBackend, SamplesPlan
+from positional_lsh.ops._engine.torch_attention import kernel_inputs
 
 from conftest import naive_estimator, naive_mean_mask
 
@@ -304,7 +305,7 @@ def _inputs(hq, hkv, lq, lk, t, scheme, dtype, seed=0):
 
 def _through_the_interface(backend, q, k, v, dout, parts, causal, scale):
     """The backend's plan → forward → backward(dist_grad=True), as the engine calls them."""
-    qi, ki, vi, bad = engine.kernel_inputs(q, k, v, backend.kernel)
+    qi, ki, vi, bad = kernel_inputs(q, k, v, backend.kernel)
     assert bad is None
     plan = backend.plan(parts, k.shape[1], q.shape[2], causal, q.device)
     assert plan.causal == causal

@@ -512,12 +512,13 @@ def use_alibi(
         :func:`use_positional_lsh`).
     """
     inner = unwrap_model(model)
-    if backend == "triton":
+    try:
+        backend = check_backend(backend, ALIBI_BACKENDS)
+    except ValueError:
         raise ValueError(
-            "backend='triton' is not available for use_alibi: exact and windowed ALiBi (alibi_attention) have no "
-            f"Triton kernels; use one of {ALIBI_BACKENDS} (the Triton kernels serve use_positional_lsh)"
-        )
-    backend = check_backend(backend, ALIBI_BACKENDS)
+            f"backend={backend!r} is not available for use_alibi: use one of {ALIBI_BACKENDS} (exact and windowed "
+            "ALiBi, alibi_attention, have no Triton kernels; those serve use_positional_lsh)"
+        ) from None
     with torch.device("cpu"):  # the swap's tensors, also for a model built under torch.device("meta")
         family, m = _family_and_slopes(inner, slopes)
         win = as_window(window, m.numel())

@@ -9,7 +9,7 @@ A backend computes the estimator one way — one (method, kernel) row of the eng
   :class:`~positional_lsh.ops._engine.triton.plan.TritonPlan`). The plan holds ``causal``: the later steps read it
   there.
 * ``forward(plan, q, k, v, scale) -> (out, lse)``: ``q (B, Hq, Lq, d)``, ``k, v (B, Hkv, Lk, d)`` as
-  ``ops._engine.engine.kernel_inputs`` laid them out (non-finite keys zeroed); ``out`` in ``q``'s dtype, ``lse
+  ``ops._engine.torch_attention.kernel_inputs`` laid them out (non-finite keys zeroed); ``out`` in ``q``'s dtype, ``lse
   (B, Hq, Lq)`` in the accumulation dtype (``ops._engine.torch_attention.acc_dtype``; float32 from the Triton kernels).
 * ``backward(plan, saved, dout, scale, dist_grad) -> (dq, dk, dv, slope_dist)``: :class:`Saved` is what ``forward``
   took and returned, ``dout`` the upstream gradient (contiguous); ``dq, dk, dv`` in the inputs' dtypes and, with

@@ -1,9 +1,9 @@
 """The scaffold of an attention custom op: a forward op ``(q, k, v, ...) -> (out, lse)`` and its backward op,
 connected by ``torch.library.register_autograd``, used eager and compiled alike.
 
-The estimator's op (``ops._engine.op``: ``positional_lsh::plsh_forward`` / ``plsh_backward``) is built on it; the
-exact op (``ops.exact.alibi``: ``exact_forward`` / ``exact_backward``) has the same shape. What the scaffold
-shares (:func:`attention_op`):
+The estimator's op (``ops._engine.op``: ``positional_lsh::plsh_forward`` / ``plsh_backward``) and the exact op
+(``ops.exact.op``: ``exact_forward`` / ``exact_backward``) are built on it; both lay their inputs out with
+``torch_attention.kernel_inputs``. What the scaffold shares (:func:`attention_op`):
 
 * inputs read by name, never by position (:func:`input_names`: the forward's signature);
 * the fakes: the forward returns :func:`~positional_lsh.ops._engine.torch_attention.output_buffers` of ``q`` (``out``

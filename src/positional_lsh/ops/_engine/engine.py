@@ -6,8 +6,8 @@ module, :mod:`~positional_lsh.ops._engine.routing` (``dispatch`` where the input
 partitions, ``plan``); this module runs its :class:`~positional_lsh.ops._engine.routing.Plan`: :func:`forward` (the
 estimator's ``(out, lse)``) and :func:`backward` (``(dq, dk, dv)`` from the merged ``out``/``lse``, and with
 ``dist_grad=True`` the surrogate slope gradient's ``slope_dist (Hq,)``, ``sum dS |i - j|``; ``slopes.grad =
--slope_dist``). Forward and backward apply the non-finite-key rule (:func:`kernel_inputs`, :func:`rows_reaching`)
-for every backend.
+-slope_dist``). Forward and backward apply the non-finite-key rule (``torch_attention.kernel_inputs``,
+:func:`rows_reaching`) for every backend.
 
 The backends implement one interface, :class:`~positional_lsh.ops._engine.backend.Backend` (``plan`` → ``forward``
 → ``backward``, each with a typed plan), in their own modules: :mod:`~positional_lsh.ops._engine.per_sample` (one
@@ -19,62 +19,30 @@ multiplicity form as Triton kernels; ``triton`` is imported only when that row i
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from positional_lsh.ops._engine.backend import Saved
-from positional_lsh.ops._engine.kinds import Kernel
 from positional_lsh.ops._engine.routing import Plan
-from positional_lsh.ops._engine.torch_attention import kernel_layout, nonfinite_keys, poison_rows
+from positional_lsh.ops._engine.torch_attention import kernel_inputs, poison_rows, rows_keeping
 from positional_lsh.ops.partitions.partition import Partitions
 
-__all__ = ["Layout", "backward", "forward", "kernel_inputs", "rows_reaching"]
-
-
-class Layout(NamedTuple):
-    """``q, k, v`` as a kernel reads them (its layout, non-finite keys zeroed) and those keys (``(B, Hkv, Lk)`` bool,
-    or ``None``): what :func:`kernel_inputs` makes once per forward, and its backward reuses."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    bad: torch.Tensor | None
+__all__ = ["backward", "forward", "rows_reaching"]
 
 
 def rows_reaching(bad: torch.Tensor, partitions: Partitions, q_len: int, causal: bool) -> torch.Tensor:
-    """``(B, Hq, Lq)`` bool: query rows that keep a ``bad`` key (``bad`` is ``(B, Hkv, Lk)``) in some sample."""
-    b, hkv, lk = bad.shape
-    hq = partitions.num_heads
-    device = bad.device
-    bad = bad.cpu()
-    out = torch.zeros((b, hq, q_len), dtype=torch.bool)
-    for h in range(hq):
-        keys = bad[:, h // (hq // hkv)]
-        j = torch.nonzero(keys.any(0)).flatten()
-        if j.numel() == 0:
-            continue
-        lo, hi = partitions.block_span(h, j)
-        if causal:
-            lo = j  # rows before a key never see it
-        for bi in range(b):
-            sel = keys[bi, j]
-            diff = torch.zeros(lk + 1, dtype=torch.long)
-            diff.index_add_(0, lo[sel], torch.ones_like(lo[sel])).index_add_(0, hi[sel], -torch.ones_like(hi[sel]))
-            out[bi, h] = diff.cumsum(0)[lk - q_len : lk] > 0
-    return out.to(device)
-
-
-def kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: Kernel) -> Layout:
-    """``q, k, v`` in the kernel's layout with non-finite keys zeroed, and those keys (``nonfinite_keys``)."""
-    if kernel == Kernel.TRITON:
-        q, k, v = (x.contiguous() for x in (q, k, v))
-    else:
-        q, k, v = (kernel_layout(x, kernel) for x in (q, k, v))
-    bad = nonfinite_keys(k, v)  # zeroed here; the rows that keep them are set to NaN by forward
-    if bad is not None:
-        k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
-    return Layout(q, k, v, bad)
+    """``(B, Hq, Lq)`` bool: query rows that keep a ``bad`` key (``bad`` is ``(B, Hkv, Lk)``) in some sample: a
+    row's kept keys are the union of its blocks (``Partitions.block_span``; up to the row when ``causal``), searched
+    by ``torch_attention.rows_keeping``."""
+    lk = bad.shape[-1]
+    pos = torch.arange(lk - q_len, lk)
+    spans = [partitions.block_span(h, pos) for h in range(partitions.num_heads)]
+    first = torch.stack([lo for lo, _ in spans])
+    last = torch.stack([hi for _, hi in spans]) - 1
+    if causal:
+        last = torch.minimum(last, pos)
+    return rows_keeping(bad, first.to(bad.device), last.to(bad.device))
 
 
 def forward(
@@ -82,7 +50,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The estimator for the plan ``p``: ``(out, lse, (q, k, v))`` with ``out`` in ``q``'s dtype, ``lse (B, Hq, Lq)``
     in the accumulation dtype (float32 from the Triton kernels), and the inputs as the kernels read them (the
-    :class:`Layout`'s, what the backward takes). Rows that keep a non-finite key are NaN."""
+    ``Layout``'s, what the backward takes). Rows that keep a non-finite key are NaN."""
     layout = kernel_inputs(q, k, v, p.kernel)
     out, lse = p.backend.forward(p.backend_plan, layout.q, layout.k, layout.v, p.route.scale)
     if layout.bad is not None:
@@ -93,7 +61,7 @@ def forward(
 def backward(
     p: Plan[Any], saved: tuple[torch.Tensor, ...], dout: torch.Tensor, dist_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(dq, dk, dv, slope_dist)`` from ``saved = (q, k, v, out, lse)`` (the :class:`Layout`'s inputs, as
+    """``(dq, dk, dv, slope_dist)`` from ``saved = (q, k, v, out, lse)`` (the ``Layout``'s inputs, as
     :func:`forward` returned them, and its outputs) and the upstream gradient ``dout``: ``dq, dk, dv`` in the inputs'
     dtypes; with ``dist_grad``, ``slope_dist (Hq,)`` ``= sum over batch,
     i, j of dS[b, h, i, j] * |i - j|`` with the estimator's own ``dS`` (query row ``r`` at position ``Lk - Lq + r``),

@@ -40,10 +40,10 @@ from collections import OrderedDict
 import torch
 
 from positional_lsh.ops._engine.custom_op import attention_op
-from positional_lsh.ops._engine.engine import backward, forward, kernel_inputs
+from positional_lsh.ops._engine.engine import backward, forward
 from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.routing import Plan, Route, plan
-from positional_lsh.ops._engine.torch_attention import acc_dtype
+from positional_lsh.ops._engine.torch_attention import acc_dtype, kernel_inputs
 from positional_lsh.ops.padding import RowGroup, forward_row_groups, row_groups
 from positional_lsh.ops.partitions.partition import Partitions, check_same_slopes
 

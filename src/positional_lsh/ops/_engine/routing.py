@@ -42,8 +42,9 @@ from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend, check_meth
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
-    "BACKEND_TABLE", "PRIORITY", "Decision", "Inputs", "Plan", "Route", "backend_for", "decide", "dispatch",
-    "exact_kernel", "plan", "refusal", "sized_method", "torch_kernel", "triton_device", "triton_installed",
+    "BACKEND_TABLE", "DECODE_KERNEL", "DECODE_METHOD", "PRIORITY", "Decision", "Inputs", "Plan", "Route", "backend_for",
+    "decide", "decode_forced", "dispatch", "exact_kernel", "plan", "refusal", "sized_method", "torch_kernel",
+    "triton_device", "triton_installed",
 ]  # fmt: skip
 
 P = TypeVar("P")
@@ -272,6 +273,18 @@ def sized_method(backend: str, method: str) -> str:
     return Method.MULTIPLICITY.value if backend == Kernel.TRITON else method
 
 
+#: What the decoding kernels (``ops._decode``) are: the multiplicity form in torch's matmuls.
+DECODE_KERNEL, DECODE_METHOD = Kernel.MATH, Method.MULTIPLICITY
+
+
+def decode_forced(backend: str, method: str) -> list[tuple[str, str]]:
+    """``(name, value)`` of each of the checked public ``backend``, ``method`` that the decoding kernels are not
+    (:data:`DECODE_KERNEL`, :data:`DECODE_METHOD`; ``"auto"`` takes them): a KV-cache call that forces one runs the
+    full op with that choice (``ops.kvcache``)."""
+    asked = (("backend", backend, DECODE_KERNEL), ("method", method, DECODE_METHOD))
+    return [(name, value) for name, value, ok in asked if value not in ("auto", ok)]
+
+
 def exact_kernel(backend: object, q: Any, op: str) -> Kernel:
     """The torch kernel an exact op (``alibi_attention``, ``decay_attention``: ``op``) runs for ``backend`` on ``q``:
     :func:`torch_kernel` of its additive bias, the math kernel (float32 scores) for half types. ``ValueError``
@@ -376,7 +389,7 @@ class Plan(Generic[P]):
     Attributes:
         route: the call's :class:`Route`.
         method: the method, resolved.
-        kernel: the kernel that runs the plan (the inputs are laid out for it: ``ops._engine.engine.kernel_inputs``).
+        kernel: the kernel that runs the plan (the inputs are laid out for it: ``torch_attention.kernel_inputs``).
         partitions: the call's partitions.
         backend: the backend of :data:`BACKEND_TABLE` that runs it.
         backend_plan: that backend's plan (``P``: a ``SamplesPlan``, ``MultiplicityPlan`` or ``TritonPlan``).

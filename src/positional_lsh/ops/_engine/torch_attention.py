@@ -28,6 +28,7 @@ The ``kernel`` arguments are :class:`~positional_lsh.ops._engine.kinds.Kernel` m
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -44,9 +45,7 @@ FLASH_DEVICES = ("cpu", "cuda")
 _MATH_CHUNK_ELEMENTS = 2**24
 
 
-def flash_refusal(
-    device: torch.device, dtype: torch.dtype | None, head_dim: int | None, masked: bool
-) -> str | None:
+def flash_refusal(device: torch.device, dtype: torch.dtype | None, head_dim: int | None, masked: bool) -> str | None:
     """Why torch's fused flash op of ``device`` refuses every kernel call of an op whose inputs are ``dtype`` with
     ``head_dim`` (with an additive mask when ``masked``; ``None``: not known, not checked); ``None`` where it takes
     them: what the engine's routing (``ops._engine.routing.refusal``) reads of the flash op.
@@ -149,6 +148,40 @@ def nonfinite_keys(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         return None
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
     return bad if bool(bad.any()) else None
+
+
+class Layout(NamedTuple):
+    """``q, k, v`` as a kernel reads them (its layout, non-finite keys zeroed) and those keys (``(B, Hkv, Lk)`` bool,
+    or ``None``): what :func:`kernel_inputs` makes once per forward, and its backward reuses."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    bad: torch.Tensor | None
+
+
+def kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> Layout:
+    """``q, k, v`` in the kernel's layout with non-finite keys zeroed, and those keys (``nonfinite_keys``)."""
+    if kernel == Kernel.TRITON:
+        q, k, v = (x.contiguous() for x in (q, k, v))
+    else:
+        q, k, v = (kernel_layout(x, kernel) for x in (q, k, v))
+    bad = nonfinite_keys(k, v)  # zeroed here; the rows that keep them are set to NaN by forward
+    if bad is not None:
+        k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
+    return Layout(q, k, v, bad)
+
+
+def rows_keeping(bad: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """``(B, Hq, Lq)`` bool: the query rows whose kept keys, ``first[h, r]`` to ``last[h, r]`` (int64 ``(Hq, Lq)``,
+    inclusive, within ``[0, Lk)``; none where ``last < first``), include a ``bad`` key (``(B, Hkv, Lk)`` bool, see
+    :func:`nonfinite_keys`; query head ``h`` reads key head ``h // (Hq // Hkv)``): one prefix sum of the bad keys.
+    The ops' one search of the rows to set to NaN (the estimator's and exact ALiBi's kept keys)."""
+    b, hkv, _ = bad.shape
+    before = torch.nn.functional.pad(bad.long().cumsum(-1), (1, 0))  # before[..., j]: bad keys among 0..j-1
+    before = before.repeat_interleave(first.shape[0] // hkv, dim=1)  # (B, Hq, Lk + 1)
+    count = before.gather(-1, (last + 1).expand(b, -1, -1)) - before.gather(-1, first.expand(b, -1, -1))
+    return count > 0
 
 
 def poison_rows(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor) -> None:

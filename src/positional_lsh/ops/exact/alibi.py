@@ -136,7 +136,8 @@ def alibi_attention(
     learnable = grad_slopes(slopes, hq)
     if learnable is not None:  # learnable: the tensor is the op's input
         theta = learnable
-    return _exact_call(q, k, v, theta, win, "alibi", causal, sc, backend, compiling, mask)
+    out, _ = exact_forward(q, k, v, theta, win, "alibi", causal, sc, backend, check=compiling, key_padding_mask=mask)
+    return out
 
 
 def decay_attention(
@@ -207,24 +208,5 @@ def decay_attention(
         theta, _ = fam.check_params(params, hq)
     backend = exact_kernel(backend, q, "decay_attention")
     mask = check_key_padding_mask(key_padding_mask, q, lk)
-    return _exact_call(q, k, v, theta, None, fam.name, causal, sc, backend, compiling, mask)
-
-
-def _exact_call(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    theta: torch.Tensor,
-    window: torch.Tensor | None,
-    kind: str,
-    causal: bool,
-    scale: float,
-    backend: str,
-    check: bool,
-    key_padding_mask: torch.Tensor | None,
-) -> torch.Tensor:
-    """A checked call of either exact op, eager or compiled: :func:`exact_forward` through ``torch.ops``."""
-    out, _ = exact_forward(
-        q, k, v, theta, window, kind, causal, scale, backend, check=check, key_padding_mask=key_padding_mask
-    )
+    out, _ = exact_forward(q, k, v, theta, None, fam.name, causal, sc, backend, check=compiling, key_padding_mask=mask)
     return out

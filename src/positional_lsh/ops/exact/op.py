@@ -11,15 +11,14 @@ are :func:`~positional_lsh.alibi_attention` and :func:`~positional_lsh.decay_att
 
 from __future__ import annotations
 
-import inspect
 from functools import partial
-from typing import Any
 
 import torch
 
 from positional_lsh.ops._checks import as_slopes, as_window
+from positional_lsh.ops._engine.custom_op import attention_op
 from positional_lsh.ops._engine.parallel import pool_size, run_all
-from positional_lsh.ops._engine.torch_attention import acc_dtype, output_buffers, poison_rows
+from positional_lsh.ops._engine.torch_attention import acc_dtype, kernel_inputs, poison_rows
 from positional_lsh.ops.exact.fused import exact_route, fused_backward, fused_forward
 from positional_lsh.ops.exact.toeplitz import (
     Toeplitz,
@@ -27,7 +26,6 @@ from positional_lsh.ops.exact.toeplitz import (
     alibi_forward_item,
     alibi_rows_with_bad_keys,
     head_items,
-    kernel_inputs,
 )
 from positional_lsh.ops.padding import forward_row_groups, row_groups
 from positional_lsh.ops.partitions.decays import decay_family
@@ -57,11 +55,7 @@ def _toeplitz_forward(
 
 def _toeplitz_backward(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
     spec: Toeplitz,
     causal: bool,
     scale: float,
@@ -70,7 +64,9 @@ def _toeplitz_backward(
     theta_grad: bool,
 ) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor | None]:
     """``((dq, dk, dv) or None, param_grad (B, Hq, P) or None)`` against the saved ``out`` and ``lse``: each part
-    only when asked for (the parameter part is one more math pass of every chunk's scores)."""
+    only when asked for (the parameter part is one more math pass of every chunk's scores). ``saved``: the
+    forward's ``(q, k, v, out, lse)``."""
+    q, k, v, out, lse = saved
     q, k, v, _ = kernel_inputs(q, k, v, backend)
     dout = dout.contiguous()
     acc = acc_dtype(q.dtype)
@@ -140,20 +136,7 @@ def _exact_forward(
     return forward_row_groups(q, k, v, groups, attend)
 
 
-#: The names of ``exact_forward``'s inputs, in order: ``setup_context`` and the backward read and return them by name.
-EXACT_INPUTS: tuple[str, ...] = tuple(inspect.signature(_exact_forward).parameters)
-
-exact_forward = torch.library.custom_op("positional_lsh::exact_forward", _exact_forward, mutates_args=())
-
-
-@exact_forward.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object, **__: object) -> tuple[torch.Tensor, torch.Tensor]:
-    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    return output_buffers(q, empty=True)
-
-
-@torch.library.custom_op("positional_lsh::exact_backward", mutates_args=())
-def exact_backward(
+def _exact_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,17 +161,16 @@ def exact_backward(
     groups = row_groups(key_padding_mask, q.shape[2])
     args = (spec, causal, scale, backend, qkv_grad, theta_grad)
     if groups is None:
-        grads, param_grad = _toeplitz_backward(dout, q, k, v, out, lse, *args)
+        grads, param_grad = _toeplitz_backward(dout, (q, k, v, out, lse), *args)
         dtheta = None if param_grad is None else param_grad.sum(0)
     else:
         grads = tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)) if qkv_grad else None
         dtheta = torch.zeros((q.shape[1], spec.num_params), dtype=acc_dtype(q.dtype), device=q.device)
         for g in groups:
             gk, gq = g.keys, g.queries
-            part, pg = _toeplitz_backward(
-                dout[g.rows][:, :, gq], q[g.rows][:, :, gq], k[g.rows][:, :, gk], v[g.rows][:, :, gk],
-                out[g.rows][:, :, gq], lse[g.rows][:, :, gq], *args,
-            )  # fmt: skip
+            saved = (q[g.rows][:, :, gq], k[g.rows][:, :, gk], v[g.rows][:, :, gk], out[g.rows][:, :, gq],
+                     lse[g.rows][:, :, gq])  # fmt: skip
+            part, pg = _toeplitz_backward(dout[g.rows][:, :, gq], saved, *args)
             if grads is not None and part is not None:
                 for full, x, where in zip(grads, part, (gq, gk, gk), strict=True):
                     full[g.rows, :, where] = x
@@ -202,50 +184,17 @@ def exact_backward(
     return dq, dk, dv, dtheta.reshape(theta.shape).to(device=theta.device, dtype=theta.dtype)
 
 
-@exact_backward.register_fake
-def _(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    theta: torch.Tensor,
-    *_: object,
-    **__: object,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The fake: only the tensors that shape the outputs are named; the other arguments do not.
-    dq, dk, dv, dt = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, theta))
-    return dq, dk, dv, dt
+exact_forward = torch.library.custom_op("positional_lsh::exact_forward", _exact_forward, mutates_args=())
+exact_backward = torch.library.custom_op("positional_lsh::exact_backward", _exact_backward, mutates_args=())
+EXACT_OP = attention_op(
+    exact_forward, _exact_forward, exact_backward, _exact_backward,
+    tensors=("theta", "window"),
+    settings=("kind", "causal", "scale", "backend"),
+    grads=("q", "k", "v", "theta"),
+    flags=lambda n: {"qkv_grad": n["q"] or n["k"] or n["v"], "theta_grad": n["theta"]},
+)  # fmt: skip
+"""The exact op pair on the one scaffold (``ops._engine.custom_op``): fakes, ``setup_context`` and the autograd
+backward, inputs read by name (``theta`` gets its exact gradient when autograd needs it)."""
 
-
-# The forward's settings the backward takes as they are (its other inputs are tensors saved for it).
-_SETTINGS = ("kind", "causal", "scale", "backend")
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    args = dict(zip(EXACT_INPUTS, inputs, strict=True))
-    out, lse = output
-    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["theta"], args["window"],
-                          args["key_padding_mask"])  # fmt: skip
-    ctx.settings = {n: args[n] for n in _SETTINGS}
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward_fn(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    q, k, v, out, lse, theta, window, mask = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    # (the dispatcher drops trailing inputs left at their defaults from needs_input_grad: none of them is a grad's)
-    need = dict(zip(EXACT_INPUTS, ctx.needs_input_grad, strict=False))
-    qkv_grad = bool(need["q"] or need["k"] or need["v"])
-    theta_grad = bool(need["theta"])
-    dq, dk, dv, dtheta = exact_backward(
-        dout, q, k, v, out, lse, theta, window, **ctx.settings, qkv_grad=qkv_grad, theta_grad=theta_grad,
-        key_padding_mask=mask,
-    )  # fmt: skip
-    grads = {"q": dq, "k": dk, "v": dv, "theta": dtheta}
-    return tuple(grads[n] if n in grads and need[n] else None for n in EXACT_INPUTS)
-
-
-exact_forward.register_autograd(_backward_fn, setup_context=_setup_context)
+#: The names of ``exact_forward``'s inputs, in order: ``setup_context`` and the backward read and return them by name.
+EXACT_INPUTS: tuple[str, ...] = EXACT_OP.inputs

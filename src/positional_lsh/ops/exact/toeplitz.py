@@ -24,8 +24,7 @@ from positional_lsh.ops._engine.torch_attention import (
     attend,
     attend_backward,
     attend_bias_grads,
-    kernel_layout,
-    nonfinite_keys,
+    rows_keeping,
 )
 from positional_lsh.ops.exact.bias import alibi_bias
 from positional_lsh.ops.partitions.decays import decay_family
@@ -187,17 +186,14 @@ def alibi_rows_with_bad_keys(
 
     ``bad`` is ``(B, Hkv, Lk)`` bool; these are the rows :func:`alibi_attention` sets to NaN.
     """
-    b, hkv, lk = bad.shape
-    before = torch.nn.functional.pad(bad.long().cumsum(-1), (1, 0))  # before[..., j]: bad keys among 0..j-1
-    before = before.repeat_interleave(num_heads // hkv, dim=1)  # (B, Hq, Lk + 1)
+    lk = bad.shape[-1]
     pos = torch.arange(q_len, device=bad.device, dtype=torch.float64) + (lk - q_len)
     reach = torch.full((num_heads, 1), float(lk), dtype=torch.float64, device=bad.device)
     if window is not None:
         reach = torch.floor(window.to(bad.device, torch.float64)).clamp_max(lk)[:, None]
-    lo = (pos - reach).clamp_min(0).long()  # (Hq, Lq): first kept key
-    hi = (pos if causal else (pos + reach).clamp_max(lk - 1)).long().expand(num_heads, q_len)  # last kept key
-    count = before.gather(-1, (hi + 1).expand(b, -1, -1)) - before.gather(-1, lo.expand(b, -1, -1))
-    return count > 0
+    first = (pos - reach).clamp_min(0).long()  # (Hq, Lq)
+    last = (pos if causal else (pos + reach).clamp_max(lk - 1)).long().expand(num_heads, q_len)
+    return rows_keeping(bad, first, last)
 
 
 def _head_chunks(
@@ -323,15 +319,3 @@ def _param_grad_share(
         ws = [weights[p, rs, ks][None, None] for p in range(weights.shape[0])]
         total += attend_bias_grads(*sub, ws, causal=False, scale=scale, bias=bias[..., rs, ks])[:, 0]
     return total
-
-
-def kernel_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``q, k, v`` in the kernel's layout (once per call; chunks are views) with non-finite keys zeroed, and those
-    keys; the forward and the backward read the same tensors."""
-    q, k, v = (kernel_layout(x, backend) for x in (q, k, v))
-    bad = nonfinite_keys(k, v)  # zeroed here, and the rows that keep them set to NaN by the forward
-    if bad is not None:
-        k, v = k.masked_fill(bad[..., None], 0), v.masked_fill(bad[..., None], 0)
-    return q, k, v, bad

@@ -26,7 +26,8 @@ def block_counts(
 
     Args:
         start, end: int64 ``(..., T)``: the blocks of each row (one per sample), ``end`` exclusive (a causal caller
-            clips it to the row's position + 1).
+            clips it to the row's position + 1); ``end`` may be ``(..., 1)``, one end shared by every block of the
+            row (a causal caller's ``position + 1`` when every start is at most the position: one event per row).
         first: the key of column 0: an int, or an int64 tensor of the rows' shape ``(...)`` (one per row).
         width: the number of keys (columns), ``>= 0``; blocks are clipped to them.
         weight: int32 ``(..., T)`` (broadcastable), how many samples each block stands for; default 1 each.
@@ -44,6 +45,9 @@ def block_counts(
     else:
         events.zero_()
     ones = torch.ones((), dtype=torch.int32, device=lo.device).expand(lo.shape) if weight is None else weight
-    events.scatter_add_(-1, lo, ones.expand(lo.shape))
-    events.scatter_add_(-1, hi, ones.expand(lo.shape).neg())
+    ones = ones.expand(lo.shape)
+    events.scatter_add_(-1, lo, ones)
+    if hi.shape[-1] != lo.shape[-1]:  # one shared end: the row's total weight, once
+        ones = ones.sum(-1, keepdim=True, dtype=torch.int32).expand(hi.shape)
+    events.scatter_add_(-1, hi, ones.neg())
     return torch.cumsum(events[..., :width], -1, dtype=torch.int32, out=out)

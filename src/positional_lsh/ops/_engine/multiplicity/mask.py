@@ -15,6 +15,7 @@ import torch
 from positional_lsh.ops._engine.cost import MOVE_EVENT_NS, ROW_START_NS, ROW_SUM_ENTRY_NS, ROW_SUM_NS
 from positional_lsh.ops._engine.multiplicity.plan import Call, Group, MultiplicityPlan, call_chunks, tile_rows
 from positional_lsh.ops.partitions.bounds import block_bounds, exact_floor, integer_block_bounds, integer_pitch_shift
+from positional_lsh.ops.partitions.counts import block_counts
 
 __all__ = [
     "Workspace", "call_keys", "count_mask", "kernel_calls", "log_count_table", "move_events", "row_bounds",
@@ -196,23 +197,19 @@ def count_mask(call: Call, plan: MultiplicityPlan, dtype: torch.dtype, ws: Works
     calls with integer pitches where they are fewer, the blocks' moves summed down the rows (:func:`move_events`).
     """
     g, rows, pos, n, kl = call.g, call.rows, call.pos, plan.k_len, call.g.k_len
-    events = ws.take("events", (*rows.shape, kl + 1), torch.int32).zero_()
+    events = ws.take("events", (*rows.shape, kl + 1), torch.int32)
+    counts = ws.take("counts", (*rows.shape, kl), torch.int32)
     if call.moves is not None:
-        events.view(-1).index_add_(0, *call.moves)
+        events.zero_().view(-1).index_add_(0, *call.moves)
         for r in range(1, rows.shape[1]):  # the running sum down the rows (torch's cumsum over dim 1 is ~20x slower)
             events[:, r].add_(events[:, r - 1])
+        c = torch.cumsum(events[..., :kl], -1, dtype=torch.int32, out=counts)
     else:
         start, end = row_bounds(g, pos, n, not plan.causal, call.whole is not None, call.whole)
-        k0 = g.k_start[:, None, None]
-        ones = g.weight[:, None, :].expand(start.shape)  # each distinct partition counts its samples
-        events.scatter_add_(-1, start - k0, ones)
-        if end is not None:
-            events.scatter_add_(-1, (end - k0).clamp(max=kl), -ones)
-        else:  # causal: every start is <= i, so subtracting T at key i + 1 zeroes the counts above the diagonal
-            above = (pos - g.k_start[:, None] + 1).clamp(max=kl).unsqueeze(-1)
-            minus_t = torch.full(above.shape, -plan.num_samples, dtype=torch.int32, device=rows.device)
-            events.scatter_add_(-1, above, minus_t)
-    c = torch.cumsum(events[..., :kl], -1, dtype=torch.int32, out=ws.take("counts", (*rows.shape, kl), torch.int32))
+        if end is None:  # causal: every start is <= i, so every block of a row ends at its position + 1 (one end)
+            end = (pos + 1).unsqueeze(-1)
+        # each distinct partition counts its samples
+        c = block_counts(start, end, g.k_start[:, None], kl, g.weight[:, None, :], events=events, out=counts)
     mask = ws.take("mask", c.shape, dtype)  # c is exactly 0 outside every block: -inf there
     torch.index_select(ws.log_table(plan.num_samples, dtype), 0, c.view(-1), out=mask.view(-1))
     return mask

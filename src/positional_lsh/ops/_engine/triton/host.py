@@ -224,7 +224,7 @@ def backward_launches(
 @dataclass(frozen=True)
 class TritonBackend:
     """The multiplicity form on the Triton kernels (:class:`~positional_lsh.ops._engine.backend.Backend`; the row
-    ``("multiplicity", "triton")``): inputs contiguous, as ``ops._engine.engine.kernel_inputs`` makes them."""
+    ``("multiplicity", "triton")``): inputs contiguous, as ``torch_attention.kernel_inputs`` makes them."""
 
     @property
     def method(self) -> str:
