@@ -208,6 +208,10 @@ def as_scale(scale: float | None, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if torch.compiler.is_compiling():  # under dynamic=True a symbolic float, whose value cannot be read while tracing
+        torch._check(scale > 0, lambda: "scale must be a positive finite float")
+        torch._check(scale < math.inf, lambda: "scale must be a positive finite float")
+        return scale
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale}")
     return float(scale)
