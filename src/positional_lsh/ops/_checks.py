@@ -11,11 +11,12 @@ import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from positional_lsh.ops.partitions.slopes import alibi_slopes
 
-SlopesLike = torch.Tensor | Sequence[float] | float | None
+SlopesLike = torch.Tensor | np.ndarray | Sequence[float] | float | None
 GeneratorLike = torch.Generator | int | None
 
 
@@ -108,13 +109,15 @@ def as_slopes(slopes: SlopesLike, num_heads: int, name: str = "slopes", *, read:
     """Validate slopes and return them as a ``(H,)`` float64 CPU tensor: the one slope coercion of the package.
 
     ``None`` gives the standard ALiBi schedule; a single number is used for every head; a tensor is detached and
-    copied. ``read=False`` (inside a ``torch.compile`` trace, where values cannot be read): the same coercion and
-    structural checks, without reading the values (finite, ``>= 0``: the draw op checks them when it runs).
+    copied; a numpy array is taken as the tensor of its values (:func:`numpy_slopes`). ``read=False`` (inside a
+    ``torch.compile`` trace, where values cannot be read): the same coercion and structural checks, without reading the
+    values (finite, ``>= 0``: the draw op checks them when it runs).
     """
     if slopes is None:
         return alibi_slopes(num_heads).double()
     if isinstance(slopes, bool):
         raise TypeError(f"{name} must be a tensor, a sequence of floats or a float, got bool")
+    slopes = numpy_slopes(slopes, name)
     if isinstance(slopes, numbers.Real):
         out = torch.full((num_heads,), float(slopes), dtype=torch.float64)
     elif isinstance(slopes, torch.Tensor):
@@ -156,6 +159,17 @@ def grad_slopes(slopes: object, num_heads: int) -> torch.Tensor | None:
     if not isinstance(slopes, torch.Tensor) or not slopes.requires_grad:
         return None
     return slopes.expand(num_heads) if slopes.dim() == 0 else slopes
+
+
+def numpy_slopes(slopes: SlopesLike, name: str = "slopes") -> torch.Tensor | Sequence[float] | float | None:
+    """A numpy array of slopes (real numbers, as :class:`~positional_lsh.Partitions` takes them) as a float64 tensor
+    of its shape, for the tensor rules of :func:`as_slopes` (0-D or 1-D); anything else unchanged. ``TypeError``
+    naming ``name`` for a bool, complex or non-numeric array."""
+    if not isinstance(slopes, np.ndarray):
+        return slopes
+    if slopes.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be a real array, got numpy dtype {slopes.dtype}")
+    return torch.from_numpy(np.array(slopes, dtype=np.float64))
 
 
 def is_meta_tensor(x: object) -> bool:

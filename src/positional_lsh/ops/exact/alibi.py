@@ -198,15 +198,18 @@ def decay_attention(
     sc = as_scale(scale, d)
     check_bool("causal", causal)
     fam = decay_family(family)
+    backend = exact_kernel(backend, q, "decay_attention")
+    mask = check_key_padding_mask(key_padding_mask, q, lk)
     compiling = torch.compiler.is_compiling()  # then the op checks the parameters (shape and values)
+    if q.device.type == "meta" and is_meta_tensor(params) and not compiling:
+        # Meta parameters hold no values: shapes only (connected to the parameters for autograd).
+        return meta_output(q, k, v, fam.check_param_shape(params, hq))
     if compiling:
         theta = params if isinstance(params, torch.Tensor) else torch.as_tensor(params, dtype=torch.float64)
         if theta.dim() == 1 and theta.shape[0] == fam.num_params:
             theta = theta[None].expand(hq, fam.num_params)
     else:
         theta, _ = fam.check_params(params, hq)
-    backend = exact_kernel(backend, q, "decay_attention")
-    mask = check_key_padding_mask(key_padding_mask, q, lk)
     return _exact_call(q, k, v, theta, None, fam.name, causal, sc, backend, compiling, mask)
 
 
