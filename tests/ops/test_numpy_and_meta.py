@@ -41,6 +41,19 @@ def test_numpy_slopes_equal_the_same_call_with_a_tensor(array):
     assert torch.equal(mod.eval()(q, k, v), twin.eval()(q, k, v))
 
 
+def test_numpy_slopes_under_torch_compile():
+    """The coercion reads no numpy attribute a trace cannot (``torch.compile`` traces an array as a tensor)."""
+    torch._dynamo.reset()
+    array = np.array(SLOPES)
+    q, k, v = _qkv()
+    plsh = torch.compile(lambda q, k, v: plsh_attention(q, k, v, array, generator=2), fullgraph=True, backend="eager")
+    alibi = torch.compile(lambda q, k, v: alibi_attention(q, k, v, array), fullgraph=True, backend="eager")
+    tensor = torch.from_numpy(array)
+    torch.testing.assert_close(plsh(q, k, v), plsh_attention(q, k, v, tensor, generator=2), rtol=0, atol=1e-12)
+    torch.testing.assert_close(alibi(q, k, v), alibi_attention(q, k, v, tensor), rtol=0, atol=1e-12)
+    torch._dynamo.reset()
+
+
 def test_bad_numpy_slopes_are_refused_naming_the_argument():
     q, k, v = _qkv()
     for bad, error, match in [

@@ -167,9 +167,13 @@ def numpy_slopes(slopes: SlopesLike, name: str = "slopes") -> torch.Tensor | Seq
     naming ``name`` for a bool, complex or non-numeric array."""
     if not isinstance(slopes, np.ndarray):
         return slopes
-    if slopes.dtype.kind not in "fiu":
+    try:
+        out = torch.as_tensor(slopes)  # (not slopes.dtype: torch.compile traces an array as a tensor)
+    except TypeError:
+        out = None
+    if out is None or out.is_complex() or out.dtype == torch.bool:
         raise TypeError(f"{name} must be a real array, got numpy dtype {slopes.dtype}")
-    return torch.from_numpy(np.array(slopes, dtype=np.float64))
+    return out.to(torch.float64)
 
 
 def is_meta_tensor(x: object) -> bool:
