@@ -73,12 +73,12 @@ def alibi_attention(
     Args:
         q: ``(B, Hq, Lq, d)``; float32, float64, bfloat16 or float16.
         k, v: ``(B, Hkv, Lk, d)``, ``Hq % Hkv == 0``, ``Lq <= Lk`` (queries aligned to the last keys).
-        slopes: ``(Hq,)`` slopes ``>= 0`` or one float; default ``alibi_slopes(Hq)``. A tensor (``(Hq,)`` or 0-d,
-            any dtype and device) that requires grad gets ``dL/dm_h = -sum_{b,i,j} dS_bhij |i - j|`` (``dS`` the
-            gradient of the loss with respect to the biased score), accumulated in float32 (float64 for float64
-            inputs) and returned in the slopes' dtype and device (a 0-d tensor gets the sum over heads). The
-            window is a hard mask: no gradient flows through it. A float (or a tensor without grad) gets none,
-            and then the backward does no extra work.
+        slopes: ``(Hq,)`` slopes ``>= 0`` (a tensor, a numpy array or a sequence) or one float; default
+            ``alibi_slopes(Hq)``. A tensor (``(Hq,)`` or 0-d, any dtype and device) that requires grad gets
+            ``dL/dm_h = -sum_{b,i,j} dS_bhij |i - j|`` (``dS`` the gradient of the loss with respect to the biased
+            score), accumulated in float32 (float64 for float64 inputs) and returned in the slopes' dtype and device
+            (a 0-d tensor gets the sum over heads). The window is a hard mask: no gradient flows through it. A float
+            (or a tensor without grad) gets none, and then the backward does no extra work.
         causal: causal masking.
         window: ``None`` (exact), or the largest kept distance ``|i - j|``, one float or ``(Hq,)``.
         scale: score scale, default ``1/sqrt(d)``.

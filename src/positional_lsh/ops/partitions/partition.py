@@ -249,8 +249,8 @@ def sample_partitions(
 
     Args:
         seq_len: number of positions ``n >= 1``.
-        slopes: ``(H,)`` ALiBi slopes (``>= 0``, finite), a sequence, or one float for every head
-            (then ``num_heads`` is required). ``None`` means ``alibi_slopes(num_heads)``.
+        slopes: ``(H,)`` ALiBi slopes (``>= 0``, finite): a tensor, a numpy array, a sequence, or one float for
+            every head (then ``num_heads`` is required). ``None`` means ``alibi_slopes(num_heads)``.
         num_samples: ``T >= 1`` partitions per head.
         scheme: ``"discrete"`` (exactly unbiased, integer blocks: fastest), ``"gamma"`` (the paper's
             scheme, exactly unbiased), ``"fixed"`` (biased ablation), the variance-reduced
