@@ -498,6 +498,31 @@ def test_model_compiles_fullgraph_for_eval_and_a_training_step(position: str) ->
         compiled(x + TINY["vocab_size"])
 
 
+@pytest.mark.parametrize("position", ["plsh", "alibi", "window-alibi"])
+def test_model_compiles_one_graph_for_every_length_with_dynamic_shapes(position: str) -> None:
+    """Issue 34 item 1: ``dynamic=True`` training steps at three lengths trace one graph (before: the ALiBi layers'
+    bias cache, keyed by the sizes, recompiled at every length, and window-alibi's key read the window with
+    ``tolist()``, which a trace cannot), with eager mode's logits and gradients."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    window = 6.0 if position == "window-alibi" else None
+    eager, comp = (tiny(position, num_samples=2, seed=3, window=window).train() for _ in range(2))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(comp, fullgraph=True, dynamic=True, backend=counter)
+    frames = []
+    for n in (12, 20, 33):
+        x = ids(2, n)
+        got, want = compiled(x), eager(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got.square().mean().backward()
+        want.square().mean().backward()
+        for a, b in zip(comp.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames[-1] == frames[0], frames
+
+
 @pytest.mark.skipif(not (shipped_checkpoint_path() / "model.safetensors").is_file(), reason="no shipped model")
 def test_shipped_model_reported_figures_are_unchanged() -> None:
     # docs/experiments.md, the sweep on the shipped model (`plsh eval runs/lm/alibi --factors 1,4,16 --stride window

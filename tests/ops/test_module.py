@@ -124,3 +124,41 @@ def test_context_shards_of_one_process_is_the_plain_call() -> None:
     q, k, v = qkv()
     for shards in (ContextShards(None, shard_lengths=[N]), ContextShards()):  # no process group: plsh_attention
         torch.testing.assert_close(mod(q, k, v, context=shards), mod(q, k, v), rtol=0, atol=0)
+
+
+def test_key_padding_mask_is_passed_to_the_op() -> None:
+    """Issue 34 item 5: the module takes plsh_attention's ``key_padding_mask`` (before, a TypeError): the result and
+    gradients of the functional form on the same partitions, and of the float64 oracle on each row's valid run
+    (positions counted from its first valid key; padded query rows zero)."""
+    runs = [(5, N), (0, 31)]  # left padding, right padding
+    mask = torch.zeros(2, N, dtype=torch.bool)
+    for row, (first, end) in enumerate(runs):
+        mask[row, first:end] = True
+    for training in (False, True):
+        mod = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=4, eval_seed=9).train(training)
+        q, k, v = (x.requires_grad_() for x in qkv(seed=3))
+        parts = sample_partitions(N, SLOPES4, 3, generator=formula(4, 0) if training else 9)
+        out = mod(q, k, v, key_padding_mask=mask)
+        ref = plsh_attention(q, k, v, partitions=parts, key_padding_mask=mask)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        oracle = torch.zeros(q.shape, dtype=torch.float64)
+        for row, (first, end) in enumerate(runs):
+            mbar = naive_mean_mask(parts.pitch, parts.shift, end - first)
+            sl = slice(first, end)
+            oracle[row, :, sl] = naive_estimator(q[row : row + 1, :, sl], k[row : row + 1, :, sl],
+                                                 v[row : row + 1, :, sl], mbar, causal=True)[0]  # fmt: skip
+        torch.testing.assert_close(out, oracle, rtol=0, atol=1e-12)
+        up = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), up), torch.autograd.grad(oracle, (q, k, v), up),
+                        strict=True):  # fmt: skip
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # Refused, naming the argument, before the training step advances; not with context= (no mask there).
+    mod = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=4)
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        mod(q, k, v, key_padding_mask=mask[:, :-1])
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool tensor"):
+        mod(q, k, v, key_padding_mask=mask.long())
+    assert int(mod.calls) == 0
+    with pytest.raises(ValueError, match="key_padding_mask with context="):
+        mod(q, k, v, key_padding_mask=mask, context=Recording(1))

@@ -207,7 +207,9 @@ class CausalSelfAttention(nn.Module):
             )
 
     def _sdpa_bias(self, lq: int, lk: int, window: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-        if self.log_slopes is not None:  # a bias that depends on a parameter: built every call, never cached
+        if self.log_slopes is not None or torch.compiler.is_compiling():
+            # A bias that depends on a parameter, or one inside a graph (built by the graph, for every length under
+            # dynamic=True: a cache keyed by the sizes would guard on them): built every call, never cached.
             return alibi_bias(lq, lk, self.current_slopes(), causal=True, window=window, q_offset=lk - lq,
                               dtype=q.dtype, device=q.device)  # fmt: skip
         key = (lq, lk, q.dtype, q.device, None if window is None else tuple(window.tolist()))

@@ -11,11 +11,12 @@ import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from positional_lsh.ops.partitions.slopes import alibi_slopes
 
-SlopesLike = torch.Tensor | Sequence[float] | float | None
+SlopesLike = torch.Tensor | np.ndarray | Sequence[float] | float | None
 GeneratorLike = torch.Generator | int | None
 
 
@@ -108,13 +109,15 @@ def as_slopes(slopes: SlopesLike, num_heads: int, name: str = "slopes", *, read:
     """Validate slopes and return them as a ``(H,)`` float64 CPU tensor: the one slope coercion of the package.
 
     ``None`` gives the standard ALiBi schedule; a single number is used for every head; a tensor is detached and
-    copied. ``read=False`` (inside a ``torch.compile`` trace, where values cannot be read): the same coercion and
-    structural checks, without reading the values (finite, ``>= 0``: the draw op checks them when it runs).
+    copied; a numpy array is taken as the tensor of its values (:func:`numpy_slopes`). ``read=False`` (inside a
+    ``torch.compile`` trace, where values cannot be read): the same coercion and structural checks, without reading the
+    values (finite, ``>= 0``: the draw op checks them when it runs).
     """
     if slopes is None:
         return alibi_slopes(num_heads).double()
     if isinstance(slopes, bool):
         raise TypeError(f"{name} must be a tensor, a sequence of floats or a float, got bool")
+    slopes = numpy_slopes(slopes, name)
     if isinstance(slopes, numbers.Real):
         out = torch.full((num_heads,), float(slopes), dtype=torch.float64)
     elif isinstance(slopes, torch.Tensor):
@@ -156,6 +159,21 @@ def grad_slopes(slopes: object, num_heads: int) -> torch.Tensor | None:
     if not isinstance(slopes, torch.Tensor) or not slopes.requires_grad:
         return None
     return slopes.expand(num_heads) if slopes.dim() == 0 else slopes
+
+
+def numpy_slopes(slopes: SlopesLike, name: str = "slopes") -> torch.Tensor | Sequence[float] | float | None:
+    """A numpy array of slopes (real numbers, as :class:`~positional_lsh.Partitions` takes them) as a float64 tensor
+    of its shape, for the tensor rules of :func:`as_slopes` (0-D or 1-D); anything else unchanged. ``TypeError``
+    naming ``name`` for a bool, complex or non-numeric array."""
+    if not isinstance(slopes, np.ndarray):
+        return slopes
+    try:
+        out = torch.as_tensor(slopes)  # (not slopes.dtype: torch.compile traces an array as a tensor)
+    except TypeError:
+        out = None
+    if out is None or out.is_complex() or out.dtype == torch.bool:
+        raise TypeError(f"{name} must be a real array, got numpy dtype {slopes.dtype}")
+    return out.to(torch.float64)
 
 
 def is_meta_tensor(x: object) -> bool:
@@ -208,6 +226,10 @@ def as_scale(scale: float | None, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if torch.compiler.is_compiling():  # under dynamic=True a symbolic float, whose value cannot be read while tracing
+        torch._check(scale > 0, lambda: "scale must be a positive finite float")
+        torch._check(scale < math.inf, lambda: "scale must be a positive finite float")
+        return scale
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale}")
     return float(scale)

@@ -137,7 +137,8 @@ def plsh_attention(
         k: ``(B, Hkv, Lk, d)`` keys with ``Hq % Hkv == 0`` (grouped-query attention) and ``Lq <= Lk``;
             queries are aligned to the last ``Lq`` keys (``Lq < Lk`` for decoding with a KV cache).
         v: ``(B, Hkv, Lk, d)`` values.
-        slopes: ALiBi slopes, ``(Hq,)`` or one float for every head; default ``alibi_slopes(Hq)``.
+        slopes: ALiBi slopes, ``(Hq,)`` (a tensor, a numpy array or a sequence) or one float for every head;
+            default ``alibi_slopes(Hq)``.
             The bias being approximated is ``-slopes[h] * |i - j|`` added after scaling. A tensor requiring grad
             (``(Hq,)`` or 0-dim, any float dtype and device) is learnable: the partitions are drawn from its
             detached values and, with ``slope_grad="surrogate"``, the backward gives it the surrogate gradient.

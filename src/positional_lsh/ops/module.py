@@ -25,6 +25,7 @@ from positional_lsh.ops.options import (
     check_method,
     check_slope_grad,
 )
+from positional_lsh.ops.padding import check_key_padding_mask
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler
 
@@ -247,6 +248,7 @@ class PositionalLSHAttention(nn.Module):
         slopes: torch.Tensor | None = None,
         *,
         context: ShardedAttention | None = None,
+        key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Positional-LSH attention of ``q (B, Hq, Lq, d)`` to ``k, v (B, Hkv, Lk, d)`` with this call's partitions.
 
@@ -255,9 +257,11 @@ class PositionalLSHAttention(nn.Module):
         :func:`plsh_attention` (so learned slopes get its surrogate gradient). ``context``: a
         :class:`ShardedAttention` when ``q, k, v`` are this rank's shard of a longer sequence; the partitions are then
         those of the whole sequence, and the result is this rank's rows (no slope gradient: slopes that require grad
-        are refused).
+        are refused). ``key_padding_mask``: ``None`` or the ``(B, Lk)`` bool key validity of
+        :func:`plsh_attention` (each row on its contiguous run of valid keys), passed to it; not with ``context``.
         """
         shape = check_qkv(q, k, v)
+        check_key_padding_mask(key_padding_mask, q, shape.k_len)  # before the step advances
         values = self._call_slopes(slopes)
         seq_len = shape.k_len
         checked = False
@@ -271,6 +275,8 @@ class PositionalLSHAttention(nn.Module):
                 raise ValueError(
                     "slopes that require grad with context=: the sharded attention carries no gradient for the slopes"
                 )
+            if key_padding_mask is not None:
+                raise ValueError("key_padding_mask with context=: the sharded attention takes no padding mask")
             seq_len = context.seq_len(shape.k_len)
         elif not torch.compiler.is_compiling():  # plsh_attention's up-front size check, before anything is drawn
             method = sized_method(self.backend, self.method)
@@ -297,4 +303,5 @@ class PositionalLSHAttention(nn.Module):
             method=self.method,
             slope_grad=self.slope_grad,
             size_checked=checked,
+            key_padding_mask=key_padding_mask,
         )

@@ -92,9 +92,9 @@ def _traced_causal(
     several sequences (it would read them) and hands down ``causal AND same-sequence``. Packed sequences are
     refused when the graph runs (``torch._assert_async``: the last query must see every key, as with one
     sequence per row); then the mask is the plain causal one: ``None``, no padding."""
-    q_idx = torch.tensor(kv_length - 1, device=device)
     b_idx = torch.arange(batch_size, device=device)[:, None]
     kv_idx = torch.arange(kv_length, device=device)[None, :]
+    q_idx = kv_idx[:, -1:]  # the last query (an index tensor, not torch.tensor(kv_length - 1): symbolic under dynamic)
     seen = mask_function(b_idx, torch.zeros_like(q_idx), q_idx, kv_idx)
     torch._assert_async(
         torch.as_tensor(seen, device=device).all(),

@@ -73,12 +73,12 @@ def alibi_attention(
     Args:
         q: ``(B, Hq, Lq, d)``; float32, float64, bfloat16 or float16.
         k, v: ``(B, Hkv, Lk, d)``, ``Hq % Hkv == 0``, ``Lq <= Lk`` (queries aligned to the last keys).
-        slopes: ``(Hq,)`` slopes ``>= 0`` or one float; default ``alibi_slopes(Hq)``. A tensor (``(Hq,)`` or 0-d,
-            any dtype and device) that requires grad gets ``dL/dm_h = -sum_{b,i,j} dS_bhij |i - j|`` (``dS`` the
-            gradient of the loss with respect to the biased score), accumulated in float32 (float64 for float64
-            inputs) and returned in the slopes' dtype and device (a 0-d tensor gets the sum over heads). The
-            window is a hard mask: no gradient flows through it. A float (or a tensor without grad) gets none,
-            and then the backward does no extra work.
+        slopes: ``(Hq,)`` slopes ``>= 0`` (a tensor, a numpy array or a sequence) or one float; default
+            ``alibi_slopes(Hq)``. A tensor (``(Hq,)`` or 0-d, any dtype and device) that requires grad gets
+            ``dL/dm_h = -sum_{b,i,j} dS_bhij |i - j|`` (``dS`` the gradient of the loss with respect to the biased
+            score), accumulated in float32 (float64 for float64 inputs) and returned in the slopes' dtype and device
+            (a 0-d tensor gets the sum over heads). The window is a hard mask: no gradient flows through it. A float
+            (or a tensor without grad) gets none, and then the backward does no extra work.
         causal: causal masking.
         window: ``None`` (exact), or the largest kept distance ``|i - j|``, one float or ``(Hq,)``.
         scale: score scale, default ``1/sqrt(d)``.
@@ -199,14 +199,17 @@ def decay_attention(
     sc = as_scale(scale, d)
     check_bool("causal", causal)
     fam = decay_family(family)
+    backend = exact_kernel(backend, q, "decay_attention")
+    mask = check_key_padding_mask(key_padding_mask, q, lk)
     compiling = torch.compiler.is_compiling()  # then the op checks the parameters (shape and values)
+    if q.device.type == "meta" and is_meta_tensor(params) and not compiling:
+        # Meta parameters hold no values: shapes only (connected to the parameters for autograd).
+        return meta_output(q, k, v, fam.check_param_shape(params, hq))
     if compiling:
         theta = params if isinstance(params, torch.Tensor) else torch.as_tensor(params, dtype=torch.float64)
         if theta.dim() == 1 and theta.shape[0] == fam.num_params:
             theta = theta[None].expand(hq, fam.num_params)
     else:
         theta, _ = fam.check_params(params, hq)
-    backend = exact_kernel(backend, q, "decay_attention")
-    mask = check_key_padding_mask(key_padding_mask, q, lk)
     out, _ = exact_forward(q, k, v, theta, None, fam.name, causal, sc, backend, check=compiling, key_padding_mask=mask)
     return out

@@ -253,6 +253,28 @@ class DecayFamily:
         ``values`` are its detached float64 copy. ``ValueError`` naming ``name`` for a wrong shape and naming the
         parameter (e.g. ``params[:, 1] (r2)``) for a value out of its bounds; ``TypeError`` for a non-real input.
         """
+        t = self.check_param_shape(params, num_heads, name)
+        if t.device.type == "meta":
+            raise ValueError(
+                f"{name} is a meta tensor, which holds no values; meta {name} are taken with meta q, k and v only "
+                "(shape propagation)"
+            )
+        values = t.detach().to("cpu", torch.float64).clone()
+        for col, pname in enumerate(self.param_names):
+            bad = [x for x in values[:, col].tolist() if self._bad(col, x) is not None]
+            if bad:
+                need = self._bad(col, bad[0])
+                raise ValueError(
+                    f"{name}[:, {col}] ({pname} of the {self.name} decay) must be {need}, got "
+                    f"{values[:, col].tolist()}"
+                )
+        return t, values
+
+    def check_param_shape(
+        self, params: torch.Tensor | Sequence[float], num_heads: int, name: str = "params"
+    ) -> torch.Tensor:
+        """The checks of :meth:`check_params` that read no values (type and shape; a meta tensor passes): ``params``
+        as an ``(H, P)`` tensor (a ``(P,)`` one expanded), still connected to autograd."""
         h = positive_int("num_heads", num_heads)
         if isinstance(params, torch.Tensor):
             if params.is_complex() or not params.is_floating_point():
@@ -273,16 +295,7 @@ class DecayFamily:
                 f"{name} of the {self.name} decay ({', '.join(self.param_names)}) must have shape ({h}, {p}) "
                 f"(one row per query head) or ({p},) (every head), got {tuple(t.shape)}"
             )
-        values = t.detach().to("cpu", torch.float64).clone()
-        for col, pname in enumerate(self.param_names):
-            bad = [x for x in values[:, col].tolist() if self._bad(col, x) is not None]
-            if bad:
-                need = self._bad(col, bad[0])
-                raise ValueError(
-                    f"{name}[:, {col}] ({pname} of the {self.name} decay) must be {need}, got "
-                    f"{values[:, col].tolist()}"
-                )
-        return t, values
+        return t
 
 
 def _broadcast(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

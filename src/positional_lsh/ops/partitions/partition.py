@@ -18,7 +18,7 @@ from dataclasses import FrozenInstanceError, dataclass, field, replace
 
 import torch
 
-from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, positive_int
+from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, numpy_slopes, positive_int
 from positional_lsh.ops.errors import check_memory, check_seconds
 from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.decays import DecayLike
@@ -249,8 +249,8 @@ def sample_partitions(
 
     Args:
         seq_len: number of positions ``n >= 1``.
-        slopes: ``(H,)`` ALiBi slopes (``>= 0``, finite), a sequence, or one float for every head
-            (then ``num_heads`` is required). ``None`` means ``alibi_slopes(num_heads)``.
+        slopes: ``(H,)`` ALiBi slopes (``>= 0``, finite): a tensor, a numpy array, a sequence, or one float for
+            every head (then ``num_heads`` is required). ``None`` means ``alibi_slopes(num_heads)``.
         num_samples: ``T >= 1`` partitions per head.
         scheme: ``"discrete"`` (exactly unbiased, integer blocks: fastest), ``"gamma"`` (the paper's
             scheme, exactly unbiased), ``"fixed"`` (biased ablation), the variance-reduced
@@ -315,6 +315,7 @@ def _short(value: int) -> str:
 
 def _num_heads(slopes: SlopesLike, num_heads: int | None) -> int:
     """The number of heads: ``len(slopes)``, or ``num_heads`` for ``None`` or one float (they must agree)."""
+    slopes = numpy_slopes(slopes)  # a numpy array: as a tensor
     if isinstance(slopes, torch.Tensor) and slopes.dim() > 1:
         raise ValueError(f"slopes must be a 1-D tensor (one slope per head) or one number, got shape "
                          f"{tuple(slopes.shape)}")  # fmt: skip
