@@ -549,9 +549,9 @@ PRIVATE_ENGINE = ("positional_lsh.ops._engine",)
 ENGINE_RULE = "nothing outside the op layer imports its private engine (ops._engine): call the public ops"
 INTEGRATION_RULE = (
     "the transformers integration reaches the op layer only through its public API (names in the __all__ of a public "
-    "module of positional_lsh.ops, also as re-exported by a public package of it, or the validators of ops._checks)"
+    "module of positional_lsh.ops, also as re-exported by a public package of it, or the validators of ops.checks)"
 )
-OP_HELPERS = ("positional_lsh.ops._checks",)  # validators any room may share (no attention in them)
+OP_HELPERS = ("positional_lsh.ops.checks",)  # validators any room may share (no attention in them)
 # Every torch.library.custom_op of the package: one registration (forward, backward) per op, in the op's module.
 CUSTOM_OPS = {
     "positional_lsh.ops._engine.op": {"positional_lsh::plsh_forward", "positional_lsh::plsh_backward"},
@@ -815,10 +815,11 @@ def test_checker_flags_imports_against_the_room_rules() -> None:
 def test_checker_flags_private_names() -> None:
     imports, resolver = _fake({
         "positional_lsh.ops/": "",
-        "positional_lsh.ops._checks": "",
+        "positional_lsh.ops.checks": "",
+        "positional_lsh.ops._helpers": "",
         "positional_lsh.ops.attention": "",
         "positional_lsh.ops.user": (
-            "from positional_lsh.ops._checks import check_int\nfrom positional_lsh.ops import _checks\n"
+            "from positional_lsh.ops.checks import check_int\nfrom positional_lsh.ops import _helpers\n"
             "import positional_lsh.ops.attention as _attention\nfrom positional_lsh.ops.attention import (\n"
             "    plsh,\n    _plan as plan,\n)\nfrom torch._dynamo import _private_of_torch\n"
             "from __future__ import annotations\nfrom positional_lsh.ops import __version__\n"

@@ -67,8 +67,8 @@ from positional_lsh.cli.bench_peers import (
 from positional_lsh.cli.parsers import add_command, comma_list, option, positive_int_text
 from positional_lsh.lm.run_dir import check_output_dir
 from positional_lsh.ops import alibi_slopes
-from positional_lsh.ops._checks import check_choice, nonnegative_int, positive_int
 from positional_lsh.ops.attention import check_call_size
+from positional_lsh.ops.checks import check_choice, nonnegative_int, positive_int
 from positional_lsh.ops.errors import check_memory
 from positional_lsh.ops.partitions.schemes import get_scheme
 

@@ -17,8 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from positional_lsh.cli.parsers import add_command, comma_list, option, positive_int_text
-from positional_lsh.ops._checks import nonnegative_int, positive_int
 from positional_lsh.ops.attention import plsh_attention
+from positional_lsh.ops.checks import nonnegative_int, positive_int
 from positional_lsh.ops.errors import check_memory
 from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.exact.reference import alibi_matrix

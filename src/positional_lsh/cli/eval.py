@@ -41,8 +41,8 @@ from positional_lsh.lm.evaluate import (
 from positional_lsh.lm.run_dir import check_output_dir
 from positional_lsh.lm.train import default_cache_dir
 from positional_lsh.lm.train_dist import check_device
-from positional_lsh.ops._checks import nonnegative_int, positive_int
 from positional_lsh.ops.attention import check_call_size
+from positional_lsh.ops.checks import nonnegative_int, positive_int
 from positional_lsh.ops.partitions.schemes import get_scheme
 
 __all__ = ["EvalConfig", "main", "register_cli", "run_eval"]

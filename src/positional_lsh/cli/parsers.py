@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops.checks import positive_int
 
 __all__ = [
     "Flag",

@@ -24,7 +24,7 @@ from positional_lsh.distributed.chunked import (
 )
 from positional_lsh.distributed.exchange import halo_exchange
 from positional_lsh.distributed.halo import crop_partitions, halo_plan
-from positional_lsh.ops._checks import as_scale, check_bool, check_qkv, nonnegative_int, positive_int
+from positional_lsh.ops.checks import as_scale, check_bool, check_qkv, nonnegative_int, positive_int
 from positional_lsh.ops.options import DEFAULT_BACKEND, DEFAULT_METHOD, check_backend, check_method
 from positional_lsh.ops.partitions.partition import check_partitions, check_slopes_match
 
@@ -54,7 +54,7 @@ def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Exception
     """This rank's problem with its own shard, or ``None``; returned, not raised, so that every rank learns of it
     (in the one ``all_gather``) and none of them hangs.
 
-    :func:`~positional_lsh.ops._checks.check_qkv`'s checks (an empty shard, which holds no positions, is checked as
+    :func:`~positional_lsh.ops.checks.check_qkv`'s checks (an empty shard, which holds no positions, is checked as
     one position of the same batch, heads, head_dim, dtype and device), plus what sharding needs: ``q`` and ``k``
     hold the same positions, and a dtype that the metadata carries.
     """

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from positional_lsh.lm.train_config import BaseTrainConfig
-from positional_lsh.ops._checks import check_bool, check_choice, check_int, positive_int
+from positional_lsh.ops.checks import check_bool, check_choice, check_int, positive_int
 from positional_lsh.ops.options import BACKENDS, METHODS
 from positional_lsh.ops.partitions.schemes import get_scheme
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from positional_lsh.ops._checks import check_bool, check_choice, nonnegative_int, positive_int
+from positional_lsh.ops.checks import check_bool, check_choice, nonnegative_int, positive_int
 from positional_lsh.ops.options import ALIBI_BACKENDS, BACKENDS, DEFAULT_BACKEND, DEFAULT_METHOD, METHODS
 from positional_lsh.ops.partitions.schemes import scheme_names
 from positional_lsh.ops.partitions.slopes import alibi_slopes

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from positional_lsh.lm.config import ModelConfig, check_float
-from positional_lsh.ops._checks import nonnegative_int, positive_int
+from positional_lsh.ops.checks import nonnegative_int, positive_int
 from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.exact.bias import alibi_bias
 from positional_lsh.ops.kvcache import DecodeState, plsh_attention_with_kvcache

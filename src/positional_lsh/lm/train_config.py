@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from positional_lsh.lm.data.tokenizer import DEFAULT_VOCAB_SIZE
-from positional_lsh.ops._checks import check_choice, check_int, positive_int
+from positional_lsh.ops.checks import check_choice, check_int, positive_int
 
 AUTOCAST_CHOICES = ("auto", "float32", "bfloat16", "float16")
 

@@ -28,9 +28,9 @@ import math
 
 import torch
 
-from positional_lsh.ops._checks import SlopesLike, as_scale, as_slopes, as_window, positive_int
 from positional_lsh.ops._engine.engine import rows_reaching
 from positional_lsh.ops._engine.torch_attention import acc_dtype, nonfinite_keys
+from positional_lsh.ops.checks import SlopesLike, as_scale, as_slopes, as_window, positive_int
 from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.exact.toeplitz import bias_line
 from positional_lsh.ops.partitions.bounds import block_bounds

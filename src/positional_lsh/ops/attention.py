@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from positional_lsh.ops._checks import (
+from positional_lsh.ops._engine import routing
+from positional_lsh.ops._engine.cost import AutoEstimate, call_estimate, exact_seconds
+from positional_lsh.ops._engine.kinds import Method
+from positional_lsh.ops._engine.op import run
+from positional_lsh.ops.checks import (
     GeneratorLike,
     QKVShape,
     SlopesLike,
@@ -30,10 +34,6 @@ from positional_lsh.ops._checks import (
     meta_output,
     positive_int,
 )
-from positional_lsh.ops._engine import routing
-from positional_lsh.ops._engine.cost import AutoEstimate, call_estimate, exact_seconds
-from positional_lsh.ops._engine.kinds import Method
-from positional_lsh.ops._engine.op import run
 from positional_lsh.ops.errors import check_memory, check_seconds, format_seconds
 from positional_lsh.ops.options import (
     DEFAULT_BACKEND,
@@ -90,7 +90,7 @@ def _check_size(shape: QKVShape, num_samples: int, route: routing.Route, checked
 
 
 def _grad_slopes(slopes: object, slope_grad: str, num_heads: int) -> torch.Tensor | None:
-    """The slopes tensor that gets the surrogate gradient (:func:`~positional_lsh.ops._checks.grad_slopes`), or
+    """The slopes tensor that gets the surrogate gradient (:func:`~positional_lsh.ops.checks.grad_slopes`), or
     ``None``: also when ``slope_grad="none"`` (nothing changes, no extra work)."""
     return grad_slopes(slopes, num_heads) if slope_grad == "surrogate" else None
 

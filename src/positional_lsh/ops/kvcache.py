@@ -30,10 +30,10 @@ from collections.abc import Callable
 
 import torch
 
-from positional_lsh.ops._checks import SlopesLike, as_scale, check_bool, check_int, check_qkv
 from positional_lsh.ops._decode import RampPlan, RowPlan, decode_rows
 from positional_lsh.ops._engine.routing import decode_forced
 from positional_lsh.ops.attention import plsh_attention
+from positional_lsh.ops.checks import SlopesLike, as_scale, check_bool, check_int, check_qkv
 from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend, check_method
 from positional_lsh.ops.padding import check_key_padding_mask, row_groups

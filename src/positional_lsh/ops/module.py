@@ -10,13 +10,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from positional_lsh.ops._checks import (
+from positional_lsh.ops._engine.routing import sized_method
+from positional_lsh.ops.attention import check_call_size, plsh_attention
+from positional_lsh.ops.checks import (
     SlopesLike,
     check_bool,
     check_qkv,
 )
-from positional_lsh.ops._engine.routing import sized_method
-from positional_lsh.ops.attention import check_call_size, plsh_attention
 from positional_lsh.ops.options import (
     DEFAULT_BACKEND,
     DEFAULT_METHOD,

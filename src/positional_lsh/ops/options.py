@@ -11,7 +11,7 @@ checks it against these tuples; the defaults are stated here and nowhere else.
 
 from __future__ import annotations
 
-from positional_lsh.ops._checks import check_choice
+from positional_lsh.ops.checks import check_choice
 
 __all__ = [
     "ALIBI_BACKENDS",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops.checks import positive_int
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.schemes import get_scheme
 

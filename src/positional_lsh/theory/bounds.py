@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.linalg import eigvalsh_tridiagonal
 
-from positional_lsh.ops._checks import check_int, positive_int
+from positional_lsh.ops.checks import check_int, positive_int
 
 ArrayLike = float | np.ndarray | Sequence[float]
 

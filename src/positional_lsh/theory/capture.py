@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.ops._checks import GeneratorLike, as_generator, positive_int
+from positional_lsh.ops.checks import GeneratorLike, as_generator, positive_int
 from positional_lsh.theory.qkv import (
     CapturePoint,
     LayerQKV,

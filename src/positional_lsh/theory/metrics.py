@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from scipy.linalg import eigh_tridiagonal
 
-from positional_lsh.ops._checks import as_scale, check_bool
+from positional_lsh.ops.checks import as_scale, check_bool
 from positional_lsh.ops.exact.reference import alibi_matrix
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.theory.bounds import alibi_spectral_norm

@@ -16,7 +16,7 @@ import math
 import numpy as np
 from scipy.signal import lfilter
 
-from positional_lsh.ops._checks import check_int
+from positional_lsh.ops.checks import check_int
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.schemes import scheme_names
 

@@ -52,8 +52,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from positional_lsh.ops._checks import SlopesLike, as_scale, as_slopes, check_bool, check_qkv, positive_int
 from positional_lsh.ops.attention import plsh_attention
+from positional_lsh.ops.checks import SlopesLike, as_scale, as_slopes, check_bool, check_qkv, positive_int
 from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.options import check_method
 from positional_lsh.ops.partitions.partition import Partitions, sample_partitions

@@ -14,8 +14,8 @@ from positional_lsh import (
     plsh_attention,
     sample_partitions,
 )
-from positional_lsh.ops._checks import check_int, nonnegative_int, positive_int
 from positional_lsh.ops._engine.per_sample import segments
+from positional_lsh.ops.checks import check_int, nonnegative_int, positive_int
 from positional_lsh.ops.partitions import schemes
 from positional_lsh.ops.partitions.schemes import Scheme, get_scheme, register_scheme, scheme_names, unregister_scheme
 

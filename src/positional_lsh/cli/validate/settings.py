@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from positional_lsh.cli import parsers
 from positional_lsh.cli.parsers import option, to_argv
-from positional_lsh.ops._checks import nonnegative_int, positive_int
+from positional_lsh.ops.checks import nonnegative_int, positive_int
 from positional_lsh.ops.errors import check_memory, check_seconds
 from positional_lsh.ops.partitions.schemes import get_scheme
 from positional_lsh.theory.slope_grad import subseed

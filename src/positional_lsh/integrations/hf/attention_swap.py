@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from positional_lsh.ops import alibi_attention, plsh_attention
-from positional_lsh.ops._checks import nonnegative_int
+from positional_lsh.ops.checks import nonnegative_int
 from positional_lsh.ops.exact.weights import alibi_attention_weights, plsh_attention_weights
 from positional_lsh.ops.kvcache import DecodeState, key_reach, plsh_attention_with_kvcache
 from positional_lsh.ops.partitions.partition import Partitions

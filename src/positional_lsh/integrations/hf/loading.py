@@ -24,7 +24,7 @@ from positional_lsh.integrations.hf.saved import (
     read_saved_swap,
 )
 from positional_lsh.integrations.hf.swap import apply_swap_settings, model_family
-from positional_lsh.ops._checks import check_bool
+from positional_lsh.ops.checks import check_bool
 from positional_lsh.ops.errors import UserError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")

@@ -63,7 +63,7 @@ from positional_lsh.integrations.hf.saved import (
     swap_settings,
     write_swap_settings,
 )
-from positional_lsh.ops._checks import as_slopes, as_window, check_bool, check_int
+from positional_lsh.ops.checks import as_slopes, as_window, check_bool, check_int
 from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.options import (
     ALIBI_BACKENDS,

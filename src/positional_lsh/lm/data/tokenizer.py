@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from positional_lsh.lm.data.corpus import Document, DocumentsLike, as_documents, as_path
-from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops.checks import positive_int
 from positional_lsh.ops.errors import UserError
 
 EOD_TOKEN = "<|endoftext|>"

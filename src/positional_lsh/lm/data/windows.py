@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from positional_lsh.ops._checks import as_generator, positive_int
+from positional_lsh.ops.checks import as_generator, positive_int
 
 
 def _as_tokens(name: str, value: object, min_len: int) -> torch.Tensor:

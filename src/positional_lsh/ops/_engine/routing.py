@@ -30,7 +30,6 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from positional_lsh.ops._checks import as_scale, check_bool
 from positional_lsh.ops._engine.backend import Backend
 from positional_lsh.ops._engine.cost import AutoEstimate, auto_method, samples_estimate
 from positional_lsh.ops._engine.kinds import Kernel, Method
@@ -38,6 +37,7 @@ from positional_lsh.ops._engine.multiplicity.backend import MULTIPLICITY_FLASH, 
 from positional_lsh.ops._engine.multiplicity.plan import multiplicity_plan, tilings
 from positional_lsh.ops._engine.per_sample import PER_SAMPLE_FLASH, PER_SAMPLE_MATH, samples_plan
 from positional_lsh.ops._engine.torch_attention import FLASH_DEVICES, flash_refusal
+from positional_lsh.ops.checks import as_scale, check_bool
 from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend, check_method
 from positional_lsh.ops.partitions.partition import Partitions
 

@@ -33,7 +33,8 @@ from collections.abc import Sequence
 
 import torch
 
-from positional_lsh.ops._checks import (
+from positional_lsh.ops._engine.routing import exact_kernel
+from positional_lsh.ops.checks import (
     SlopesLike,
     as_scale,
     as_slopes,
@@ -45,7 +46,6 @@ from positional_lsh.ops._checks import (
     is_meta_tensor,
     meta_output,
 )
-from positional_lsh.ops._engine.routing import exact_kernel
 from positional_lsh.ops.exact.op import exact_forward
 from positional_lsh.ops.padding import check_key_padding_mask
 from positional_lsh.ops.partitions.decays import decay_family

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from positional_lsh.ops._checks import check_bool
+from positional_lsh.ops.checks import check_bool
 
 __all__ = ["alibi_bias"]
 

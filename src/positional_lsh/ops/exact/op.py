@@ -15,10 +15,10 @@ from functools import partial
 
 import torch
 
-from positional_lsh.ops._checks import as_slopes, as_window
 from positional_lsh.ops._engine.custom_op import attention_op
 from positional_lsh.ops._engine.parallel import pool_size, run_all
 from positional_lsh.ops._engine.torch_attention import acc_dtype, kernel_inputs, poison_rows
+from positional_lsh.ops.checks import as_slopes, as_window
 from positional_lsh.ops.exact.fused import exact_route, fused_backward, fused_forward
 from positional_lsh.ops.exact.toeplitz import (
     Toeplitz,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from positional_lsh.ops._checks import (
+from positional_lsh.ops.checks import (
     SlopesLike,
     as_scale,
     as_slopes,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from positional_lsh.ops._checks import SlopesLike, as_scale, as_slopes, as_window, check_bool, check_int, check_qkv
+from positional_lsh.ops.checks import SlopesLike, as_scale, as_slopes, as_window, check_bool, check_int, check_qkv
 from positional_lsh.ops.errors import check_memory
 from positional_lsh.ops.padding import check_key_padding_mask, valid_runs
 from positional_lsh.ops.partitions.partition import MAX_DENSE_ELEMENTS, Partitions

@@ -51,7 +51,7 @@ from typing import cast
 
 import torch
 
-from positional_lsh.ops._checks import GeneratorLike, as_generator, check_choice, positive_int
+from positional_lsh.ops.checks import GeneratorLike, as_generator, check_choice, positive_int
 
 # Rounding allowance for the monotonicity and convexity checks (values are probabilities in [0, 1]).
 _TOL = 1e-12

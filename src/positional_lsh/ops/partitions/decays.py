@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from positional_lsh.ops._checks import as_scale, check_qkv, positive_int
+from positional_lsh.ops.checks import as_scale, check_qkv, positive_int
 from positional_lsh.ops.partitions.decay_families import (
     DECAY_FAMILIES,
     Decay,

@@ -18,7 +18,7 @@ from dataclasses import FrozenInstanceError, dataclass, field, replace
 
 import torch
 
-from positional_lsh.ops._checks import GeneratorLike, SlopesLike, as_generator, as_slopes, numpy_slopes, positive_int
+from positional_lsh.ops.checks import GeneratorLike, SlopesLike, as_generator, as_slopes, numpy_slopes, positive_int
 from positional_lsh.ops.errors import check_memory, check_seconds
 from positional_lsh.ops.partitions.bounds import block_bounds
 from positional_lsh.ops.partitions.decays import DecayLike
@@ -446,7 +446,7 @@ def check_slopes_match(slopes: SlopesLike, partitions: Partitions, num_heads: in
     """Raise ``ValueError`` when a call passes both ``slopes`` and ``partitions`` and they disagree.
 
     ``slopes`` (``None``, one float, or ``(num_heads,)``) is read as for sampling
-    (:func:`~positional_lsh.ops._checks.as_slopes`) and compared with ``partitions.slopes`` by ``torch.allclose``;
+    (:func:`~positional_lsh.ops.checks.as_slopes`) and compared with ``partitions.slopes`` by ``torch.allclose``;
     ``None`` always matches. Under ``torch.compile`` the comparison reads the data, so it cannot run at trace time:
     a ``slopes`` tensor is returned as ``(num_heads,)`` for the compiled op to compare when it runs
     (:func:`check_same_slopes`), any other ``slopes`` is refused. Returns ``None`` otherwise. Partitions that are not

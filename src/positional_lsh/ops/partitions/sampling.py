@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from positional_lsh.ops._checks import SlopesLike, as_slopes, check_int, positive_int
+from positional_lsh.ops.checks import SlopesLike, as_slopes, check_int, positive_int
 from positional_lsh.ops.partitions.partition import Partitions, sample_partitions
 
 __all__ = ["PartitionSampler", "layer_seed"]

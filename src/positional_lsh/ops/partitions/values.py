@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from positional_lsh.ops._checks import positive_int
+from positional_lsh.ops.checks import positive_int
 from positional_lsh.ops.partitions.schemes import get_scheme
 
 
