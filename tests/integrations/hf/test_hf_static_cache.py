@@ -124,3 +124,22 @@ def test_generate_under_torch_compile(name, mode, backend):
     assert hasattr(model, "_compiled_call")  # the decoding steps ran compiled
     assert torch.equal(eager, compiled)
     torch._dynamo.reset()
+
+
+def test_a_layer_crops_while_it_holds_every_key_and_refuses_after_dropping():
+    from positional_lsh.integrations.hf.static_cache import LiveKeyStaticLayer
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 6, 4, generator=g), torch.randn(1, 2, 6, 4, generator=g)
+    layer = LiveKeyStaticLayer(capacity=8, reach=None)
+    layer.update(k[..., :5, :], v[..., :5, :])
+    layer.crop(-2)  # transformers' convention: a negative count of tokens to remove
+    keys, values = layer.update(k[..., 5:, :], v[..., 5:, :])
+    assert layer.get_seq_length() == 4
+    assert torch.equal(keys, torch.cat([k[..., :3, :], k[..., 5:, :]], -2))
+    assert torch.equal(values, torch.cat([v[..., :3, :], v[..., 5:, :]], -2))
+    windowed = LiveKeyStaticLayer(capacity=4, reach=2)
+    windowed.update(k, v)  # 6 tokens into 4 slots: the first two dropped
+    assert not windowed.is_croppable
+    with pytest.raises(ValueError, match="cropped"):
+        windowed.crop(-1)
