@@ -15,10 +15,11 @@ what the layer's queries can reach (:meth:`~positional_lsh.integrations.hf.atten
 
 The buffer is right-aligned: the newest key sits in the last slot, and a call shifts the older ones left (one copy
 of the buffer per call, in place). The layer returns the filled part (the last ``min(seen, capacity)`` slots, a view
-of the buffer), so the swap's attention sees the same keys as with :class:`~positional_lsh.integrations.hf.cache.
-LiveKeyCache`: positions stay absolute (``get_seq_length()`` counts every token seen), the mask covers the whole
-sequence and the attention reads the position of its first cached key from the difference, and decoding goes
-through :func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache` with the layer's
+of the buffer), so the swap's attention sees the same keys as with
+:class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`: positions stay absolute (``get_seq_length()`` counts
+every token seen), the mask covers the whole sequence and the attention reads the position of its first cached key
+from the difference, and decoding goes through
+:func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache` with the layer's
 :class:`~positional_lsh.ops.kvcache.DecodeState` (the swap's).
 
 The swap installs :class:`StaticCacheFactory` as the model's ``_prepare_static_cache`` (what ``generate`` calls for
