@@ -41,7 +41,9 @@ only) against :data:`~positional_lsh.ops.options.METHODS`; both are passed to :f
 Padding. Each batch row may be left- and/or right-padded (its valid tokens one contiguous run); the row
 is then computed on its valid tokens only, with positions counted from its first valid token — exactly
 what the same row would give without padding. Masks with holes, 4-D or custom masks, packed sequences,
-sliding windows, static caches and attention dropout in training raise ``ValueError``.
+sliding windows, transformers' own static cache and attention dropout in training raise ``ValueError``;
+``generate(cache_implementation="static")`` builds the swap's fixed-capacity cache
+(:mod:`~positional_lsh.integrations.hf.static_cache`).
 
 Attention weights. ``output_attentions=True`` returns, per layer, the ``(B, Hq, Lq, Lk)`` weights the call used
 (:meth:`AttentionSwap.attention_weights`): positional LSH's ``softmax(s + log Mbar)`` with the call's partitions,
@@ -54,6 +56,9 @@ Modules, each importing only those listed before it (no import cycle, no private
   key-validity mask;
 * :mod:`~positional_lsh.integrations.hf.cache` — :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`, a
   KV cache that drops the keys no later query can reach (``swap.new_cache()``);
+* :mod:`~positional_lsh.integrations.hf.static_cache` —
+  :class:`~positional_lsh.integrations.hf.static_cache.LiveKeyStaticCache`, the fixed-capacity cache of
+  ``generate(cache_implementation="static")``;
 * :mod:`~positional_lsh.integrations.hf.attention_swap` — :class:`AttentionSwap`, the installed replacement: its
   settings, per-layer partition samplers and attention call (autocast, the decoding path, padding; its custom ops
   under ``torch.compile``);

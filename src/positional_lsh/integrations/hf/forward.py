@@ -105,9 +105,12 @@ def check_model_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> N
     Run by the swap's forward pre-hook on the base model, before the stock model reads the mask (BLOOM and Falcon
     build their ALiBi tensor from it, and a 4-D mask would fail there with an unrelated unpacking error), so that
     every family refuses a 4-D or custom mask with the same message. Positional arguments are checked for 4-D
-    tensors (only a mask has four dimensions among a causal LM's inputs).
+    tensors (only a mask has four dimensions among a causal LM's inputs). A dict of masks per layer type (what
+    ``generate`` hands a model with a static cache) has each of its masks checked.
     """
     masks = [kwargs.get("attention_mask")] + [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    if isinstance(masks[0], dict):  # one mask per layer type: generate builds them up front for a static cache
+        masks = [*masks[0].values(), *masks[1:]]
     for mask in masks:
         if mask is None:
             continue

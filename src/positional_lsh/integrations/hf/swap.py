@@ -63,6 +63,7 @@ from positional_lsh.integrations.hf.saved import (
     swap_settings,
     write_swap_settings,
 )
+from positional_lsh.integrations.hf.static_cache import StaticCacheFactory
 from positional_lsh.ops.checks import as_slopes, as_window, check_bool, check_int
 from positional_lsh.ops.errors import UserError
 from positional_lsh.ops.options import (
@@ -364,6 +365,8 @@ def _install(outer: nn.Module, inner: PreTrainedModel, swap: AttentionSwap, fami
                 m.__dict__["forward"] = types.MethodType(fwd, m)
         for obj in {id(o): o for o in (*mods, inner.base_model, inner, outer)}.values():
             obj.__dict__[SWAP_ATTR] = swap
+        # generate(cache_implementation="static") builds the swap's fixed-capacity cache instead of a StaticCache.
+        inner.__dict__["_prepare_static_cache"] = StaticCacheFactory(swap)
         inner.__dict__[_STACK_ATTR] = [*inner.__dict__.get(_STACK_ATTR, []), changes]
         handle = inner.base_model.register_forward_pre_hook(StepHook(swap, family.registry), with_kwargs=True)
         changes.hook_module, changes.hook_id = inner.base_model, handle.id
