@@ -122,44 +122,45 @@ def lm_ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, TINY_LM["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Ten small documents cut from the shipped corpus (enough for train/validation/test splits), once per module.
-    A module that needs another corpus defines its own ``text_dir``."""
+def corpus_dir(root: Path, chars: int) -> Path:
+    """Ten documents of the shipped corpus cut at ``chars`` characters (enough for train/validation/test splits),
+    written into ``root`` as ``docNN.txt``."""
     from positional_lsh.lm import data as D
 
-    root = tmp_path_factory.mktemp("texts")
     docs = D.load_corpus()
     for i, d in enumerate(docs[:4] + docs[20:26]):
-        (root / f"doc{i:02d}.txt").write_text(d.text[:6000], encoding="utf-8")
+        (root / f"doc{i:02d}.txt").write_text(d.text[:chars], encoding="utf-8")
     return root
+
+
+def bpe_file(texts: Path, out: Path) -> Path:
+    """A 300-token BPE tokenizer trained on ``texts``' training split, saved as ``out/tokenizer.json``."""
+    from positional_lsh.lm import data as D
+
+    splits = D.load_splits(str(texts))
+    return D.train_tokenizer(splits["train"], 300).save(out / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped corpus cut at 6,000 characters a document (:func:`corpus_dir`), once per module. A module that
+    needs another corpus defines its own ``text_dir``."""
+    return corpus_dir(tmp_path_factory.mktemp("texts"), 6000)
 
 
 @pytest.fixture(scope="module")
 def tokenizer_file(text_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 300-token BPE tokenizer trained on ``text_dir``'s training split, saved as ``tokenizer.json``."""
-    from positional_lsh.lm import data as D
-
-    splits = D.load_splits(str(text_dir))
-    return D.train_tokenizer(splits["train"], 300).save(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    return bpe_file(text_dir, tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
 def hf_text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The ``plsh train-hf`` tests' corpus: ten documents of the shipped corpus cut at 5,000 characters."""
-    from positional_lsh.lm import data as D
-
-    root = tmp_path_factory.mktemp("hf-texts")
-    docs = D.load_corpus()
-    for i, d in enumerate(docs[:4] + docs[20:26]):
-        (root / f"doc{i:02d}.txt").write_text(d.text[:5000], encoding="utf-8")
-    return root
+    """The ``plsh train-hf`` tests' corpus: the shipped corpus cut at 5,000 characters a document."""
+    return corpus_dir(tmp_path_factory.mktemp("hf-texts"), 5000)
 
 
 @pytest.fixture(scope="module")
 def tok_file(hf_text_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 300-token BPE trained on ``hf_text_dir``'s training split (nothing is downloaded)."""
-    from positional_lsh.lm import data as D
-
-    splits = D.load_splits(str(hf_text_dir))
-    return D.train_tokenizer(splits["train"], 300).save(tmp_path_factory.mktemp("hf-tok") / "tokenizer.json")
+    return bpe_file(hf_text_dir, tmp_path_factory.mktemp("hf-tok"))
