@@ -9,8 +9,8 @@ computed exactly from the partitions: see ``docs/distributed.md``.
 * :class:`ContextShards`: the same for a :class:`~positional_lsh.TransformerLM` or a
   :class:`~positional_lsh.PositionalLSHAttention`, as the ``context=`` argument of a call;
   :func:`init_context_groups` and :func:`shard_sequence` set up the groups and the shards.
-* :func:`halo_plan`, :func:`bytes_per_rank`, :func:`ring_attention_bytes`, :func:`allgather_bytes`: exact byte
-  accounting, no process group needed; :func:`comm_stats` counts what actually went through ``isend``.
+* :func:`halo_plan`, :func:`bytes_per_rank`, :func:`exchange_bytes` (ring attention's and the all-gather's):
+  exact byte accounting, no process group needed; :func:`comm_stats` counts what actually went through ``isend``.
 
 This room imports only the op layer (the public ``positional_lsh`` names, ``ops.options``,
 ``ops.partitions.partition`` and the validators of ``ops.checks``), not even inside a function: the op layer never
@@ -27,29 +27,27 @@ from positional_lsh.distributed.exchange import comm_stats, halo_exchange, reset
 from positional_lsh.distributed.halo import (
     HaloPlan,
     Transfer,
-    allgather_bytes,
     block_extents,
     bytes_per_rank,
     crop_partitions,
+    exchange_bytes,
     halo_plan,
-    ring_attention_bytes,
 )
 
 __all__ = [
     "ContextShards",
     "HaloPlan",
     "Transfer",
-    "allgather_bytes",
     "block_extents",
     "bytes_per_rank",
     "comm_stats",
     "context_parallel_plsh_attention",
     "crop_partitions",
+    "exchange_bytes",
     "halo_exchange",
     "halo_plan",
     "init_context_groups",
     "reset_comm_stats",
-    "ring_attention_bytes",
     "shard_lengths",
     "shard_sequence",
 ]
