@@ -63,6 +63,7 @@ from positional_lsh.cli.validate.slope_grad import (
 from positional_lsh.cli.validate.sweeps import (
     BLOCK_FIELDS,
     MEASUREMENT_FIELDS,
+    SweepInputs,
     block_sweep,
     compare_sweep,
     length_sweep,
@@ -138,11 +139,12 @@ def _run(cfg: ValidateConfig) -> ValidationResult:
     out.mkdir(parents=True, exist_ok=True)
     with tqdm(total=_total(cfg, len(sets), len(heads)), desc="plsh validate", unit="head",
               disable=not cfg.progress, file=sys.stderr) as bar:  # fmt: skip
-        rows, skipped = main_sweep(cfg, contexts, sets, heads, scale, bar)
-        cmp_rows = compare_sweep(cfg, contexts, sets, heads, scale, bar)
-        len_rows = length_sweep(cfg, sets, heads, bar)
+        run = SweepInputs(cfg, contexts, sets, heads, scale)
+        rows, skipped = main_sweep(run, bar)
+        cmp_rows = compare_sweep(run, bar)
+        len_rows = length_sweep(run, bar)
         unb_rows = unbiasedness(cfg, bar)
-        block_rows = block_sweep(cfg, sets, heads)
+        block_rows = block_sweep(run)
         adv_rows, adv_files = quick_adversarial(cfg, sets, heads, out, bar)
         sg_inputs = slope_grad_inputs(cfg, contexts, model_slopes, scale) if cfg.slope_grad_samples else []
         sg_rows = slope_grad_sweep(cfg, sg_inputs, bar)
