@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from positional_lsh.cli.parsers import add_arguments, run_command
+from positional_lsh.cli.parsers import add_arguments, description, run_command
 from positional_lsh.cli.validate.adversarial import ADVERSARIAL_FIELDS, quick_adversarial
 from positional_lsh.cli.validate.findings import findings as compute_findings
 from positional_lsh.cli.validate.inputs import load_contexts, load_shipped, slope_sets
@@ -298,7 +298,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "validate",
         help="validate the theory (bounds, error metrics, variance reduction) on captured or synthetic Q/K/V",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=description(__doc__),
     )
     add_arguments(p, ValidateConfig)
     p.set_defaults(func=_run_cli)
