@@ -13,10 +13,11 @@ computed exactly from the partitions: see ``docs/distributed.md``.
   exact byte accounting, no process group needed; :func:`comm_stats` counts what actually went through ``isend``.
 
 This room imports only the op layer (the public ``positional_lsh`` names, ``ops.options``,
-``ops.partitions.partition`` and the validators of ``ops.checks``), not even inside a function: the op layer never
-imports it, and the language model loads it only inside functions (context-parallel training). Context parallelism
-is an argument: :class:`ContextShards` is passed as ``context=`` to the model or module, which draws the
-partitions and calls it through the op layer's :class:`~positional_lsh.ops.module.ShardedAttention` protocol.
+``ops.partitions.partition``, the validators of ``ops.checks`` and ``ops.module``'s ``ShardedCall``), not even
+inside a function: the op layer never imports it, and the language model loads it only inside functions
+(context-parallel training). Context parallelism is an argument: :class:`ContextShards` is passed as ``context=`` to
+the model or module, which draws the partitions and calls it through the op layer's
+:class:`~positional_lsh.ops.module.ShardedAttention` protocol.
 """
 
 from __future__ import annotations

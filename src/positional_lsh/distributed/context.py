@@ -14,15 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from positional_lsh.distributed.attention import context_parallel_plsh_attention
-
-if TYPE_CHECKING:  # the annotation only: this room imports no op-layer module beyond its public names at run time
-    from positional_lsh.ops.module import ShardedCall
+from positional_lsh.ops.module import ShardedCall
 
 
 def shard_lengths(seq_len: int, world_size: int) -> list[int]:
