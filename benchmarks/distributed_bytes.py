@@ -23,13 +23,12 @@ import torch.multiprocessing as mp
 
 from positional_lsh import alibi_slopes, sample_partitions
 from positional_lsh.distributed import (
-    allgather_bytes,
     bytes_per_rank,
     comm_stats,
     context_parallel_plsh_attention,
+    exchange_bytes,
     halo_plan,
     reset_comm_stats,
-    ring_attention_bytes,
 )
 
 H, T, D = 8, 8, 64
@@ -57,10 +56,10 @@ def planned_table(lengths: list[int], worlds: list[int], causal: bool) -> list[s
             plan = halo_plan(parts, [n // p] * p, causal=causal)
             recv = bytes_per_rank(plan, **kw)["received"]
             halo = [plan.halo_positions(r) for r in range(p)]
-            ring = ring_attention_bytes(n, p, **kw)
+            ring = exchange_bytes(n, p, **kw)
             rows.append(
                 f"| {n:,} | {p} | {sum(halo) / p:,.0f} / {max(halo):,} | {_fmt(max(recv))} | {_fmt(ring)} | "
-                f"{_fmt(allgather_bytes(n, p, **kw))} | {100 * max(recv) / ring:.3f} % |"
+                f"{_fmt(exchange_bytes(n, p, exchange='allgather', **kw))} | {100 * max(recv) / ring:.3f} % |"
             )
     return rows
 
@@ -88,7 +87,7 @@ def measured(n: int, world: int, causal: bool) -> list[str]:
     parts = sample_partitions(n, alibi_slopes(H), T, generator=SEED)
     plan = halo_plan(parts, [n // world] * world, causal=causal)
     planned = bytes_per_rank(plan, kv_heads=H, head_dim=D, dtype=torch.float32)
-    ring = ring_attention_bytes(n, world, kv_heads=H, head_dim=D, dtype=torch.float32)
+    ring = exchange_bytes(n, world, kv_heads=H, head_dim=D, dtype=torch.float32)
     rows = []
     for r, s in enumerate(stats):
         rows.append(

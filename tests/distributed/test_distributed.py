@@ -21,15 +21,14 @@ import torch.multiprocessing as mp
 
 from positional_lsh import alibi_slopes, plsh_attention, sample_partitions
 from positional_lsh.distributed import (
-    allgather_bytes,
     block_extents,
     bytes_per_rank,
     comm_stats,
     context_parallel_plsh_attention,
     crop_partitions,
+    exchange_bytes,
     halo_plan,
     reset_comm_stats,
-    ring_attention_bytes,
 )
 
 TOL = 1e-10
@@ -112,9 +111,12 @@ def test_halo_plan_is_exact(causal):
 
 def test_ring_and_allgather_accounting():
     kw = {"kv_heads": 8, "head_dim": 64, "dtype": torch.float32}
-    assert ring_attention_bytes(1024, 4, **kw) == 3 * 256 * 2 * 8 * 64 * 4
-    assert ring_attention_bytes(1024, 4, backward=True, **kw) == 3 * ring_attention_bytes(1024, 4, **kw)
-    assert allgather_bytes(1024, 4, backward=True, **kw) == 2 * ring_attention_bytes(1024, 4, **kw)
+    forward = 3 * 256 * 2 * 8 * 64 * 4  # the other 3 shards' 256 positions of keys and values, float32
+    assert exchange_bytes(1024, 4, **kw) == exchange_bytes(1024, 4, exchange="allgather", **kw) == forward
+    assert exchange_bytes(1024, 4, backward=True, **kw) == 3 * forward
+    assert exchange_bytes(1024, 4, exchange="allgather", backward=True, **kw) == 2 * forward
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        exchange_bytes(1024, 4, exchange="tree", **kw)
 
 
 def test_no_process_group_falls_back_to_plsh_attention():

@@ -91,8 +91,8 @@ class Recording:
     def seq_len(self, local_len: int) -> int:
         return self.factor * local_len
 
-    def attend(self, q, k, v, **kw):
-        self.calls.append(kw)
+    def attend(self, q, k, v, call):
+        self.calls.append(call)
         return torch.zeros_like(q)
 
 
@@ -103,12 +103,10 @@ def test_context_draws_the_whole_sequence_and_passes_the_options() -> None:
     for c in range(2):
         mod(q, k, v, context=ctx)
         got = ctx.calls[-1]
-        assert {key: got[key] for key in ("causal", "scale", "backend", "method")} == {
-            "causal": True, "scale": 0.25, "backend": "math", "method": "samples"
-        }  # fmt: skip
+        assert (got.causal, got.scale, got.backend, got.method) == (True, 0.25, "math", "samples")
         want = sample_partitions(40, SLOPES4, 3, generator=formula(7, c))
-        assert got["partitions"].seq_len == 40
-        assert torch.equal(got["partitions"].pitch, want.pitch) and torch.equal(got["partitions"].shift, want.shift)
+        assert got.partitions.seq_len == 40
+        assert torch.equal(got.partitions.pitch, want.pitch) and torch.equal(got.partitions.shift, want.shift)
     assert int(mod.calls) == 2
     with pytest.raises(TypeError, match="context must be a ShardedAttention"):
         mod(q, k, v, context=object())

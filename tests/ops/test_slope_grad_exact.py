@@ -16,7 +16,6 @@ from positional_lsh.ops.partitions.decays import (
     DECAY_FAMILIES,
     decay_attention_reference,
     decay_bias,
-    decay_bias_from_params,
     decay_family,
 )
 
@@ -332,11 +331,11 @@ def test_closed_form_derivatives_equal_autodiff(family):
 
 
 @pytest.mark.parametrize("family", list(PARAMS))
-def test_decay_bias_from_params_equals_the_decay_objects(family):
+def test_decay_bias_of_params_equals_the_decay_objects(family):
     fam = decay_family(family)
     theta = torch.tensor(PARAMS[family], dtype=F64)
     for causal in (True, False):
-        got = decay_bias_from_params(family, theta, 5, 11, causal=causal)
+        got = decay_bias(family, 5, 11, params=theta, causal=causal)
         want = decay_bias([fam.make(*row) for row in PARAMS[family]], 5, 11, causal=causal)
         torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)  # -inf in the same places
 
@@ -421,7 +420,7 @@ def test_low_precision_decay_param_grad_within_its_rounding_bound(family, dtype,
     fam = decay_family(family)
     i = torch.arange(lq)[:, None] + (lk - lq)
     dist = (i - torch.arange(lk)[None, :]).double()
-    bias = decay_bias_from_params(family, theta.detach(), lq, lk, causal=True)
+    bias = decay_bias(family, lq, lk, params=theta.detach(), causal=True)
     weights = fam.grad_log_k(dist.abs(), theta.detach()[:, None, None, :]).masked_fill(torch.isinf(bias), 0.0)
     bound, fp32, g_saved = _rounding_bound(q64, k64, v64, bias, weights, up64, out.detach().double(), unit)
     _check_low_precision(g, g64, g_saved, bound, fp32)

@@ -380,10 +380,15 @@ def add_command(
 ) -> argparse.ArgumentParser:
     """Add the command ``plsh name``: one flag per flagged field of dataclass ``cls``, then ``run`` on the settings
     (:func:`run_command`). ``doc``: the command module's docstring, whose first paragraph is the description."""
-    p = sub.add_parser(name, help=help, description=doc.split("\n\n")[0] if doc else None)
+    p = sub.add_parser(name, help=help, description=description(doc))
     add_arguments(p, cls)
     p.set_defaults(func=functools.partial(run_command, cls=cls, run=run))
     return p
+
+
+def description(doc: str | None) -> str | None:
+    """A command's ``--help`` description: the first paragraph of its module's docstring ``doc``."""
+    return doc.split("\n\n")[0] if doc else None
 
 
 def add_parser_command(
@@ -393,11 +398,12 @@ def add_parser_command(
     func: Callable[[argparse.Namespace], int],
     *,
     help: str,
-    description: str,
+    doc: str | None,
 ) -> argparse.ArgumentParser:
     """Add the command ``plsh name`` whose flags ``add(parser)`` adds and that runs ``func(args)`` (for commands
-    that take more than one settings dataclass, where :func:`add_command` does not fit)."""
-    p = sub.add_parser(name, help=help, description=description)
+    that take more than one settings dataclass, where :func:`add_command` does not fit); ``doc`` as
+    :func:`add_command`'s."""
+    p = sub.add_parser(name, help=help, description=description(doc))
     add(p)
     p.set_defaults(func=func)
     return p

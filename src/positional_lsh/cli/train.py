@@ -1,6 +1,9 @@
-"""``plsh train``: the command line of :func:`positional_lsh.lm.train.train`.
+"""Train a decoder-only LM on the shipped corpus (or --data). Works under torchrun for data-parallel training:
+torchrun --nproc_per_node N -m positional_lsh.cli train --out DIR ... (add --context-parallel C to also split each
+sequence over C ranks).
 
-Its flags are generated from :class:`~positional_lsh.lm.train.TrainConfig`, from the fields of
+``plsh train`` is the command line of :func:`positional_lsh.lm.train.train` (the paragraph above is its ``--help``
+description). Its flags are generated from :class:`~positional_lsh.lm.train.TrainConfig`, from the fields of
 :class:`~positional_lsh.lm.config.ModelConfig` named in :data:`MODEL_FLAGS` and from :class:`TrainCommand`
 (``--quick``, ``--resume``). Every argparse default is ``None``: the dataclasses' defaults apply, after
 ``--quick``'s preset, to what is not given. Under ``torchrun``: ``torchrun --nproc_per_node N -m positional_lsh.cli
@@ -229,12 +232,7 @@ def resume_changes(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def register_cli(sub: argparse._SubParsersAction) -> None:
     """Add ``plsh train`` to the ``plsh`` command line."""
     help = "train a language model with alibi / plsh / window-alibi / rope / nope attention"
-    description = (
-        "Train a decoder-only LM on the shipped corpus (or --data). Works under torchrun for "
-        "data-parallel training: torchrun --nproc_per_node N -m positional_lsh.cli train --out DIR ... "
-        "(add --context-parallel C to also split each sequence over C ranks)."
-    )
-    add_parser_command(sub, "train", add_train_arguments, _main, help=help, description=description)
+    add_parser_command(sub, "train", add_train_arguments, _main, help=help, doc=__doc__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,9 +1,12 @@
-"""``plsh train-hf``: train or fine-tune a transformers model with positional LSH (the command line of
-:func:`positional_lsh.integrations.hf.train.train_hf`).
+"""Train a transformers model from a config, or fine-tune a local checkpoint (full or LoRA), with positional-LSH (or
+ALiBi) attention; the run directory, resume and torchrun of plsh train. Needs transformers (and peft for LoRA): pip
+install 'positional-lsh[train]'.
 
-Its flags are generated from :class:`~positional_lsh.integrations.hf.train.HFTrainConfig` (:data:`HF_TRAIN_FLAGS`)
-and from :class:`TrainHFCommand` (``--preset``, ``--resume``, ``--overwrite``). Every argparse default is ``None``:
-the dataclass's defaults apply, after the preset's, to what is not given. Under ``torchrun``:
+``plsh train-hf`` trains or fine-tunes a transformers model with positional LSH: the command line of
+:func:`positional_lsh.integrations.hf.train.train_hf` (the paragraph above is its ``--help`` description). Its flags
+are generated from :class:`~positional_lsh.integrations.hf.train.HFTrainConfig` (:data:`HF_TRAIN_FLAGS`) and from
+:class:`TrainHFCommand` (``--preset``, ``--resume``, ``--overwrite``). Every argparse default is ``None``: the
+dataclass's defaults apply, after the preset's, to what is not given. Under ``torchrun``:
 ``torchrun --nproc_per_node N -m positional_lsh.cli train-hf ...``.
 """
 
@@ -240,12 +243,7 @@ def _main(args: argparse.Namespace) -> int:
 def register_cli(sub: argparse._SubParsersAction) -> None:
     """Add ``plsh train-hf`` to the ``plsh`` command line."""
     help = "train or fine-tune (full or LoRA) a transformers model with plsh / alibi / window-alibi / native"
-    description = (
-        "Train a transformers model from a config, or fine-tune a local checkpoint (full or LoRA), with "
-        "positional-LSH (or ALiBi) attention; the run directory, resume and torchrun of plsh train. Needs "
-        "transformers (and peft for LoRA): pip install 'positional-lsh[train]'."
-    )
-    add_parser_command(sub, "train-hf", add_train_hf_arguments, _main, help=help, description=description)
+    add_parser_command(sub, "train-hf", add_train_hf_arguments, _main, help=help, doc=__doc__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,14 +9,15 @@ computed exactly from the partitions: see ``docs/distributed.md``.
 * :class:`ContextShards`: the same for a :class:`~positional_lsh.TransformerLM` or a
   :class:`~positional_lsh.PositionalLSHAttention`, as the ``context=`` argument of a call;
   :func:`init_context_groups` and :func:`shard_sequence` set up the groups and the shards.
-* :func:`halo_plan`, :func:`bytes_per_rank`, :func:`ring_attention_bytes`, :func:`allgather_bytes`: exact byte
-  accounting, no process group needed; :func:`comm_stats` counts what actually went through ``isend``.
+* :func:`halo_plan`, :func:`bytes_per_rank`, :func:`exchange_bytes` (ring attention's and the all-gather's):
+  exact byte accounting, no process group needed; :func:`comm_stats` counts what actually went through ``isend``.
 
 This room imports only the op layer (the public ``positional_lsh`` names, ``ops.options``,
-``ops.partitions.partition`` and the validators of ``ops.checks``), not even inside a function: the op layer never
-imports it, and the language model loads it only inside functions (context-parallel training). Context parallelism
-is an argument: :class:`ContextShards` is passed as ``context=`` to the model or module, which draws the
-partitions and calls it through the op layer's :class:`~positional_lsh.ops.module.ShardedAttention` protocol.
+``ops.partitions.partition``, the validators of ``ops.checks`` and ``ops.module``'s ``ShardedCall``), not even
+inside a function: the op layer never imports it, and the language model loads it only inside functions
+(context-parallel training). Context parallelism is an argument: :class:`ContextShards` is passed as ``context=`` to
+the model or module, which draws the partitions and calls it through the op layer's
+:class:`~positional_lsh.ops.module.ShardedAttention` protocol.
 """
 
 from __future__ import annotations
@@ -27,29 +28,27 @@ from positional_lsh.distributed.exchange import comm_stats, halo_exchange, reset
 from positional_lsh.distributed.halo import (
     HaloPlan,
     Transfer,
-    allgather_bytes,
     block_extents,
     bytes_per_rank,
     crop_partitions,
+    exchange_bytes,
     halo_plan,
-    ring_attention_bytes,
 )
 
 __all__ = [
     "ContextShards",
     "HaloPlan",
     "Transfer",
-    "allgather_bytes",
     "block_extents",
     "bytes_per_rank",
     "comm_stats",
     "context_parallel_plsh_attention",
     "crop_partitions",
+    "exchange_bytes",
     "halo_exchange",
     "halo_plan",
     "init_context_groups",
     "reset_comm_stats",
-    "ring_attention_bytes",
     "shard_lengths",
     "shard_sequence",
 ]

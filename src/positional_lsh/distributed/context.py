@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from positional_lsh import Partitions
 from positional_lsh.distributed.attention import context_parallel_plsh_attention
+from positional_lsh.ops.module import ShardedCall
 
 
 def shard_lengths(seq_len: int, world_size: int) -> list[int]:
@@ -98,30 +98,19 @@ class ContextShards:
             return local_len
         return local_len * dist.get_world_size(self.group)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        partitions: Partitions,
-        causal: bool,
-        scale: float | None,
-        backend: str,
-        method: str,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: ShardedCall) -> torch.Tensor:
         """This rank's rows of positional-LSH attention on the whole sequence: ``q, k, v (B, H, L_local, d)`` are its
-        shard, ``partitions`` those of the whole sequence."""
+        shard, ``call.partitions`` those of the whole sequence (``call``: the module's settings)."""
         return context_parallel_plsh_attention(
             q,
             k,
             v,
-            partitions=partitions,
-            causal=causal,
-            scale=scale,
+            partitions=call.partitions,
+            causal=call.causal,
+            scale=call.scale,
             group=self.group,
             shard_lengths=None if self.shard_lengths is None else list(self.shard_lengths),
             head_chunk=self.head_chunk,
-            backend=backend,
-            method=method,
+            backend=call.backend,
+            method=call.method,
         )

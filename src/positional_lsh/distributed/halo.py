@@ -296,41 +296,31 @@ def bytes_per_rank(
     return {"sent": sent, "received": recv}
 
 
-def ring_attention_bytes(
+EXCHANGES = {"ring": 3, "allgather": 2}
+"""The exchanges of exact attention that :func:`exchange_bytes` counts, each with its backward's bytes in units of its
+forward's: ring attention's ``K, V`` go round the ring again and ``dK, dV`` once (as in ring-flash-attn: 3); the
+all-gather's ``dK, dV`` are reduce-scattered back (2)."""
+
+
+def exchange_bytes(
     seq_len: int,
     world_size: int,
     *,
+    exchange: str = "ring",
     batch: int = 1,
     kv_heads: int,
     head_dim: int,
     dtype: torch.dtype | int = torch.float32,
     backward: bool = False,
 ) -> int:
-    """Bytes each rank receives in ring attention (exact attention, equal shards).
+    """Bytes each rank receives when exact attention (equal shards) exchanges whole ``K, V`` shards, the baselines of
+    the halo exchange: ``exchange="ring"`` (ring attention) or ``"allgather"`` (:data:`EXCHANGES`).
 
-    Forward: the ``K, V`` shards go round the ring, ``(P-1)/P * n`` positions of keys and values per rank.
-    Backward (as in ring-flash-attn): ``K, V`` go round again and ``dK, dV`` go round once, twice the forward.
+    Forward: the keys and values of the other ``P - 1`` shards, ``(P-1)/P * n`` positions per rank, either way;
+    ``backward`` adds the backward's bytes.
     """
-    return _other_shards_bytes(seq_len, world_size, batch, kv_heads, head_dim, dtype) * (3 if backward else 1)
-
-
-def allgather_bytes(
-    seq_len: int,
-    world_size: int,
-    *,
-    batch: int = 1,
-    kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype | int = torch.float32,
-    backward: bool = False,
-) -> int:
-    """Bytes each rank receives when ``K, V`` are all-gathered (and ``dK, dV`` reduce-scattered in backward)."""
-    return _other_shards_bytes(seq_len, world_size, batch, kv_heads, head_dim, dtype) * (2 if backward else 1)
-
-
-def _other_shards_bytes(
-    seq_len: int, world_size: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype | int
-) -> int:
-    """Bytes of the keys and values of the other ``P - 1`` (equal) shards: what one forward receives."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {sorted(EXCHANGES)}, got {exchange!r}")
     per_pos = 2 * batch * kv_heads * head_dim * _element_size(dtype)
-    return (world_size - 1) * (seq_len // world_size) * per_pos
+    forward = (world_size - 1) * (seq_len // world_size) * per_pos
+    return forward * (EXCHANGES[exchange] if backward else 1)

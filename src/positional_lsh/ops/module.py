@@ -5,6 +5,7 @@ sequence split across ranks (context parallelism) is given."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -34,30 +35,33 @@ __all__ = ["PositionalLSHAttention"]
 _EXTRA_STATE = "_extra_state"  # torch's state-dict key of get_extra_state (nn.modules.module._EXTRA_STATE_KEY_SUFFIX)
 
 
+@dataclass(frozen=True)
+class ShardedCall:
+    """What a :class:`PositionalLSHAttention` call hands its :class:`ShardedAttention`: the partitions of the whole
+    sequence and the module's settings, the arguments of ``plsh_attention``."""
+
+    partitions: Partitions
+    causal: bool
+    scale: float | None
+    backend: str
+    method: str
+
+
 class ShardedAttention(Protocol):
     """How a :class:`PositionalLSHAttention` call runs when ``q, k, v`` are this rank's contiguous shard of a longer
     sequence (context parallelism): pass one as ``context=``. The module draws the partitions of the *whole*
-    sequence (``seq_len``), with its own policy and step, and hands them to ``attend``.
-    :class:`positional_lsh.distributed.ContextShards` is the implementation over ``torch.distributed``.
+    sequence (``seq_len``), with its own policy and step, and hands them to ``attend`` with its settings
+    (:class:`ShardedCall`). :class:`positional_lsh.distributed.ContextShards` is the implementation over
+    ``torch.distributed``.
     """
 
     def seq_len(self, local_len: int) -> int:
         """The whole sequence's length, given this rank's ``local_len`` keys."""
         ...
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        partitions: Partitions,
-        causal: bool,
-        scale: float | None,
-        backend: str,
-        method: str,
-    ) -> torch.Tensor:
-        """This rank's rows of ``plsh_attention`` on the whole sequence with ``partitions`` (of the whole sequence)."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: ShardedCall) -> torch.Tensor:
+        """This rank's rows of ``plsh_attention`` on the whole sequence with ``call``'s partitions (of the whole
+        sequence) and settings."""
         ...
 
 
@@ -287,10 +291,7 @@ class PositionalLSHAttention(nn.Module):
         if self.training:
             self.calls.add_(1)
         if context is not None:
-            return context.attend(
-                q, k, v, partitions=partitions, causal=self.causal, scale=self.scale, backend=self.backend,
-                method=self.method,
-            )  # fmt: skip
+            return context.attend(q, k, v, ShardedCall(partitions, self.causal, self.scale, self.backend, self.method))
         return plsh_attention(
             q,
             k,

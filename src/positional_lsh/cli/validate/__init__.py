@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from positional_lsh.cli.parsers import add_arguments, run_command
+from positional_lsh.cli.parsers import add_arguments, description, run_command
 from positional_lsh.cli.validate.adversarial import ADVERSARIAL_FIELDS, quick_adversarial
 from positional_lsh.cli.validate.findings import findings as compute_findings
 from positional_lsh.cli.validate.inputs import load_contexts, load_shipped, slope_sets
@@ -63,6 +63,7 @@ from positional_lsh.cli.validate.slope_grad import (
 from positional_lsh.cli.validate.sweeps import (
     BLOCK_FIELDS,
     MEASUREMENT_FIELDS,
+    SweepInputs,
     block_sweep,
     compare_sweep,
     length_sweep,
@@ -138,11 +139,12 @@ def _run(cfg: ValidateConfig) -> ValidationResult:
     out.mkdir(parents=True, exist_ok=True)
     with tqdm(total=_total(cfg, len(sets), len(heads)), desc="plsh validate", unit="head",
               disable=not cfg.progress, file=sys.stderr) as bar:  # fmt: skip
-        rows, skipped = main_sweep(cfg, contexts, sets, heads, scale, bar)
-        cmp_rows = compare_sweep(cfg, contexts, sets, heads, scale, bar)
-        len_rows = length_sweep(cfg, sets, heads, bar)
+        run = SweepInputs(cfg, contexts, sets, heads, scale)
+        rows, skipped = main_sweep(run, bar)
+        cmp_rows = compare_sweep(run, bar)
+        len_rows = length_sweep(run, bar)
         unb_rows = unbiasedness(cfg, bar)
-        block_rows = block_sweep(cfg, sets, heads)
+        block_rows = block_sweep(run)
         adv_rows, adv_files = quick_adversarial(cfg, sets, heads, out, bar)
         sg_inputs = slope_grad_inputs(cfg, contexts, model_slopes, scale) if cfg.slope_grad_samples else []
         sg_rows = slope_grad_sweep(cfg, sg_inputs, bar)
@@ -296,7 +298,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "validate",
         help="validate the theory (bounds, error metrics, variance reduction) on captured or synthetic Q/K/V",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=description(__doc__),
     )
     add_arguments(p, ValidateConfig)
     p.set_defaults(func=_run_cli)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,10 +85,9 @@ class ReportData:
 def report(d: ReportData) -> str:
     """``report.md``: one section after another."""
     out: list[str] = []
-    for section in (_header_section, _findings_section, _samples_section, _lengths_section, _variance_section,
-                    _unbiasedness_section, _blocks_section, _adversarial_section, _slope_grad_section,
-                    _plots_section):  # fmt: skip
-        out += section(d)
+    for section, ran in _SECTIONS:
+        if ran is None or ran(d):
+            out += section(d)
     return "\n".join(out) + "\n"
 
 
@@ -119,12 +118,10 @@ def _findings_section(d: ReportData) -> list[str]:
     fits = findings.get("fits", [])
     out = ["", "## Findings", ""]
     out += _fit_findings(fits)
-    out += _bound_findings(findings, d.rows)
-    out += _unbiasedness_findings(findings)
+    out += _study_bullets(d, "under_expected_bound", "unbiased")
     out += _variance_findings(findings, cfg)
     out += _samples_needed_findings(fits, cfg)
-    out += _block_findings(findings, cfg)
-    out += _adversarial_findings(findings)
+    out += _study_bullets(d, "blocks_within_bound", "adversarial_violations")
     out += slope_grad_finding_lines(findings, cfg)
     if d.skipped:
         out.append(f"- Skipped as too expensive: {', '.join(d.skipped)}.")
@@ -150,33 +147,30 @@ def _fit_findings(fits: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _bound_findings(findings: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
-    """The empirical ``||Mbar - A||_2`` against the expectation bound and the tail-bound eps, if measured."""
-    if "under_expected_bound" not in findings:
-        return []
-    return [
+def _bound_bullet(d: ReportData) -> str:
+    """The empirical ``||Mbar - A||_2`` against the expectation bound and the tail-bound eps."""
+    f = d.findings
+    return (
         "- Empirical ||Mbar - A||_2 under the expectation bound in "
-        f"**{100 * findings['under_expected_bound']:.1f}%** "
-        f"of {len(unique_mask_rows(rows))} mask measurements; the bound exceeds the error by a factor "
-        f"{findings['bound_over_error_min']:.1f} to {findings['bound_over_error_max']:.1f} "
-        f"(median {findings['bound_over_error_median']:.1f}). Under the tail-bound eps in "
-        f"{100 * findings['under_tail_eps']:.1f}% (eps / error median {findings['tail_over_error_median']:.1f})."
-    ]
+        f"**{100 * f['under_expected_bound']:.1f}%** "
+        f"of {len(unique_mask_rows(d.rows))} mask measurements; the bound exceeds the error by a factor "
+        f"{f['bound_over_error_min']:.1f} to {f['bound_over_error_max']:.1f} "
+        f"(median {f['bound_over_error_median']:.1f}). Under the tail-bound eps in "
+        f"{100 * f['under_tail_eps']:.1f}% (eps / error median {f['tail_over_error_median']:.1f})."
+    )
 
 
-def _unbiasedness_findings(findings: dict[str, Any]) -> list[str]:
+def _unbiasedness_bullet(d: ReportData) -> str:
     """The unbiasedness verdict per scheme, flagging any that differs from the scheme's declaration."""
-    if "unbiased" not in findings:
-        return []
     parts = []
-    for s, ok in findings["unbiased"].items():
+    for s, ok in d.findings["unbiased"].items():
         expected = get_scheme(s).unbiased
         parts.append(f"{s}: {'unbiased' if ok else 'bias detected'}{'' if ok == expected else ' (UNEXPECTED)'}")
-    return [
+    return (
         "- Unbiasedness test (every mask index, per pair, binomial z-scores, Bonferroni at level 1e-3): "
         + "; ".join(parts)
         + ". `fixed` is biased by design (negative control)."
-    ]
+    )
 
 
 def _variance_findings(findings: dict[str, Any], cfg: ValidateConfig) -> list[str]:
@@ -206,26 +200,38 @@ def _samples_needed_findings(fits: list[dict[str, Any]], cfg: ValidateConfig) ->
     ]
 
 
-def _block_findings(findings: dict[str, Any], cfg: ValidateConfig) -> list[str]:
-    """How often the largest block stays within the high-probability bound, if measured."""
-    if "blocks_within_bound" not in findings:
-        return []
-    return [
-        f"- Largest block of a head's s samples within the delta = {cfg.block_delta:g} bound in "
-        f"**{100 * findings['blocks_within_bound']:.1f}%** of {findings['blocks_judged']} (head, draw) pairs "
-        f"(at least {100 * (1 - cfg.block_delta):g}% expected); largest block of all: {findings['largest_block']}."
-    ]
+def _block_bullet(d: ReportData) -> str:
+    """How often the largest block stays within the high-probability bound."""
+    f, delta = d.findings, d.cfg.block_delta
+    return (
+        f"- Largest block of a head's s samples within the delta = {delta:g} bound in "
+        f"**{100 * f['blocks_within_bound']:.1f}%** of {f['blocks_judged']} (head, draw) pairs "
+        f"(at least {100 * (1 - delta):g}% expected); largest block of all: {f['largest_block']}."
+    )
 
 
-def _adversarial_findings(findings: dict[str, Any]) -> list[str]:
-    """The small adversarial study's summary: violations, worst / bound and worst / Gaussian, if run."""
-    if "adversarial_violations" not in findings:
-        return []
-    return [
-        f"- Small adversarial study: {findings['adversarial_violations']} input(s) above the uniform bound; the "
-        f"worst input found reaches {findings['adversarial_max_worst_over_bound']:.2f} of the bound and at least "
-        f"{findings['adversarial_min_worst_over_gaussian']:.1f}x the Gaussian-input error."
-    ]
+def _adversarial_bullet(d: ReportData) -> str:
+    """The small adversarial study's summary: violations, worst / bound and worst / Gaussian."""
+    f = d.findings
+    return (
+        f"- Small adversarial study: {f['adversarial_violations']} input(s) above the uniform bound; the "
+        f"worst input found reaches {f['adversarial_max_worst_over_bound']:.2f} of the bound and at least "
+        f"{f['adversarial_min_worst_over_gaussian']:.1f}x the Gaussian-input error."
+    )
+
+
+_STUDY_BULLETS: dict[str, Callable[[ReportData], str]] = {
+    "under_expected_bound": _bound_bullet,
+    "unbiased": _unbiasedness_bullet,
+    "blocks_within_bound": _block_bullet,
+    "adversarial_violations": _adversarial_bullet,
+}
+"""The bullets of the optional studies, each keyed by the finding that is there only when its study ran."""
+
+
+def _study_bullets(d: ReportData, *keys: str) -> list[str]:
+    """The bullets of :data:`_STUDY_BULLETS` under ``keys``, in that order, of the studies that ran."""
+    return [_STUDY_BULLETS[key](d) for key in keys if key in d.findings]
 
 
 # Columns of the metrics-vs-samples table: (header, row field), mask metrics then output metrics.
@@ -299,66 +305,60 @@ def _per_head_table(mask_rows: list[dict[str, Any]]) -> str:
 def _lengths_section(d: ReportData) -> list[str]:
     """Error vs length at fixed s."""
     cfg, len_rows = d.cfg, d.len_rows
-    out: list[str] = []
-    if len_rows:
-        out += [f"## Error vs length at s={cfg.length_samples} (matrix-free; mean over heads)", ""]
-        fields = ("relative_spectral", "max_abs", "bound_expected_relative", "seconds")
-        table = []
-        for n in sorted({r["seq_len"] for r in len_rows}):
-            for mode in cfg.slopes:
-                for scheme in cfg.schemes:
-                    m = [r for r in len_rows if r["seq_len"] == n and r["slope_set"] == mode and r["scheme"] == scheme]
-                    if m:
-                        table.append([n, mode, scheme, *_column_means(m, fields)])
-        out.append(
-            _table(["n", "slopes", "scheme", "rel. spectral", "max abs", "E-bound (rel)", "seconds/head"], table)
-        )
-        out.append("")
+    out = [f"## Error vs length at s={cfg.length_samples} (matrix-free; mean over heads)", ""]
+    fields = ("relative_spectral", "max_abs", "bound_expected_relative", "seconds")
+    table = []
+    for n in sorted({r["seq_len"] for r in len_rows}):
+        for mode in cfg.slopes:
+            for scheme in cfg.schemes:
+                m = [r for r in len_rows if r["seq_len"] == n and r["slope_set"] == mode and r["scheme"] == scheme]
+                if m:
+                    table.append([n, mode, scheme, *_column_means(m, fields)])
+    out.append(_table(["n", "slopes", "scheme", "rel. spectral", "max abs", "E-bound (rel)", "seconds/head"], table))
+    out.append("")
     return out
 
 
 def _variance_section(d: ReportData) -> list[str]:
     """Variance reduction at equal T: per-head ratios and per-scheme means."""
     cfg, cmp_rows, findings = d.cfg, d.cmp_rows, d.findings
-    out: list[str] = []
-    if findings.get("variance_reduction"):
-        out += [
-            f"## Variance reduction at T={cfg.compare_samples} ({cfg.compare_repeats} seeds, n={cfg.seq_lens[0]})",
-            "",
-            "Error ratio independent / coupled (higher is better), per head:",
-            "",
-        ]
-        slope_of = {r["head"]: r["slope"] for r in cmp_rows}
-        out.append(
-            _table(
-                ["scheme", "slopes", "head", "σ", "spectral", "softmax", "max", "exp-form"],
+    out = [
+        f"## Variance reduction at T={cfg.compare_samples} ({cfg.compare_repeats} seeds, n={cfg.seq_lens[0]})",
+        "",
+        "Error ratio independent / coupled (higher is better), per head:",
+        "",
+    ]
+    slope_of = {r["head"]: r["slope"] for r in cmp_rows}
+    out.append(
+        _table(
+            ["scheme", "slopes", "head", "σ", "spectral", "softmax", "max", "exp-form"],
+            [
                 [
-                    [
-                        r["scheme"],
-                        r["slope_set"],
-                        r["head"],
-                        1 / slope_of[r["head"]] if slope_of[r["head"]] > 0 else math.inf,
-                        r["relative_spectral"],
-                        r["softmax_rel"],
-                        r["max_abs"],
-                        r["exp_rel"],
-                    ]
-                    for r in findings["variance_reduction"]
-                ],
-            )
+                    r["scheme"],
+                    r["slope_set"],
+                    r["head"],
+                    1 / slope_of[r["head"]] if slope_of[r["head"]] > 0 else math.inf,
+                    r["relative_spectral"],
+                    r["softmax_rel"],
+                    r["max_abs"],
+                    r["exp_rel"],
+                ]
+                for r in findings["variance_reduction"]
+            ],
         )
-        out.append("")
-        out.append("Mean errors per scheme (over heads and seeds):")
-        out.append("")
-        fields = ("relative_spectral", "max_abs", "softmax_rel", "exp_rel")
-        table = []
-        for mode in cfg.slopes:
-            for scheme in cfg.compare_schemes:
-                m = [r for r in cmp_rows if r["scheme"] == scheme and r["slope_set"] == mode]
-                if m:
-                    table.append([scheme, mode, *_column_means(m, fields)])
-        out.append(_table(["scheme", "slopes", "rel. spectral", "max abs", "softmax rel", "exp-form rel"], table))
-        out.append("")
+    )
+    out.append("")
+    out.append("Mean errors per scheme (over heads and seeds):")
+    out.append("")
+    fields = ("relative_spectral", "max_abs", "softmax_rel", "exp_rel")
+    table = []
+    for mode in cfg.slopes:
+        for scheme in cfg.compare_schemes:
+            m = [r for r in cmp_rows if r["scheme"] == scheme and r["slope_set"] == mode]
+            if m:
+                table.append([scheme, mode, *_column_means(m, fields)])
+    out.append(_table(["scheme", "slopes", "rel. spectral", "max abs", "softmax rel", "exp-form rel"], table))
+    out.append("")
     return out
 
 
@@ -378,23 +378,17 @@ _UNBIASEDNESS_COLUMNS = (
 
 def _unbiasedness_section(d: ReportData) -> list[str]:
     """The unbiasedness test, one row per (scheme, slope)."""
-    unb_rows = d.unb_rows
-    out: list[str] = []
-    if unb_rows:
-        out += ["## Unbiasedness test", ""]
-        header = [h for h, _ in _UNBIASEDNESS_COLUMNS]
-        out.append(_table(header, [[r[f] for _, f in _UNBIASEDNESS_COLUMNS] for r in unb_rows]))
-        out.append("")
+    out = ["## Unbiasedness test", ""]
+    header = [h for h, _ in _UNBIASEDNESS_COLUMNS]
+    out.append(_table(header, [[r[f] for _, f in _UNBIASEDNESS_COLUMNS] for r in d.unb_rows]))
+    out.append("")
     return out
 
 
 def _blocks_section(d: ReportData) -> list[str]:
     """Largest block per head vs the high-probability bound, and the work, per (n, slope set, scheme)."""
     cfg, brows = d.cfg, d.block_rows
-    out: list[str] = []
-    if not brows:
-        return out
-    out += [
+    out = [
         "## Block sizes (docs/theory.md §9)",
         "",
         "The masks of the main sweep (same seeds). Largest block of each head over its s samples (max over repeats) "
@@ -436,11 +430,8 @@ def _blocks_section(d: ReportData) -> list[str]:
 def _adversarial_section(d: ReportData) -> list[str]:
     """The small adversarial study of the uniform theorem on the measured heads' slopes."""
     cfg, arows = d.cfg, d.adv_rows
-    out: list[str] = []
-    if not arows:
-        return out
     bad = [r for r in arows if r["violation"]]
-    out += [
+    out = [
         "## Adversarial inputs vs the uniform bound (docs/theory.md §11)",
         "",
         f"One head per distinct slope of the slope set `{arows[0]['slope_set']}` (the heads sharing it listed), "
@@ -464,17 +455,30 @@ def _adversarial_section(d: ReportData) -> list[str]:
 
 
 def _slope_grad_section(d: ReportData) -> list[str]:
-    """The slope-gradient section (``cli/validate/slope_grad.py``), if it ran."""
+    """The slope-gradient section (``cli/validate/slope_grad.py``)."""
     return slope_grad_section(d.slope_grad_rows, d.cfg)
 
 
 def _plots_section(d: ReportData) -> list[str]:
     """The PNG plots, inline."""
-    plots = d.plots
-    out: list[str] = []
-    if plots:
-        out += ["## Plots", ""]
-        for name, path in plots.items():
-            out.append(f"![{name}]({path.name})")
-            out.append("")
+    out = ["## Plots", ""]
+    for name, path in d.plots.items():
+        out.append(f"![{name}]({path.name})")
+        out.append("")
     return out
+
+
+_SECTIONS: tuple[tuple[Callable[[ReportData], list[str]], Callable[[ReportData], object] | None], ...] = (
+    (_header_section, None),
+    (_findings_section, None),
+    (_samples_section, None),
+    (_lengths_section, lambda d: d.len_rows),
+    (_variance_section, lambda d: d.findings.get("variance_reduction")),
+    (_unbiasedness_section, lambda d: d.unb_rows),
+    (_blocks_section, lambda d: d.block_rows),
+    (_adversarial_section, lambda d: d.adv_rows),
+    (_slope_grad_section, lambda d: d.slope_grad_rows),
+    (_plots_section, lambda d: d.plots),
+)
+"""``report.md``'s sections in order, each with the test that its study ran (``None``: always there): a section
+is written only when it holds, so it never starts from empty rows."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ __all__ = [
     "BLOCK_FIELDS",
     "MEASUREMENT_FIELDS",
     "OUTPUT_FIELDS",
+    "SweepInputs",
     "block_sweep",
     "compare_sweep",
     "length_sweep",
@@ -123,12 +124,23 @@ def _mask_measure(
     }
 
 
+@dataclass(frozen=True)
+class SweepInputs:
+    """What every sweep of a run measures: the settings, the loaded inputs (one :class:`Context` per input and
+    length), the slope sets by name (each ``(H,)``), the query heads measured and the attention scale (``None``:
+    ``1 / sqrt(d)``)."""
+
+    cfg: ValidateConfig
+    contexts: list[Context]
+    slope_sets: dict[str, torch.Tensor]
+    heads: list[int]
+    scale: float | None
+
+
 def _draws(
-    cfg: ValidateConfig,
+    run: SweepInputs,
     experiment: str,
     n: int,
-    slope_sets: dict[str, torch.Tensor],
-    heads: list[int],
     schemes: Sequence[str],
     samples: Sequence[int],
     repeats: int,
@@ -136,9 +148,10 @@ def _draws(
 ) -> Iterator[tuple[dict[str, Any], torch.Tensor, Partitions]]:
     """Every seeded draw of ``experiment`` at length ``n``: for each slope set, scheme, sample count ``s`` and
     repeat (in that order), the row coordinates ``seq_len .. seed``, the set's slopes and the partitions of
-    ``heads`` (seed :func:`derive_seed` of the coordinates). With ``on_skip``, an ``s`` with ``n * s`` above
+    ``run.heads`` (seed :func:`derive_seed` of the coordinates). With ``on_skip``, an ``s`` with ``n * s`` above
     ``cfg.max_work`` is not drawn: ``on_skip(s)`` instead."""
-    for mode, slopes in slope_sets.items():
+    cfg, heads = run.cfg, run.heads
+    for mode, slopes in run.slope_sets.items():
         for scheme in schemes:
             for s in samples:
                 if on_skip is not None and n * s > cfg.max_work:
@@ -152,33 +165,26 @@ def _draws(
                     yield coords, slopes, parts
 
 
-def main_sweep(
-    cfg: ValidateConfig,
-    contexts: list[Context],
-    slope_sets: dict[str, torch.Tensor],
-    heads: list[int],
-    scale: float | None,
-    bar: Any,
-) -> tuple[list[dict[str, Any]], list[str]]:
+def main_sweep(run: SweepInputs, bar: Any) -> tuple[list[dict[str, Any]], list[str]]:
     """Mask and output errors for every (n, slope set, scheme, s, repeat, head); also the skipped (n, s)."""
+    cfg, heads = run.cfg, run.heads
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for n in cfg.seq_lens:
-        ctxs = [c for c in contexts if c.seq_len == n]
+        ctxs = [c for c in run.contexts if c.seq_len == n]
 
         def skip(s: int, n: int = n) -> None:
             skipped.append(f"n={n}, s={s} (n*s > {cfg.max_work:g})")
             bar.update(cfg.repeats * len(heads))
 
-        for coords, slopes, parts in _draws(cfg, "main", n, slope_sets, heads, cfg.schemes, cfg.samples, cfg.repeats,
-                                            on_skip=skip):  # fmt: skip
+        for coords, slopes, parts in _draws(run, "main", n, cfg.schemes, cfg.samples, cfg.repeats, on_skip=skip):
             for hi, h in enumerate(heads):
-                rows += _measure_head(cfg, ctxs, parts, hi, float(slopes[h]), {**coords, "head": h}, scale)
+                rows += _measure_head(cfg, ctxs, parts, hi, float(slopes[h]), {**coords, "head": h}, run.scale)
                 bar.update(1)
     return rows, skipped
 
 
-def block_sweep(cfg: ValidateConfig, slope_sets: dict[str, torch.Tensor], heads: list[int]) -> list[dict[str, Any]]:
+def block_sweep(run: SweepInputs) -> list[dict[str, Any]]:
     """Block sizes of the main sweep's draws (same seeds, so the very masks measured there), one row per head.
 
     ``largest``: the head's largest block over its ``s`` samples (:func:`theory.blocks.block_stats`); ``bound``:
@@ -188,9 +194,10 @@ def block_sweep(cfg: ValidateConfig, slope_sets: dict[str, torch.Tensor], heads:
     """
     from positional_lsh.theory.blocks import block_size_bound, block_stats
 
+    cfg, heads = run.cfg, run.heads
     rows: list[dict[str, Any]] = []
     for n in cfg.seq_lens:
-        for coords, slopes, parts in _draws(cfg, "main", n, slope_sets, heads, cfg.schemes, cfg.samples, cfg.repeats,
+        for coords, slopes, parts in _draws(run, "main", n, cfg.schemes, cfg.samples, cfg.repeats,
                                             on_skip=lambda s: None):  # fmt: skip
             s, scheme = coords["samples"], coords["scheme"]
             st = block_stats(parts)
@@ -247,24 +254,17 @@ def _measure_head(
     return [{**base, "input": idx, "layer": layer, **oe, "seconds": dt / len(outs)} for idx, layer, oe in outs]
 
 
-def compare_sweep(
-    cfg: ValidateConfig,
-    contexts: list[Context],
-    slope_sets: dict[str, torch.Tensor],
-    heads: list[int],
-    scale: float | None,
-    bar: Any,
-) -> list[dict[str, Any]]:
+def compare_sweep(run: SweepInputs, bar: Any) -> list[dict[str, Any]]:
     """The schemes compared at equal ``T`` (several seeds) on the first length's first input and layer."""
+    cfg, heads = run.cfg, run.heads
     rows: list[dict[str, Any]] = []
     if cfg.compare_samples < 1 or not cfg.compare_schemes:
         return rows
     n = cfg.seq_lens[0]
-    ctx = next(c for c in contexts if c.seq_len == n)
+    ctx = next(c for c in run.contexts if c.seq_len == n)
     lq = ctx.layers[0]
     t = cfg.compare_samples
-    for coords, slopes, parts in _draws(cfg, "compare", n, slope_sets, heads, cfg.compare_schemes, [t],
-                                        cfg.compare_repeats):  # fmt: skip
+    for coords, slopes, parts in _draws(run, "compare", n, cfg.compare_schemes, [t], cfg.compare_repeats):
         for hi, h in enumerate(heads):
             dense = theory.MeanMaskOperator(parts, hi).dense() if n <= cfg.max_output_len else None
             op, mask = _mask_measure(parts, hi, dense, cfg.tol)
@@ -272,7 +272,7 @@ def compare_sweep(
             if dense is not None:
                 q, k, v = lq.head(h)
                 oe = theory.output_errors(
-                    q, k, v, parts, hi, causal=cfg.causal, scale=scale, operator=op, dense_mbar=dense
+                    q, k, v, parts, hi, causal=cfg.causal, scale=run.scale, operator=op, dense_mbar=dense
                 )
                 row.update(softmax_rel=oe.softmax_rel, exp_rel=oe.exp_rel, row_p90=oe.row_p90)
             else:
@@ -282,14 +282,13 @@ def compare_sweep(
     return rows
 
 
-def length_sweep(
-    cfg: ValidateConfig, slope_sets: dict[str, torch.Tensor], heads: list[int], bar: Any
-) -> list[dict[str, Any]]:
+def length_sweep(run: SweepInputs, bar: Any) -> list[dict[str, Any]]:
     """Matrix-free mask errors vs ``n`` at fixed ``s``."""
+    cfg, heads = run.cfg, run.heads
     rows: list[dict[str, Any]] = []
     s = cfg.length_samples
     for n in cfg.lengths:
-        for coords, slopes, parts in _draws(cfg, "length", n, slope_sets, heads, cfg.schemes, [s], cfg.repeats):
+        for coords, slopes, parts in _draws(run, "length", n, cfg.schemes, [s], cfg.repeats):
             for hi, h in enumerate(heads):
                 t0 = time.perf_counter()
                 _, mask = _mask_measure(parts, hi, None, cfg.tol)

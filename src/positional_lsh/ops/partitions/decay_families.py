@@ -30,7 +30,8 @@ callable on int64 distances or a tabulated array ``k(0..L-1)`` is accepted too (
 parameters ``theta`` (exponential: ``slope``, ``log k = -slope d``; power: ``r1, r2``, ``log k = -r1 log(1 + r2 d)``;
 truncated-linear: ``width``, ``log k = log(1 - d/width)_+``, ``-inf`` from ``d >= width`` on), its closed-form
 derivatives ``d log k / d theta_p``, and the parameter checks.
-:func:`~positional_lsh.ops.partitions.decays.decay_bias_from_params` is the dense bias, differentiable in ``params``;
+:func:`~positional_lsh.ops.partitions.decays.decay_bias` of a family's name is the dense bias, differentiable in
+``params``;
 the exact ``O(n)``-memory op with ``params.grad`` is :func:`positional_lsh.ops.exact.alibi.decay_attention`.
 
 **Cost.** The mean block length is the mean pitch ``sum_b b P(B = b)`` (:func:`mean_pitch`); the work of one
@@ -38,7 +39,7 @@ sample is ``sum_blocks len^2`` (about ``n E[B^2]/E[B]``). Heavy-tailed decays ha
 decay ``(1 + r2 d)^{-r1}`` with ``r1 <= 1``, ``E[B]`` grows like ``n^{1 - r1}`` with the length.
 
 This module holds the decays, their families and pitch law, and the draw of decay pitches; the dense exact
-references (:func:`decay_attention_reference`, :func:`decay_bias_from_params`) are
+references (:func:`decay_attention_reference`, :func:`decay_bias`) are
 :mod:`positional_lsh.ops.partitions.decays`, which is also where the public names are imported from.
 """
 

@@ -1,6 +1,6 @@
 """Exact attention with a positional decay ``k(|i - j|)``, dense, in float64: the references that positional LSH with
 decay partitions converges to (:func:`decay_attention_reference`), with the dense decay matrix and biases
-(:func:`decay_bias_from_params`: differentiable in the family's parameters, the dense reference of
+(:func:`decay_bias`, for a family's parameters differentiable in them: the dense reference of
 :func:`~positional_lsh.ops.exact.alibi.decay_attention`).
 
 The decays themselves — :class:`Decay`, the built-in families (:data:`DECAY_FAMILIES`), the exact pitch law
@@ -40,7 +40,7 @@ __all__ = [
     "DecayFamily",
     "DecayLike",
     "decay_attention_reference",
-    "decay_bias_from_params",
+    "decay_bias",
     "exponential_decay",
     "mean_pitch",
     "pitch_law",
@@ -75,60 +75,44 @@ def _query_key_offsets(q_len: int, k_len: int, device: torch.device | str | None
 
 
 def decay_bias(
-    decays: DecayLike | Sequence[DecayLike],
+    decays: DecayLike | Sequence[DecayLike] | str,
     q_len: int,
     k_len: int,
     *,
+    params: torch.Tensor | Sequence[float] | None = None,
     causal: bool,
     num_heads: int | None = None,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Additive bias ``log k_h(|i - j|)`` (``-inf`` where ``k = 0`` or, if causal, ``j > i``): ``(H, q_len, k_len)``.
+    """Additive bias ``log k_h(|i - j|)`` (``-inf`` where ``k = 0`` or, if causal, ``j > i``): ``(H, q_len, k_len)``;
+    queries are the last ``q_len`` of the ``k_len`` positions.
 
-    Queries are the last ``q_len`` of the ``k_len`` positions.
-    """
-    rel = _query_key_offsets(q_len, k_len)
-    lk = rel.shape[1]
-    heads = decay_list(decays, num_heads)
-    out = []
-    for dec in heads:
-        with torch.no_grad():
-            b = torch.log(dec.checked_values(lk)[rel.abs()])
-        if causal:
-            b = b.masked_fill(rel < 0, -math.inf)
-        out.append(b)
-    return torch.stack(out).to(dtype=dtype, device=device)
-
-
-def decay_bias_from_params(
-    family: str,
-    params: torch.Tensor | Sequence[float],
-    q_len: int,
-    k_len: int,
-    *,
-    causal: bool,
-    num_heads: int | None = None,
-    dtype: torch.dtype = torch.float64,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Additive bias ``log k_theta_h(|i - j|)`` of a built-in family, differentiable in ``params``: ``(H, Lq, Lk)``.
-
-    ``params`` is ``(H, P)`` (one row per head) or ``(P,)`` (every head; ``num_heads`` heads, default 1), in the
-    order of the family's ``param_names`` (:data:`DECAY_FAMILIES`). ``-inf`` where ``k = 0`` and, if causal, where
-    ``j > i``; queries are the last ``q_len`` of the ``k_len`` positions. Computed in float64 with torch ops, so
-    autograd gives ``d bias / d params`` (the dense reference of
+    ``decays``: decays (one for every head, ``num_heads`` times, default 1, or one per head), or a built-in family's
+    name (:data:`DECAY_FAMILIES`) with its ``params``, ``(H, P)`` (one row per head) or ``(P,)`` (every head;
+    ``num_heads`` heads, default 1) in the order of the family's ``param_names``. A family's bias is computed in
+    float64 with torch ops, so autograd gives ``d bias / d params`` (the dense reference of
     :func:`~positional_lsh.ops.exact.alibi.decay_attention`).
     """
-    fam = decay_family(family)
-    rel = _query_key_offsets(q_len, k_len, device).double()
-    if num_heads is None:
-        num_heads = params.shape[0] if isinstance(params, torch.Tensor) and params.dim() == 2 else 1
-    theta, _ = fam.check_params(params, num_heads)
-    bias = fam.log_k(rel.abs(), theta.to(device=rel.device, dtype=torch.float64)[:, None, None, :])
+    rel = _query_key_offsets(q_len, k_len)
+    if isinstance(decays, str):
+        if params is None:
+            raise ValueError(f"params is required with a decay family name ({decays!r})")
+        fam = decay_family(decays)
+        if num_heads is None:
+            num_heads = params.shape[0] if isinstance(params, torch.Tensor) and params.dim() == 2 else 1
+        theta, _ = fam.check_params(params, num_heads)
+        rel = rel if device is None else rel.to(device)
+        bias = fam.log_k(rel.abs().double(), theta.to(device=rel.device, dtype=torch.float64)[:, None, None, :])
+    else:
+        if params is not None:
+            raise ValueError("params is only for a decay family name (e.g. decays='power'), not with Decay objects")
+        with torch.no_grad():
+            values = [dec.checked_values(rel.shape[1]) for dec in decay_list(decays, num_heads)]
+            bias = torch.stack([torch.log(k[rel.abs()]) for k in values])
     if causal:
         bias = bias.masked_fill(rel < 0, -math.inf)
-    return bias.to(dtype)
+    return bias.to(dtype=dtype, device=device)
 
 
 def decay_attention_reference(
@@ -148,24 +132,17 @@ def decay_attention_reference(
     ``q``'s dtype); the reference that ``plsh_attention`` with decay partitions converges to.
 
     With ``decays`` a family name (:data:`DECAY_FAMILIES`) and ``params`` its parameters (``(Hq, P)`` or ``(P,)``),
-    the bias is :func:`decay_bias_from_params` and the result is differentiable in ``params`` too: the dense
+    the bias is :func:`decay_bias`'s and the result is differentiable in ``params`` too: the dense
     autograd reference of :func:`~positional_lsh.ops.exact.alibi.decay_attention`.
     """
     _, hq, hkv, lq, lk, d = check_qkv(q, k, v)
     sc = as_scale(scale, d)
-    if isinstance(decays, str):
-        if params is None:
-            raise ValueError(f"params is required with a decay family name ({decays!r})")
-        bias = decay_bias_from_params(decays, params, lq, lk, causal=causal, num_heads=hq, device=q.device)
-    else:
-        if params is not None:
-            raise ValueError("params is only for a decay family name (e.g. decays='power'), not with Decay objects")
+    if not isinstance(decays, str) and params is None:  # decay objects: one for every head or one per head
         heads = decay_list(decays, None)
-        if len(heads) == 1:
-            heads = heads * hq
-        if len(heads) != hq:
+        if len(heads) not in (1, hq):
             raise ValueError(f"{len(heads)} decays for {hq} query heads")
-        bias = decay_bias(heads, lq, lk, causal=causal, device=q.device)
+        decays = heads * (hq // len(heads))
+    bias = decay_bias(decays, lq, lk, params=params, causal=causal, num_heads=hq, device=q.device)
     group = hq // hkv
     kk = k.double().repeat_interleave(group, dim=1)
     vv = v.double().repeat_interleave(group, dim=1)

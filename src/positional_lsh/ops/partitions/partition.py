@@ -301,10 +301,27 @@ def sample_partitions(
         raise ValueError(
             f"max_block must be <= 2**53 (beyond, float64 pitches are not exact integers), got {_short(cap)}"
         )
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if decay is not None:
-        return _sample_decay(decay, seq_len, num_samples, slopes, scheme, generator, num_heads, cap, dev)
-    return _sample_alibi(slopes, seq_len, num_samples, scheme, generator, num_heads, cap, dev)
+    draw = _Draw(seq_len, num_samples, scheme, generator, num_heads, cap,
+                 torch.device(device) if device is not None else torch.device("cpu"))  # fmt: skip
+    if decay is None:
+        return _sample_alibi(slopes, draw)
+    if slopes is not None:
+        raise ValueError("pass slopes or decay, not both")
+    return _sample_decay(decay, draw)
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """The arguments of one :func:`sample_partitions` call that both laws (ALiBi's and a general decay's) take:
+    ``seq_len``, ``num_samples`` and ``cap`` (``max_block``) checked, the generator as given."""
+
+    seq_len: int
+    num_samples: int
+    scheme: str
+    generator: GeneratorLike
+    num_heads: int | None
+    cap: int | None
+    device: torch.device
 
 
 def _short(value: int) -> str:
@@ -338,22 +355,14 @@ def _num_heads(slopes: SlopesLike, num_heads: int | None) -> int:
     return h
 
 
-def _sample_alibi(
-    slopes: SlopesLike,
-    seq_len: int,
-    num_samples: int,
-    scheme: str,
-    generator: GeneratorLike,
-    num_heads: int | None,
-    cap: int | None,
-    dev: torch.device,
-) -> Partitions:
+def _sample_alibi(slopes: SlopesLike, draw: _Draw) -> Partitions:
     """ALiBi partitions from the scheme's sampler (a slope of 0: one block, pitch ``inf``), then the cap."""
+    scheme, num_samples, cap = draw.scheme, draw.num_samples, draw.cap
     spec = get_scheme(scheme)
-    h = _num_heads(slopes, num_heads)
+    h = _num_heads(slopes, draw.num_heads)
     m = as_slopes(slopes, h)
     check_draw_size(num_samples, h, scheme=scheme)
-    gen = as_generator(generator)
+    gen = as_generator(draw.generator)
     positive = m > 0
     safe = torch.where(positive, m, torch.ones_like(m))
     pitch, shift = _sampler_output(scheme, spec.sampler(safe, num_samples, gen), (num_samples, h))
@@ -370,7 +379,7 @@ def _sample_alibi(
             "pitch > 0 and 0 <= shift < pitch" + (", both integers" if spec.integer else "")
         )
     pitch, shift = _cap(pitch, shift, cap, spec.integer, gen)
-    return Partitions(seq_len, m, pitch.contiguous(), shift.contiguous(), scheme, dev, max_block=cap)
+    return Partitions(draw.seq_len, m, pitch.contiguous(), shift.contiguous(), scheme, draw.device, max_block=cap)
 
 
 def _sampler_output(scheme: str, out: object, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,29 +401,18 @@ def _sampler_output(scheme: str, out: object, shape: tuple[int, int]) -> tuple[t
     return tensors[0], tensors[1]
 
 
-def _sample_decay(
-    decay: DecayLike | Sequence[DecayLike],
-    seq_len: int,
-    num_samples: int,
-    slopes: SlopesLike,
-    scheme: str,
-    generator: GeneratorLike,
-    num_heads: int | None,
-    cap: int | None,
-    dev: torch.device,
-) -> Partitions:
+def _sample_decay(decay: DecayLike | Sequence[DecayLike], draw: _Draw) -> Partitions:
     """Partitions for a general decay (the ``"discrete"`` scheme's general law; slopes NaN), then the cap."""
     from positional_lsh.ops.partitions.decays import sample_decay_pitches
 
-    if slopes is not None:
-        raise ValueError("pass slopes or decay, not both")
-    if scheme != "discrete":
-        raise ValueError(f"decay= samples the general 'discrete' scheme; got scheme={scheme!r}")
+    n, num_samples, num_heads, cap = draw.seq_len, draw.num_samples, draw.num_heads, draw.cap
+    if draw.scheme != "discrete":
+        raise ValueError(f"decay= samples the general 'discrete' scheme; got scheme={draw.scheme!r}")
     check_draw_size(num_samples, 1 if num_heads is None else positive_int("num_heads", num_heads))
-    heads, pitch, shift = sample_decay_pitches(decay, seq_len, num_samples, generator, num_heads=num_heads)
+    heads, pitch, shift = sample_decay_pitches(decay, n, num_samples, draw.generator, num_heads=num_heads)
     nan = torch.full((len(heads),), math.nan, dtype=torch.float64)
-    pitch, shift = _cap(pitch, shift, cap, True, as_generator(generator) if cap else None)
-    return Partitions(seq_len, nan, pitch.contiguous(), shift.contiguous(), scheme, dev, tuple(heads), seq_len, cap)
+    pitch, shift = _cap(pitch, shift, cap, True, as_generator(draw.generator) if cap else None)
+    return Partitions(n, nan, pitch.contiguous(), shift.contiguous(), draw.scheme, draw.device, tuple(heads), n, cap)
 
 
 def _cap(
