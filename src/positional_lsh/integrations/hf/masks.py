@@ -21,8 +21,6 @@ from typing import Any
 import torch
 from transformers.masking_utils import causal_mask_function
 
-from positional_lsh.ops.padding import check_cu_seqlens, segment_ids
-
 #: Name under which the attention and mask functions are registered in transformers.
 ATTN_IMPLEMENTATION = "positional_lsh"
 
@@ -118,16 +116,22 @@ def segments_of_cu_seqlens(cu_seqlens: object, batch: int, n: int) -> torch.Tens
     """The ``(1, n)`` int64 segment ids of flash-attention's ``cu_seq_lens_k`` (what ``DataCollatorWithFlattening``
     with ``return_flash_attn_kwargs=True`` hands the attention): ``ValueError`` naming ``cu_seq_lens_k`` unless it
     is a 1-D integer tensor ``[0, ..., n]``, strictly increasing, over one flattened row (``batch == 1``)."""
-    try:
-        if batch != 1:
-            raise ValueError(f"it covers one flattened row (batch size 1), got batch size {batch}")
-        cu = check_cu_seqlens(cu_seqlens, n)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"cu_seq_lens_k: {e}") from None
-    assert cu is not None
-    ids = segment_ids(None, cu, 1, n, cu.device)
-    assert ids is not None
-    return ids
+    ok = (
+        isinstance(cu_seqlens, torch.Tensor)
+        and cu_seqlens.dim() == 1
+        and cu_seqlens.dtype in (torch.int32, torch.int64)
+        and batch == 1
+    )
+    bounds = cu_seqlens.tolist() if ok and isinstance(cu_seqlens, torch.Tensor) else None
+    if bounds is None or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != n or bounds != sorted(set(bounds)):
+        shown = bounds if bounds is not None else type(cu_seqlens).__name__
+        raise ValueError(
+            f"cu_seq_lens_k must be a 1-D integer tensor [0, ..., {n}], strictly increasing, over one flattened row "
+            f"(batch size 1); got {shown} for batch size {batch}"
+        )
+    assert isinstance(cu_seqlens, torch.Tensor)
+    pos = torch.arange(n, device=cu_seqlens.device)
+    return ((cu_seqlens[None, 1:-1].long() <= pos[:, None]).sum(-1) + 1)[None, :]
 
 
 _TRUE: dict[torch.device, torch.Tensor] = {}
