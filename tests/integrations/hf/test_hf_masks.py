@@ -84,6 +84,33 @@ def test_generate_a_right_padded_prompt_with_and_without_cache(name, mode):
     torch.testing.assert_close(torch.stack(cached.scores), torch.stack(fresh.scores), rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("cache", ["live", "static"])
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+@pytest.mark.parametrize("name", ["bloom", "llama"])
+def test_holes_with_the_swaps_own_caches(name, mode, cache):
+    """Left padding and a right-padded prompt (holes) with the swap's caches: a LiveKeyCache that drops dead keys
+    (short blocks, a short window) and cache_implementation="static": the tokens and scores of no cache."""
+    model = tiny_model(name, dtype=torch.float64)
+    if mode == "plsh":
+        swap = hf.use_positional_lsh(model, num_samples=4, seed=1, slopes=[2.0, 1.0, 0.5, 0.3])
+    else:
+        swap = hf.use_alibi(model, window=4.0)
+    x = token_ids(length=10)
+    mask = torch.ones_like(x)
+    x[0, :2], mask[0, :2] = 0, 0
+    x[1, 6:], mask[1, 6:] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True)  # fmt: skip
+    with swap, torch.no_grad():
+        if cache == "live":
+            got = model.generate(x, past_key_values=swap.new_cache(), **kwargs)
+        else:
+            got = model.generate(x, cache_implementation="static", **kwargs)
+        fresh = model.generate(x, use_cache=False, **kwargs)
+    assert torch.equal(got.sequences, fresh.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(fresh.scores), rtol=0, atol=1e-10)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Issue 34, item 25: packed sequences (position ids that restart; DataCollatorWithFlattening)
 # ---------------------------------------------------------------------------------------------------------------------
