@@ -116,13 +116,15 @@ def _assert_close_with_grads(out, ref, inputs, atol):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["flash", "math"])
 @pytest.mark.parametrize("method", ["samples", "multiplicity"])
 @pytest.mark.parametrize(("causal", "lq"), [(True, N), (False, N), (True, 5)])
-def test_plsh_holes_equal_the_oracle(method, causal, lq):
+def test_plsh_holes_equal_the_oracle(method, causal, lq, backend):
     q, k, v = _qkv(5, 4, 2, lq, N, 4, seed=1)
     parts = sample_partitions(N, SLOPES, 3, generator=2)
     mask = _holes()
-    out = plsh_attention(q, k, v, partitions=parts, causal=causal, method=method, key_padding_mask=mask)
+    out = plsh_attention(q, k, v, partitions=parts, causal=causal, method=method, backend=backend,
+                         key_padding_mask=mask)  # fmt: skip
     ref = _dense(q, k, v, mask, _plsh_bias(parts), causal=causal)
     _assert_close_with_grads(out, ref, (q, k, v), 1e-10)
 
@@ -153,9 +155,10 @@ def test_alibi_holes_equal_the_dense_bias(causal, lq, window):
     m = torch.tensor([0.37, 0.11, 0.0, 0.73], dtype=F64, requires_grad=True)
     win = None if window is None else torch.as_tensor(window, dtype=F64).expand(4)
     mask = _holes(seed=8)
-    out = alibi_attention(q, k, v, m, causal=causal, window=window, key_padding_mask=mask)
-    ref = _dense(q, k, v, mask, _alibi_bias(m, win), causal=causal)
-    _assert_close_with_grads(out, ref, (q, k, v, m), 1e-10)
+    for backend in ("flash", "math"):  # (the "fused" and the "banks" routes, ops/exact/alibi.py)
+        out = alibi_attention(q, k, v, m, causal=causal, window=window, backend=backend, key_padding_mask=mask)
+        ref = _dense(q, k, v, mask, _alibi_bias(m, win), causal=causal)
+        _assert_close_with_grads(out, ref, (q, k, v, m), 1e-10)
 
 
 @pytest.mark.parametrize("family", ["power", "truncated-linear"])
