@@ -160,3 +160,24 @@ def test_key_padding_mask_is_passed_to_the_op() -> None:
     assert int(mod.calls) == 0
     with pytest.raises(ValueError, match="key_padding_mask with context="):
         mod(q, k, v, key_padding_mask=mask, context=Recording(1))
+
+
+def test_holes_and_cu_seqlens_are_passed_to_the_op() -> None:
+    """Issue 34 items 24 and 25: the module takes a mask with holes and ``cu_seqlens`` (the functional form on the same
+    partitions, which tests/ops/test_masks.py compares with the float64 oracle); bad ``cu_seqlens`` is refused before
+    the training step advances, and with ``context=``."""
+    mask = torch.ones(2, N, dtype=torch.bool)
+    mask[0, 7:10], mask[1, :3], mask[1, 20] = False, False, False
+    cu = torch.tensor([0, 12, N])
+    mod = PositionalLSHAttention(4, SLOPES4, num_samples=3, seed=4, eval_seed=9).eval()
+    q, k, v = qkv(seed=5)
+    parts = sample_partitions(N, SLOPES4, 3, generator=9)
+    want = plsh_attention(q, k, v, partitions=parts, key_padding_mask=mask, cu_seqlens=cu)
+    assert torch.equal(mod(q, k, v, key_padding_mask=mask, cu_seqlens=cu), want)
+    mod.train()
+    with pytest.raises(ValueError, match="cu_seqlens must be"):
+        mod(q, k, v, cu_seqlens=torch.tensor([0, 12, N - 1]))
+    assert int(mod.calls) == 0
+    with pytest.raises(ValueError, match="cu_seqlens with context="):
+        mod(q, k, v, cu_seqlens=cu, context=Recording(1))
+

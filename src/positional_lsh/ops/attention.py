@@ -26,6 +26,7 @@ from positional_lsh.ops.checks import (
     GeneratorLike,
     QKVShape,
     SlopesLike,
+    as_scale,
     as_slopes,
     check_meta_slopes,
     check_qkv,
@@ -41,7 +42,7 @@ from positional_lsh.ops.options import (
     DEFAULT_SLOPE_GRAD,
     check_slope_grad,
 )
-from positional_lsh.ops.padding import check_key_padding_mask
+from positional_lsh.ops.padding import check_cu_seqlens, check_key_padding_mask, routed_like, segment_ids
 from positional_lsh.ops.partitions.partition import Partitions, check_partitions, check_slopes_match, sample_partitions
 from positional_lsh.ops.partitions.sampling import sample_op
 
@@ -128,6 +129,7 @@ def plsh_attention(
     method: str = DEFAULT_METHOD,
     slope_grad: str = DEFAULT_SLOPE_GRAD,
     key_padding_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     size_checked: bool = False,
 ) -> torch.Tensor:
     """Positional-LSH attention: the ALiBi estimator ``softmax(s + log Mbar) v`` in near-linear time.
@@ -179,11 +181,16 @@ def plsh_attention(
             ``"none"``: the slopes get no gradient from this call. Checked on every call; without a slopes tensor
             requiring grad it changes nothing (same outputs, same ``q, k, v`` gradients, no extra work).
         key_padding_mask: ``None`` (every key valid) or a ``(B, Lk)`` bool tensor on ``q``'s device, ``True`` for a
-            valid key; each row's valid keys must be one contiguous run (left and/or right padding), else
-            ``ValueError`` naming ``key_padding_mask``. Each row is computed on its run alone: positions (and so the
-            partitions, which must still be for ``Lk`` keys) are counted from the row's first valid key, queries
-            stay aligned to the last ``Lq`` keys, and query rows at padded positions return zeros and get zero
-            gradients (:mod:`positional_lsh.ops.padding`). A mask of all ``True`` computes what no mask computes.
+            valid key, any pattern (left or right padding, holes). A masked key leaves the softmax; positions (and
+            so the blocks of the partitions, which must still be for ``Lk`` keys) are counted from the row's first
+            valid key, masked keys after it included, queries stay aligned to the last ``Lq`` keys, and query rows
+            at masked positions (or in a row without valid keys) return zeros and get zero gradients
+            (:mod:`positional_lsh.ops.padding`). A mask of all ``True`` computes what no mask computes.
+        cu_seqlens: ``None``, or packed sequences: a 1-D integer tensor ``[0, n_1, n_1 + n_2, ..., Lk]`` (strictly
+            increasing; ``ValueError`` naming ``cu_seqlens`` otherwise) that splits every batch row into documents.
+            Each document is its own sequence: positions restart at its start, no attention crosses documents, and
+            the partitions apply to it as ``partitions.with_seq_len(its length)``, so the output equals running the
+            documents one by one (:mod:`positional_lsh.ops.padding`). Combines with ``key_padding_mask``.
         size_checked: the caller ran :func:`check_call_size` for this call already (the module does, before its
             draw): the call does not run it again.
 
@@ -221,8 +228,11 @@ def plsh_attention(
     """
     shape = check_qkv(q, k, v)
     mask = check_key_padding_mask(key_padding_mask, q, shape.k_len)
-    route = routing.dispatch(q, causal=causal, scale=scale, backend=backend, method=method, k_len=shape.k_len,
-                             padded=mask is not None)  # fmt: skip
+    cu = check_cu_seqlens(cu_seqlens, shape.k_len)
+    route = routing.dispatch(routed_like(q, mask), causal=causal, scale=as_scale(scale, shape.head_dim),
+                             backend=backend, method=method, k_len=shape.k_len,
+                             padded=mask is not None or cu is not None)  # fmt: skip
+    mask = segment_ids(mask, cu, shape.batch, shape.k_len, q.device)
     grad_slopes = _grad_slopes(slopes, check_slope_grad(slope_grad), shape.q_heads)
     expected = None
     if q.device.type == "meta" and is_meta_tensor(slopes) and not route.compiled:

@@ -36,7 +36,7 @@ from positional_lsh.ops.attention import plsh_attention
 from positional_lsh.ops.checks import SlopesLike, as_scale, check_bool, check_int, check_qkv
 from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend, check_method
-from positional_lsh.ops.padding import check_key_padding_mask, row_groups
+from positional_lsh.ops.padding import check_key_padding_mask, row_groups, strip, with_holes
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = ["DecodeState", "key_reach", "plsh_attention_with_kvcache"]
@@ -113,9 +113,9 @@ def plsh_attention_with_kvcache(
             kernels; ``"samples"`` the full op with it (``ValueError`` naming ``method`` when the cache dropped keys).
             ALiBi has no method: ``"auto"`` only.
         key_padding_mask: ``None`` or the ``(B, key_offset + Lk)`` bool validity of every position of the sequence
-            (dropped ones included), ``True`` for a valid key; each row's valid keys must be one contiguous run, and
-            the row is computed on them alone, positions counted from its first valid key, as the ops'
-            ``key_padding_mask`` (query rows at padded positions get zeros).
+            (dropped ones included), ``True`` for a valid key, any pattern (holes too), as the ops'
+            ``key_padding_mask``: a masked key leaves the softmax, positions are counted from the row's first valid
+            key (masked keys after it included), query rows at masked positions get zeros.
         state: a :class:`DecodeState` the caller keeps per layer: a one-token call (``Lq = 1``, causal, no padding)
             then reuses the bias row of earlier tokens. Without one, the call builds what it needs.
         keys_finite: the caller knows every cached key and value is finite (a cache that checked them when they came
@@ -147,21 +147,24 @@ def plsh_attention_with_kvcache(
 
 
 def _by_row_groups(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_offset: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_offset: int, scale: float,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor],
 ) -> torch.Tensor:  # fmt: skip
-    """A padded call: ``attend(q, k, v, key_offset, seq_len)`` on each row group's queries and its cached valid keys
-    (positions counted from the group's first valid key); query rows at padded positions stay zeros."""
+    """A masked call: ``attend(q, k, v, key_offset, seq_len)`` (at the explicit ``scale``) on each row group's
+    queries and its cached keys from the span's first valid key (positions counted from there; a span with holes
+    through :func:`~positional_lsh.ops.padding.with_holes`); query rows at masked positions stay zeros."""
     out = q.new_zeros(q.shape)
     for g in row_groups(mask, q.shape[2]) or ():
-        first = max(g.keys.start, key_offset)  # the group's first cached valid key
-        sub = attend(
-            q[g.rows][:, :, g.queries],
-            k[g.rows][:, :, first - key_offset : g.keys.stop - key_offset],
-            v[g.rows][:, :, first - key_offset : g.keys.stop - key_offset],
-            first - g.keys.start,
-            g.keys.stop - g.keys.start,
-        )
+        first = max(g.keys.start, key_offset)  # the group's first cached key
+        cached = slice(first - key_offset, g.keys.stop - key_offset)
+        qg, kg, vg = q[g.rows][:, :, g.queries], k[g.rows][:, :, cached], v[g.rows][:, :, cached]
+        span = (first - g.keys.start, g.keys.stop - g.keys.start)
+        if g.valid is None:
+            sub = attend(qg, kg, vg, *span)
+        else:
+            valid = g.valid[:, first - g.keys.start :]
+            sub = strip(attend(*with_holes(qg, kg, vg, valid, scale), *span))
+            sub = torch.where(valid[:, None, valid.shape[1] - qg.shape[2] :, None], sub, sub.new_zeros(()))
         out[g.rows, :, g.queries] = sub
     return out
 
@@ -196,7 +199,7 @@ def _plsh(
         def group(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, offset: int, _: int) -> torch.Tensor:
             return decode_rows(qg, kg, vg, partitions, offset, causal, scale)
 
-        return _by_row_groups(q, k, v, mask, key_offset, group)
+        return _by_row_groups(q, k, v, mask, key_offset, scale, group)
     if lq == 1 and causal and state is not None:
         plan = state._plsh
         if plan is None or not plan.serves(partitions):
@@ -228,7 +231,7 @@ def _alibi(
             return alibi_attention(qg, kg, vg, plan.slopes, causal=causal, window=plan.window, scale=scale,
                                    backend=backend)  # fmt: skip
 
-        return _by_row_groups(q, k, v, mask, key_offset, group)
+        return _by_row_groups(q, k, v, mask, key_offset, scale, group)
     plan.check_reach(key_offset, lq, lk)
     if lq == 1 and causal and not decode_forced(backend, "auto") and (mask is None or bool(mask.all())):
         return plan.step(q, k, v, scale, keys_finite)

@@ -26,7 +26,7 @@ from positional_lsh.ops.options import (
     check_method,
     check_slope_grad,
 )
-from positional_lsh.ops.padding import check_key_padding_mask
+from positional_lsh.ops.padding import check_cu_seqlens, check_key_padding_mask
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler
 
@@ -253,6 +253,7 @@ class PositionalLSHAttention(nn.Module):
         *,
         context: ShardedAttention | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Positional-LSH attention of ``q (B, Hq, Lq, d)`` to ``k, v (B, Hkv, Lk, d)`` with this call's partitions.
 
@@ -262,10 +263,12 @@ class PositionalLSHAttention(nn.Module):
         :class:`ShardedAttention` when ``q, k, v`` are this rank's shard of a longer sequence; the partitions are then
         those of the whole sequence, and the result is this rank's rows (no slope gradient: slopes that require grad
         are refused). ``key_padding_mask``: ``None`` or the ``(B, Lk)`` bool key validity of
-        :func:`plsh_attention` (each row on its contiguous run of valid keys), passed to it; not with ``context``.
+        :func:`plsh_attention` (any pattern, holes included), and ``cu_seqlens``: ``None`` or its packed sequences
+        (each document its own sequence, with this call's partitions); passed to it; not with ``context``.
         """
         shape = check_qkv(q, k, v)
         check_key_padding_mask(key_padding_mask, q, shape.k_len)  # before the step advances
+        check_cu_seqlens(cu_seqlens, shape.k_len)
         values = self._call_slopes(slopes)
         seq_len = shape.k_len
         checked = False
@@ -279,8 +282,9 @@ class PositionalLSHAttention(nn.Module):
                 raise ValueError(
                     "slopes that require grad with context=: the sharded attention carries no gradient for the slopes"
                 )
-            if key_padding_mask is not None:
-                raise ValueError("key_padding_mask with context=: the sharded attention takes no padding mask")
+            if key_padding_mask is not None or cu_seqlens is not None:
+                name = "key_padding_mask" if key_padding_mask is not None else "cu_seqlens"
+                raise ValueError(f"{name} with context=: the sharded attention takes no padding mask or packing")
             seq_len = context.seq_len(shape.k_len)
         elif not torch.compiler.is_compiling():  # plsh_attention's up-front size check, before anything is drawn
             method = sized_method(self.backend, self.method)
@@ -305,4 +309,5 @@ class PositionalLSHAttention(nn.Module):
             slope_grad=self.slope_grad,
             size_checked=checked,
             key_padding_mask=key_padding_mask,
+            cu_seqlens=cu_seqlens,
         )

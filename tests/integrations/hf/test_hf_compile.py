@@ -88,10 +88,13 @@ def test_no_graph_break_and_packed_sequences_refused_when_the_graph_runs():
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     # Without a mask, transformers cannot tell packed sequences apart under compile (it would read the position
-    # ids): the attention checks it when the graph runs. Eager mode refuses them up front.
+    # ids): the attention checks it when the graph runs. Eager mode takes them (issue 34 item 25): each document
+    # its own sequence.
     packed = torch.cat([torch.arange(16), torch.arange(16)])[None].expand(2, -1)
     with pytest.raises(RuntimeError, match="pack several sequences"):
         compiled(x, position_ids=packed, use_cache=False)
-    with pytest.raises(ValueError, match="packed sequences"):
-        model(x, position_ids=packed, use_cache=False)
+    with torch.no_grad():
+        eager = model(x, position_ids=packed, use_cache=False).logits
+        alone = torch.cat([model(x[:, :16]).logits, model(x[:, 16:]).logits], dim=1)
+    torch.testing.assert_close(eager, alone, rtol=0, atol=1e-5)
     assert torch.isfinite(compiled(x, use_cache=False).logits).all()

@@ -153,10 +153,9 @@ def test_a_refused_call_leaves_the_cache_as_it_was(live):
         model(ids, past_key_values=cache, use_cache=True)
         lengths = [layer.keys.shape[-2] for layer in cache.layers]
         seen = cache.get_seq_length()
-        holed = torch.ones(1, 13, dtype=torch.long)
-        holed[0, 4] = 0
-        with pytest.raises(ValueError, match="attention_mask"):
-            model(token_ids(batch=1, length=1, seed=5), attention_mask=holed, past_key_values=cache, use_cache=True)
+        four_d = torch.ones(1, 1, 1, 13, dtype=torch.bool)  # (a mask with holes is taken since item 24: a 4-D one)
+        with pytest.raises(ValueError, match="unsupported attention mask"):
+            model(token_ids(batch=1, length=1, seed=5), attention_mask=four_d, past_key_values=cache, use_cache=True)
         assert [layer.keys.shape[-2] for layer in cache.layers] == lengths
         assert cache.get_seq_length() == seen
         nxt = token_ids(batch=1, length=1, seed=5)

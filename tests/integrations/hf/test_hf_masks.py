@@ -35,3 +35,175 @@ def test_4d_mask_refused_with_one_message(name, mode):
             base(*args)
         ok = model(x, attention_mask=torch.ones(2, 10, dtype=torch.long)).logits  # a 2-D padding mask is accepted
     assert torch.isfinite(ok).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Issue 34, item 24: masks with holes (ops/padding.py: a masked key leaves the softmax, positions stay)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _swap(model, mode):
+    return hf.use_positional_lsh(model, num_samples=4, seed=1) if mode == "plsh" else hf.use_alibi(model)
+
+
+@pytest.mark.parametrize("mode", ["plsh", "alibi"])
+@pytest.mark.parametrize("name", MODEL_TYPES)
+def test_masked_tokens_change_nothing_at_valid_positions(name, mode):
+    """A random mask with holes is taken by every family; the masked tokens reach no valid position (their ids can
+    be anything), and the valid positions match the ops' own call on the same mask (the op-level tests compare that
+    with the float64 dense oracle)."""
+    model = tiny_model(name, dtype=torch.float64)
+    x = token_ids(length=12)
+    mask = torch.ones_like(x)
+    mask[0, 3], mask[1, 0], mask[1, 7:9] = 0, 0, 0
+    other = x.clone()
+    other[0, 3], other[1, 0], other[1, 7] = 5, 6, 9
+    with _swap(model, mode), torch.no_grad():
+        a = model(x, attention_mask=mask).logits
+        b = model(other, attention_mask=mask).logits
+    valid = mask.bool()
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a[valid], b[valid], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["plsh", "alibi"])
+@pytest.mark.parametrize("name", ["bloom", "falcon", "llama", "qwen3"])
+def test_generate_a_right_padded_prompt_with_and_without_cache(name, mode):
+    """A right-padded prompt becomes holes under generate: the cached decode equals recomputing the whole sequence
+    (the same mask, the same positions) at every step."""
+    model = tiny_model(name, dtype=torch.float64)
+    x = token_ids(length=10)
+    mask = torch.ones_like(x)
+    x[1, 6:], mask[1, 6:] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True)  # fmt: skip
+    with _swap(model, mode), torch.no_grad():
+        cached = model.generate(x, use_cache=True, **kwargs)
+        fresh = model.generate(x, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, fresh.sequences)
+    torch.testing.assert_close(torch.stack(cached.scores), torch.stack(fresh.scores), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("cache", ["live", "static"])
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+@pytest.mark.parametrize("name", ["bloom", "llama"])
+def test_holes_with_the_swaps_own_caches(name, mode, cache):
+    """Left padding and a right-padded prompt (holes) with the swap's caches: a LiveKeyCache that drops dead keys
+    (short blocks, a short window) and cache_implementation="static": the tokens and scores of no cache."""
+    model = tiny_model(name, dtype=torch.float64)
+    if mode == "plsh":
+        swap = hf.use_positional_lsh(model, num_samples=4, seed=1, slopes=[2.0, 1.0, 0.5, 0.3])
+    else:
+        swap = hf.use_alibi(model, window=4.0)
+    x = token_ids(length=10)
+    mask = torch.ones_like(x)
+    x[0, :2], mask[0, :2] = 0, 0
+    x[1, 6:], mask[1, 6:] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True)  # fmt: skip
+    with swap, torch.no_grad():
+        if cache == "live":
+            got = model.generate(x, past_key_values=swap.new_cache(), **kwargs)
+        else:
+            got = model.generate(x, cache_implementation="static", **kwargs)
+        fresh = model.generate(x, use_cache=False, **kwargs)
+    assert torch.equal(got.sequences, fresh.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(fresh.scores), rtol=0, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Issue 34, item 25: packed sequences (position ids that restart; DataCollatorWithFlattening)
+# ---------------------------------------------------------------------------------------------------------------------
+
+DOCS = ((5, 2), (4, 3), (7, 4))  # (length, seed) of each packed document
+
+
+def _docs():
+    return [token_ids(batch=1, length=n, seed=seed) for n, seed in DOCS]
+
+
+@pytest.mark.parametrize("mode", ["plsh", "alibi"])
+@pytest.mark.parametrize("name", ["falcon", "llama", "qwen3"])
+def test_packed_position_ids_equal_the_documents_one_by_one(name, mode):
+    """Padding-free batches: position ids that restart make each document its own sequence (its positions, its
+    blocks, no attention across documents), as running the documents one by one; whatever use_cache says."""
+    model = tiny_model(name, dtype=torch.float64)
+    docs = _docs()
+    packed = torch.cat(docs, dim=1)
+    pos = torch.cat([torch.arange(d.shape[1]) for d in docs])[None]
+    with _swap(model, mode), torch.no_grad():
+        got = model(packed, position_ids=pos).logits
+        got_no_cache = model(packed, position_ids=pos, use_cache=False).logits
+        alone = torch.cat([model(d).logits for d in docs], dim=1)
+        whole = model(packed).logits  # without the position ids: one sequence
+    torch.testing.assert_close(got, alone, rtol=0, atol=1e-10)
+    assert torch.equal(got, got_no_cache)
+    assert (whole - alone).abs().max() > 1e-3  # (the documents do see each other as one sequence)
+
+
+def test_packed_rows_of_a_batch_are_packed_apart():
+    model = tiny_model("llama", dtype=torch.float64)
+    docs = _docs()
+    row0 = torch.cat(docs, dim=1)
+    row1 = torch.cat([docs[2], docs[0], docs[1]], dim=1)
+    pos0 = torch.cat([torch.arange(d.shape[1]) for d in docs])
+    pos1 = torch.cat([torch.arange(d.shape[1]) for d in (docs[2], docs[0], docs[1])])
+    with _swap(model, "plsh"), torch.no_grad():
+        got = model(torch.cat([row0, row1]), position_ids=torch.stack([pos0, pos1])).logits
+        alone = [model(d).logits for d in docs]
+    torch.testing.assert_close(got[0], torch.cat(alone, 1)[0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(got[1], torch.cat([alone[2], alone[0], alone[1]], 1)[0], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("position_ids", [True, False])
+def test_flattening_collator_batches_train_as_the_documents(position_ids):
+    """transformers' DataCollatorWithFlattening, with its flash-attention keywords (cu_seq_lens_k) and with or without
+    position ids: the loss and its gradients equal those of the documents one by one (the same partitions: training
+    without resampling)."""
+    from transformers import DataCollatorWithFlattening
+
+    model = tiny_model("llama", dtype=torch.float64)
+    docs = _docs()
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=position_ids)
+    batch = collate([{"input_ids": d[0].tolist()} for d in docs], return_tensors="pt")
+    assert "cu_seq_lens_k" in batch and ("position_ids" in batch) == position_ids
+    swap = hf.use_positional_lsh(model, num_samples=4, seed=1, resample_in_training=False)
+    model.train()
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    alone = torch.cat([model(d).logits for d in docs], dim=1)
+    torch.testing.assert_close(logits, alone, rtol=0, atol=1e-10)
+    w = [p for p in model.parameters() if p.requires_grad]
+    up = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0), dtype=logits.dtype)
+    for a, b in zip(torch.autograd.grad(logits, w, up), torch.autograd.grad(alone, w, up), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="cu_seq_lens_k"):
+        model(batch["input_ids"], cu_seq_lens_k=torch.tensor([0, 5, 3, 16]), cu_seq_lens_q=batch["cu_seq_lens_q"])
+    swap.restore()
+
+
+def test_packed_attention_weights_are_block_diagonal():
+    model = tiny_model("llama", dtype=torch.float64)
+    docs = _docs()
+    packed = torch.cat(docs, dim=1)
+    pos = torch.cat([torch.arange(d.shape[1]) for d in docs])[None]
+    with _swap(model, "plsh"), torch.no_grad():
+        got = model(packed, position_ids=pos, output_attentions=True).attentions
+        alone = [model(d, output_attentions=True).attentions for d in docs]
+    start = 0
+    for i, d in enumerate(docs):
+        n = d.shape[1]
+        doc = slice(start, start + n)
+        for layer, want in zip(got, (a[i] for a in zip(*alone, strict=True)), strict=True):
+            torch.testing.assert_close(layer[:, :, doc, doc], want, rtol=0, atol=1e-12)
+            assert not layer[:, :, doc, :start].any()
+        start += n
+
+
+def test_packed_sequences_cannot_continue_a_cache():
+    model = tiny_model("llama")
+    docs = _docs()
+    with _swap(model, "alibi"), torch.no_grad():
+        cache = model(docs[0], use_cache=True).past_key_values
+        pos = torch.cat([torch.arange(3), torch.arange(4)])[None]
+        with pytest.raises(ValueError, match="cannot continue a KV cache"):
+            model(torch.cat([docs[1], docs[0][:, :3]], 1), position_ids=pos + 0, past_key_values=cache)

@@ -38,10 +38,11 @@ Options. ``backend`` is checked against :data:`positional_lsh.ops.options.BACKEN
 only) against :data:`~positional_lsh.ops.options.METHODS`; both are passed to :func:`~positional_lsh.plsh_attention`.
 :func:`use_alibi` refuses ``backend="triton"`` (``ValueError``): exact and windowed ALiBi have no Triton kernels.
 
-Padding. Each batch row may be left- and/or right-padded (its valid tokens one contiguous run); the row
-is then computed on its valid tokens only, with positions counted from its first valid token — exactly
-what the same row would give without padding. Masks with holes, 4-D or custom masks, packed sequences,
-sliding windows, transformers' own static cache and attention dropout in training raise ``ValueError``;
+Padding and packing. A 2-D mask may have any pattern (left or right padding, holes): positions are counted from
+each row's first valid token, holes included, and a masked token leaves the softmax — a left-padded row gives
+exactly what the same row gives without padding. Packed sequences (position ids that restart,
+``DataCollatorWithFlattening``) run each document as its own sequence (the RoPE family and Falcon; eager). 4-D or
+custom masks, sliding windows, transformers' own static cache and attention dropout in training raise ``ValueError``;
 ``generate(cache_implementation="static")`` builds the swap's fixed-capacity cache
 (:mod:`~positional_lsh.integrations.hf.static_cache`).
 

@@ -19,16 +19,20 @@ How :meth:`AttentionSwap.attend` runs a call:
   that of the :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` layer that returned the keys (which also
   vouches that they are finite), or the swap's own for another cache (:meth:`AttentionSwap._decode_state`). The entry
   point decides how the call runs (a decoded token reuses its bias row from token to token);
-* **padding**: the ``(B, Lk)`` key validity is the ops' ``key_padding_mask`` (each batch row computed on its valid
-  run of keys, inside the op: a padding mask never breaks a ``torch.compile`` graph);
+* **padding**: the ``(B, Lk)`` key validity is the ops' ``key_padding_mask`` (any pattern, holes included; read
+  inside the op: a padding mask never breaks a ``torch.compile`` graph);
+* **packed sequences**: ``(B, Lk)`` int64 segment ids (:func:`~positional_lsh.integrations.hf.masks.packed_segments`)
+  become the ops' ``cu_seqlens``, one call per distinct row (:meth:`AttentionSwap._packed`): each document its own
+  sequence, with the layer's partitions applied to it as ``partitions.with_seq_len(its length)``;
 * **torch.compile**: the training step is an int64 tensor advanced in place and the partitions are drawn by the
   sampling op, so ``fullgraph=True`` traces the whole attention.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +45,22 @@ from positional_lsh.ops.exact.weights import alibi_attention_weights, plsh_atten
 from positional_lsh.ops.kvcache import DecodeState, key_reach, plsh_attention_with_kvcache
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
+
+
+def packed_rows(segments: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(rows, cu_seqlens)`` of every group of batch rows that ``segments (B, n)`` (int64 segment ids, ``1, 2, ...``
+    along each row, non-decreasing) packs alike: the rows as an index tensor and their documents' boundaries
+    ``[0, ..., n]``."""
+    n = segments.shape[-1]
+    starts = torch.cat([torch.ones_like(segments[:, :1], dtype=torch.bool), segments[:, 1:] != segments[:, :-1]], -1)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, bounds in enumerate(starts.cpu().tolist()):
+        cu = (*[i for i, s in enumerate(bounds) if s], n)
+        groups.setdefault(cu, []).append(row)
+    for cu, rows in groups.items():
+        dev = segments.device
+        yield torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(cu, dtype=torch.long, device=dev)
+
 
 #: Attribute under which the installed :class:`AttentionSwap` is attached to the model and to each of its
 #: attention modules (in the instance ``__dict__``; removed by :meth:`AttentionSwap.restore`).
@@ -255,19 +275,21 @@ class AttentionSwap:
         v: torch.Tensor,
         scale: float,
         key_padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One call of the full ops on every key (a prompt, or any call under ``torch.compile``);
-        ``key_padding_mask``: ``None`` or the ``(B, Lk)`` key validity, passed to the op."""
+        ``key_padding_mask``: ``None`` or the ``(B, Lk)`` key validity, and ``cu_seqlens`` (packed sequences),
+        passed to the op."""
         if self.mode == "alibi":
             return alibi_attention(
                 q, k, v, self.slopes, causal=True, window=self.window, scale=scale, backend=self.backend,
-                key_padding_mask=key_padding_mask,
+                key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
             )  # fmt: skip
         assert self.method is not None
         parts = self.partitions(layer_idx, k.shape[-2], training=training)
         return plsh_attention(
             q, k, v, partitions=parts, causal=True, scale=scale, backend=self.backend, method=self.method,
-            key_padding_mask=key_padding_mask,
+            key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
         )  # fmt: skip
 
     def attend(
@@ -320,6 +342,8 @@ class AttentionSwap:
         """A call that continues a cache (eager) goes to the KV-cache entry point (:meth:`_with_kvcache`); any other
         call, and every call under ``torch.compile``, to the full ops with the padding as their ``key_padding_mask``."""
         lq, lk = q.shape[-2], k.shape[-2]
+        if key_valid is not None and key_valid.dtype == torch.int64:
+            return self._packed(layer_idx, training, q, k, v, key_valid, scale)
         dropped = key_valid is not None and key_valid.shape[-1] != lk
         if torch.compiler.is_compiling():
             if dropped:
@@ -327,6 +351,25 @@ class AttentionSwap:
         elif dropped or lq < lk:
             return self._with_kvcache(layer_idx, training, q, k, v, key_valid, scale)
         return self._kernel(layer_idx, training, q, k, v, scale, key_padding_mask=key_valid)
+
+    def _packed(
+        self, layer_idx: int, training: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        segments: torch.Tensor, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """Packed sequences: ``segments (B, Lk)`` int64 segment ids (``q``, ``k`` of one length, no cache); the ops
+        with ``cu_seqlens``, one call per group of rows packed alike."""
+        if q.shape[-2] != k.shape[-2]:
+            raise ValueError("packed sequences (position ids that restart) cannot continue a KV cache")
+        out = None
+        for rows, cu in packed_rows(segments):
+            part = self._kernel(layer_idx, training, q[rows], k[rows], v[rows], scale, cu_seqlens=cu)
+            if rows.numel() == q.shape[0]:
+                return part
+            if out is None:
+                out = q.new_zeros(q.shape)
+            out[rows] = part
+        assert out is not None
+        return out
 
     def attention_weights(
         self,
@@ -353,6 +396,16 @@ class AttentionSwap:
             low = torch.get_autocast_dtype(device)
             q, k = (x.to(low) if x.is_floating_point() and x.dtype != torch.float64 else x for x in (q, k))
         lq, lk = q.shape[-2], k.shape[-2]
+        if key_valid is not None and key_valid.dtype == torch.int64:  # packed: block-diagonal, document by document
+            weights = q.new_zeros((q.shape[0], q.shape[1], lq, lk))
+            for rows, cu in packed_rows(key_valid):
+                bounds = cu.tolist()
+                for a, b in itertools.pairwise(bounds):
+                    doc = slice(a, b)
+                    weights[rows, :, doc, doc] = self.attention_weights(
+                        layer_idx, training, q[rows][:, :, doc], k[rows][:, :, doc], None, scale
+                    )
+            return weights
         offset = 0 if key_valid is None else key_valid.shape[-1] - lk
         if self.mode == "alibi":
             return alibi_attention_weights(

@@ -9,6 +9,7 @@ and :mod:`~positional_lsh.integrations.hf.masks`, so no replacement imports the 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -16,7 +17,6 @@ from torch import nn
 
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, MASK_SUPPORT, key_validity
-from positional_lsh.ops.padding import valid_runs
 
 
 def swap_of(module: nn.Module) -> AttentionSwap:
@@ -100,7 +100,8 @@ def asks_for_attentions(config: Any, kwargs: dict[str, object]) -> bool:
 
 
 def check_model_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-    """``ValueError`` unless the ``attention_mask`` of a swapped model's call is ``None`` or a 2-D padding mask.
+    """``ValueError`` unless the ``attention_mask`` of a swapped model's call is ``None`` or a 2-D padding mask (any
+    pattern, holes included).
 
     Run by the swap's forward pre-hook on the base model, before the stock model reads the mask (BLOOM and Falcon
     build their ALiBi tensor from it, and a 4-D mask would fail there with an unrelated unpacking error), so that
@@ -115,20 +116,31 @@ def check_model_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> N
         if mask is None:
             continue
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            if not torch.compiler.is_compiling():
-                check_no_holes(mask)
-            continue
+            continue  # any pattern of valid keys, holes included (ops/padding.py)
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"unsupported attention mask {shape}: {MASK_SUPPORT}")
 
 
-def check_no_holes(mask: torch.Tensor) -> None:
-    """``ValueError`` (naming ``attention_mask`` and the rows) if a row of the ``(B, n)`` padding ``mask`` has padding
-    between valid positions: refused before any layer runs, so that a refused call leaves a KV cache as it was (one
-    host read of one number; two when some row has padding)."""
-    valid = mask if mask.dtype == torch.bool else mask != 0
-    if bool(valid.all()):
-        return
-    starts = valid[:, :1].sum(-1) + (valid[:, 1:] & ~valid[:, :-1]).sum(-1)  # valid runs per row
-    if bool((starts > 1).any()):
-        valid_runs(valid, "attention_mask")  # raises, naming the rows
+def packed_inputs(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The keyword arguments of a swapped base model's call with packed sequences (position ids that restart
+    within a row, no attention mask: ``DataCollatorWithFlattening``), made so that transformers hands the attention
+    the documents (:func:`~positional_lsh.integrations.hf.masks.packed_segments`): ``use_cache=False`` (transformers
+    looks for packing only without a cache); ``None`` when the call is not packed (or under ``torch.compile``, where
+    the mask interface refuses packing). ``ValueError`` for packed sequences continuing a KV cache, or on a model
+    whose forward takes no position ids (BLOOM, MPT: their mask never sees the documents)."""
+    pos = kwargs.get("position_ids")
+    if torch.compiler.is_compiling() or kwargs.get("attention_mask") is not None or not isinstance(pos, torch.Tensor):
+        return None
+    if pos.dim() == 0 or pos.shape[-1] < 2 or not bool((pos[..., 1:] - pos[..., :-1] != 1).any()):
+        return None
+    if "position_ids" not in inspect.signature(module.forward).parameters:
+        raise ValueError(
+            f"packed sequences (position_ids that restart) are not supported on {type(module).__name__}: its "
+            "attention mask never sees the position ids (use a RoPE-family model or Falcon, or one sequence per row)"
+        )
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and (not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0):
+        raise ValueError("packed sequences (position_ids that restart) cannot continue a KV cache")
+    if kwargs.get("use_cache") is False and cache is None:
+        return None
+    return {**kwargs, "use_cache": False, "past_key_values": None}

@@ -3,7 +3,10 @@
 :func:`padding_mask_interface` is registered in transformers' ``AttentionMaskInterface`` under
 :data:`ATTN_IMPLEMENTATION` (by the package ``__init__``); the attention then receives only the padding (causality
 is applied by the attention itself), checks it with :func:`key_validity` and hands it to the ops as their
-``key_padding_mask`` (:mod:`positional_lsh.ops.padding`: each batch row on its valid run). The mask covers the
+``key_padding_mask`` (:mod:`positional_lsh.ops.padding`: any pattern of valid keys, holes included). Packed
+sequences (position ids that restart, no attention mask: transformers hands down ``causal AND same-sequence``)
+become ``(B, n)`` int64 segment ids instead (:func:`packed_segments`), which the attention hands to the ops as
+``cu_seqlens``. The mask covers the
 whole sequence: a cache that dropped dead keys (:class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`) hands
 the attention fewer keys than mask positions, and the attention reads the position of its first key from the
 difference. This module imports nothing else from the
@@ -23,7 +26,8 @@ ATTN_IMPLEMENTATION = "positional_lsh"
 
 #: What the swapped attention accepts as ``attention_mask`` (the end of every refusal of another mask).
 MASK_SUPPORT = (
-    "positional_lsh attention takes only a 2-D (batch, seq_len) padding mask (4-D and custom masks are not supported)"
+    "positional_lsh attention takes only a 2-D (batch, seq_len) padding mask, or packed sequences (position ids "
+    "that restart); 4-D and custom masks are not supported"
 )
 
 
@@ -38,19 +42,23 @@ def padding_mask_interface(
     device: torch.device | str = "cpu",
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """Mask function registered as ``"positional_lsh"``: a ``(B, kv_length)`` bool key-validity mask.
+    """Mask function registered as ``"positional_lsh"``: a ``(B, kv_length)`` bool key-validity mask, or the
+    ``(B, kv_length)`` int64 segment ids of packed sequences (:func:`packed_segments`).
 
-    Causality is applied by the attention itself; only the padding is passed on, so no ``n x n`` mask is
-    built. Anything other than a plain causal mask with padding raises ``ValueError``. Under ``torch.compile``
-    without an ``attention_mask``, the same-sequence mask transformers hands down for possibly packed sequences
-    gives ``None`` (no padding) once the graph checks that it is the plain causal one.
+    Causality is applied by the attention itself; only the padding (any pattern, holes included) or the packing is
+    passed on, so no ``n x n`` mask is built. Anything else (a sliding window, a custom overlay) raises
+    ``ValueError``. Under ``torch.compile`` without an ``attention_mask``, the same-sequence mask transformers hands
+    down for possibly packed sequences gives ``None`` (no padding) once the graph checks that it is the plain
+    causal one: packed sequences are taken eagerly only.
     """
     if mask_function is not causal_mask_function:
         if attention_mask is None and torch.compiler.is_compiling():
             return _traced_causal(batch_size, kv_length, mask_function, device)
+        if attention_mask is None and kv_offset == 0 and int(q_offset) == 0 and q_length == kv_length:
+            return packed_segments(batch_size, kv_length, mask_function, device)
         raise ValueError(
-            "positional_lsh attention supports only the plain causal mask (with left/right padding); this forward "
-            "asked for another pattern (sliding window, packed sequences, bidirectional or a custom mask overlay)"
+            "positional_lsh attention supports only the plain causal mask (with padding) and packed sequences; this "
+            "forward asked for another pattern (sliding window, bidirectional or a custom mask overlay)"
         )
     q_offset = int(q_offset)
     if kv_offset != 0 or q_offset + q_length != kv_length:
@@ -66,6 +74,64 @@ def padding_mask_interface(
             f"attention_mask must be a 2-D (batch, {kv_length}) padding mask, got shape {tuple(attention_mask.shape)}"
         )
     return attention_mask[:, -kv_length:].to(torch.bool)
+
+
+def packed_segments(
+    batch_size: int, kv_length: int, mask_function: Callable, device: torch.device | str
+) -> torch.Tensor | None:
+    """The ``(B, n)`` int64 segment ids (``1, 2, ...`` along each row) of the packed sequences that ``mask_function``
+    describes, ``None`` when every row is one sequence (then the mask is the plain causal one).
+
+    transformers hands a call with position ids that restart (and no attention mask) ``causal AND same-sequence``
+    (``DataCollatorWithFlattening``'s padding-free batches). The documents are read from the mask at the ``n - 1``
+    pairs of neighbours ``(i, i - 1)``, and the mask is checked to be causal within them at every query's ends: its
+    own key and its document's first key kept, the key before its document and the key after it dropped
+    (``ValueError`` naming the mask pattern otherwise: a sliding window, a custom overlay). ``O(n)`` evaluations of
+    the mask function, vectorized."""
+    dev = torch.device(device)
+    b_idx = torch.arange(batch_size, device=dev)[:, None]
+    pos = torch.arange(kv_length, device=dev)[None, :].expand(batch_size, kv_length)
+
+    def keeps(q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(mask_function(b_idx, 0, q_idx, kv_idx), device=dev).expand(batch_size, -1)
+
+    joined = keeps(pos[:, 1:], pos[:, :-1])  # (B, n - 1): i - 1 and i in one document
+    starts = torch.cat([torch.ones(batch_size, 1, dtype=torch.bool, device=dev), ~joined], dim=-1)
+    ids = starts.long().cumsum(-1)
+    first = torch.where(starts, pos, torch.zeros_like(pos)).cummax(-1).values  # each query's document start
+    ok = keeps(pos, pos).all() & keeps(pos, first).all()
+    before = first > 0
+    ok &= ~(keeps(pos, (first - 1).clamp_min(0)) & before).any()
+    ok &= ~keeps(pos[:, :-1], pos[:, 1:]).any()
+    if not bool(ok):
+        raise ValueError(
+            "positional_lsh attention supports only the plain causal mask (with padding) and packed sequences "
+            "(causal within each document); this forward asked for another pattern (sliding window, bidirectional "
+            "or a custom mask overlay)"
+        )
+    return ids if bool(starts[:, 1:].any()) else None
+
+
+def segments_of_cu_seqlens(cu_seqlens: object, batch: int, n: int) -> torch.Tensor:
+    """The ``(1, n)`` int64 segment ids of flash-attention's ``cu_seq_lens_k`` (what ``DataCollatorWithFlattening``
+    with ``return_flash_attn_kwargs=True`` hands the attention): ``ValueError`` naming ``cu_seq_lens_k`` unless it
+    is a 1-D integer tensor ``[0, ..., n]``, strictly increasing, over one flattened row (``batch == 1``)."""
+    ok = (
+        isinstance(cu_seqlens, torch.Tensor)
+        and cu_seqlens.dim() == 1
+        and cu_seqlens.dtype in (torch.int32, torch.int64)
+        and batch == 1
+    )
+    bounds = cu_seqlens.tolist() if ok and isinstance(cu_seqlens, torch.Tensor) else None
+    if bounds is None or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != n or bounds != sorted(set(bounds)):
+        shown = bounds if bounds is not None else type(cu_seqlens).__name__
+        raise ValueError(
+            f"cu_seq_lens_k must be a 1-D integer tensor [0, ..., {n}], strictly increasing, over one flattened row "
+            f"(batch size 1); got {shown} for batch size {batch}"
+        )
+    assert isinstance(cu_seqlens, torch.Tensor)
+    pos = torch.arange(n, device=cu_seqlens.device)
+    return ((cu_seqlens[None, 1:-1].long() <= pos[:, None]).sum(-1) + 1)[None, :]
 
 
 _TRUE: dict[torch.device, torch.Tensor] = {}
@@ -105,7 +171,8 @@ def _traced_causal(
 
 
 def key_validity(attention_mask: object, batch: int, k_len: int) -> torch.Tensor | None:
-    """The attention's ``attention_mask`` argument as a ``(batch, m)`` bool key-validity mask, ``m >= k_len``.
+    """The attention's ``attention_mask`` argument as a ``(batch, m)`` bool key-validity mask, ``m >= k_len``, or the
+    ``(batch, k_len)`` int64 segment ids of packed sequences (:func:`packed_segments`), as they came.
 
     The mask covers the ``m`` positions of the sequence and the keys are its last ``k_len`` (``m > k_len`` when the
     cache dropped dead keys). ``None`` stays ``None`` (every key valid). Anything but the 2-D mask
@@ -113,6 +180,12 @@ def key_validity(attention_mask: object, batch: int, k_len: int) -> torch.Tensor
     """
     if attention_mask is None:
         return None
+    if (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dtype == torch.int64
+        and tuple(attention_mask.shape) == (batch, k_len)
+    ):
+        return attention_mask
     if (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dim() == 2

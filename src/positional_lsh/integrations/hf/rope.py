@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from positional_lsh.integrations.hf.forward import check_dropout, swap_of
-from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, key_validity
+from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, key_validity, segments_of_cu_seqlens
 
 
 def attention_function(
@@ -38,7 +38,9 @@ def attention_function(
     ``query (B, Hq, Lq, d)``, ``key, value (B, Hkv, Lk, d)`` (after the model's — neutralized — rotary
     embedding and KV cache); returns ``((B, Lq, Hq, d), weights)``: the ``(B, Hq, Lq, Lk)`` attention weights
     (:meth:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap.attention_weights`) when the model call
-    asked for them (``output_attentions``), else ``None``.
+    asked for them (``output_attentions``), else ``None``. Packed sequences: the segment ids the mask interface
+    hands down for position ids that restart, or flash-attention's ``cu_seq_lens_k`` keyword
+    (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), which wins when given.
     """
     swap = swap_of(module)
     if is_causal is False or getattr(module, "is_causal", True) is False:
@@ -55,6 +57,9 @@ def attention_function(
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     layer: Any = module  # a transformers attention module: its layer_idx is read by name, untyped
     valid = key_validity(attention_mask, b, lk)
+    cu = kwargs.get("cu_seq_lens_k")
+    if cu is not None:  # DataCollatorWithFlattening(return_flash_attn_kwargs=True): one flattened row of documents
+        valid = segments_of_cu_seqlens(cu, b, lk)
     out = swap.attend(layer.layer_idx, module.training, query, key, value, valid, scale)
     weights = None
     if kwargs.get("output_attentions") or swap.output_attentions:

@@ -52,7 +52,7 @@ from positional_lsh.integrations.hf import rope
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
 from positional_lsh.integrations.hf.cache import LiveKeyCache
 from positional_lsh.integrations.hf.configs import own_config
-from positional_lsh.integrations.hf.forward import asks_for_attentions, check_model_inputs
+from positional_lsh.integrations.hf.forward import asks_for_attentions, check_model_inputs, packed_inputs
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION
 from positional_lsh.integrations.hf.saved import (
     CONFIG_KEY,
@@ -261,9 +261,11 @@ class StepHook:
     swap: AttentionSwap
     registry: bool = False
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if module.__dict__.get(SWAP_ATTR) is not self.swap:
-            return
+            return None
         config: Any = module.config  # a transformers PretrainedConfig: read by name
         if self.registry and config._attn_implementation != ATTN_IMPLEMENTATION:
             changed = config._attn_implementation
@@ -277,12 +279,16 @@ class StepHook:
             )
         self.swap.output_attentions = asks_for_attentions(config, kwargs)
         check_model_inputs(args, kwargs)
+        packed = packed_inputs(module, kwargs)  # packed sequences: no cache, so that transformers finds the documents
+        if packed is not None:
+            kwargs = packed
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, LiveKeyCache) and not torch.compiler.is_compiling():
             cache.check_continues(kwargs)  # a reused cache must continue its sequence
         if module.training:
             if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
                 self.swap.advance_step()
+        return None if packed is None else (args, kwargs)
 
 
 @dataclass(eq=False)

@@ -44,7 +44,7 @@ from positional_lsh.ops._engine.engine import backward, forward
 from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.routing import Plan, Route, plan
 from positional_lsh.ops._engine.torch_attention import acc_dtype, kernel_inputs
-from positional_lsh.ops.padding import RowGroup, forward_row_groups, row_groups
+from positional_lsh.ops.padding import forward_row_groups, group_backward_inputs, row_groups, scatter_group_grads
 from positional_lsh.ops.partitions.partition import Partitions, check_same_slopes
 
 __all__ = [
@@ -92,11 +92,6 @@ def _plan_of(
     return p
 
 
-def _group(x: torch.Tensor, g: RowGroup, positions: slice) -> torch.Tensor:
-    """``x (B, H, L, ...)``'s batch rows ``g.rows`` at ``positions``."""
-    return x[g.rows][:, :, positions]
-
-
 def _plsh_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,7 +125,7 @@ def _plsh_forward(
         og, lg, _ = forward(_plan_of(qg.shape[2], k, kg.shape[2], tensors, scheme, max_block, route), qg, kg, vg)
         return og, lg
 
-    return forward_row_groups(q, k, v, groups, attend)
+    return forward_row_groups(q, k, v, groups, attend, scale)
 
 
 def _plsh_backward(
@@ -167,14 +162,11 @@ def _plsh_backward(
         dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))  # as the fake
         slope_dist = torch.zeros(q.shape[1], dtype=acc_dtype(q.dtype), device=q.device) if slope_grad else None
         for g in groups:
-            qg, kg, vg = _group(q, g, g.queries), _group(k, g, g.keys), _group(v, g, g.keys)
-            p = _plan_of(qg.shape[2], k, kg.shape[2], tensors, scheme, max_block, route)
-            qp, kp, vp, _ = kernel_inputs(qg, kg, vg, p.kernel)
-            saved = (qp, kp, vp, _group(out, g, g.queries).contiguous(), _group(lse, g, g.queries).contiguous())
-            gq, gk, gv, gd = backward(p, saved, _group(dout, g, g.queries), dist_grad=slope_grad)
-            dq[g.rows, :, g.queries] = gq
-            dk[g.rows, :, g.keys] = gk
-            dv[g.rows, :, g.keys] = gv
+            gs = group_backward_inputs(g, (q, k, v, out, lse), dout, scale)
+            p = _plan_of(gs.q.shape[2], k, gs.k.shape[2], tensors, scheme, max_block, route)
+            qp, kp, vp, _ = kernel_inputs(gs.q, gs.k, gs.v, p.kernel)
+            gq, gk, gv, gd = backward(p, (qp, kp, vp, gs.out, gs.lse), gs.dout, dist_grad=slope_grad)
+            scatter_group_grads(g, (dq, dk, dv), (gq, gk, gv))
             if slope_dist is not None:
                 slope_dist -= slope_gradient(gd, slope_dist, p.kernel)  # the group's (slope_gradient is -slope_dist)
     if not slope_grad:

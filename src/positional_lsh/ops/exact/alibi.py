@@ -47,7 +47,7 @@ from positional_lsh.ops.checks import (
     meta_output,
 )
 from positional_lsh.ops.exact.op import exact_forward
-from positional_lsh.ops.padding import check_key_padding_mask
+from positional_lsh.ops.padding import check_cu_seqlens, check_key_padding_mask, segment_ids
 from positional_lsh.ops.partitions.decays import decay_family
 
 __all__ = ["alibi_attention", "decay_attention"]
@@ -64,6 +64,7 @@ def alibi_attention(
     scale: float | None = None,
     backend: str = "auto",
     key_padding_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact (optionally windowed) ALiBi attention with ``O(n)`` memory and a recomputing backward.
 
@@ -88,10 +89,14 @@ def alibi_attention(
             for half types, so that the bias is not rounded to 8 bits; an explicit ``"flash"`` with a half type
             is refused (``ValueError``), and so is ``"triton"`` (no Triton path for exact ALiBi).
         key_padding_mask: ``None`` (every key valid) or a ``(B, Lk)`` bool tensor on ``q``'s device, ``True`` for a
-            valid key; each row's valid keys must be one contiguous run (left and/or right padding), else
-            ``ValueError`` naming ``key_padding_mask``. Each row is computed on its run alone (distances are
-            counted within it), queries stay aligned to the last ``Lq`` keys, and query rows at padded positions
-            return zeros and get zero gradients (:mod:`positional_lsh.ops.padding`).
+            valid key, any pattern (left or right padding, holes). A masked key leaves the softmax; positions are
+            counted from the row's first valid key, masked keys after it included (so the distances ``|i - j|``
+            are those of the key indices), queries stay aligned to the last ``Lq`` keys, and query rows at masked
+            positions (or in a row without valid keys) return zeros and get zero gradients
+            (:mod:`positional_lsh.ops.padding`).
+        cu_seqlens: ``None``, or packed sequences: a 1-D integer tensor ``[0, n_1, ..., Lk]`` (strictly
+            increasing; ``ValueError`` naming ``cu_seqlens`` otherwise). Each document is its own sequence:
+            distances within it, no attention across documents (as running the documents one by one).
 
     Returns:
         ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd (``q``, ``k``, ``v`` and a ``slopes`` tensor). A NaN
@@ -116,11 +121,12 @@ def alibi_attention(
         >>> m.grad.shape
         torch.Size([4])
     """
-    _, hq, _, _, lk, d = check_qkv(q, k, v)
+    b, hq, _, _, lk, d = check_qkv(q, k, v)
     sc = as_scale(scale, d)
     check_bool("causal", causal)
     backend = exact_kernel(backend, q, "alibi_attention")
-    mask = check_key_padding_mask(key_padding_mask, q, lk)
+    mask = segment_ids(check_key_padding_mask(key_padding_mask, q, lk), check_cu_seqlens(cu_seqlens, lk), b, lk,
+                       q.device)  # fmt: skip
     compiling = torch.compiler.is_compiling()  # then the op checks the values (they cannot be read when tracing)
     if q.device.type == "meta" and is_meta_tensor(slopes) and not compiling:
         # Meta slopes hold no values: shapes only (connected to the slopes for autograd).
@@ -151,6 +157,7 @@ def decay_attention(
     scale: float | None = None,
     backend: str = "auto",
     key_padding_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention with a built-in positional decay, ``O(n)`` memory, and gradients for its parameters.
 
@@ -180,6 +187,7 @@ def decay_attention(
         scale: score scale, default ``1/sqrt(d)``.
         backend: as :func:`alibi_attention`.
         key_padding_mask: as :func:`alibi_attention`.
+        cu_seqlens: as :func:`alibi_attention`.
 
     Returns:
         ``(B, Hq, Lq, d)`` in ``q``'s dtype; supports autograd (``q``, ``k``, ``v``, ``params``). Non-finite keys
@@ -195,12 +203,13 @@ def decay_attention(
         >>> theta.grad.shape
         torch.Size([2, 2])
     """
-    _, hq, _, _, lk, d = check_qkv(q, k, v)
+    b, hq, _, _, lk, d = check_qkv(q, k, v)
     sc = as_scale(scale, d)
     check_bool("causal", causal)
     fam = decay_family(family)
     backend = exact_kernel(backend, q, "decay_attention")
-    mask = check_key_padding_mask(key_padding_mask, q, lk)
+    mask = segment_ids(check_key_padding_mask(key_padding_mask, q, lk), check_cu_seqlens(cu_seqlens, lk), b, lk,
+                       q.device)  # fmt: skip
     compiling = torch.compiler.is_compiling()  # then the op checks the parameters (shape and values)
     if q.device.type == "meta" and is_meta_tensor(params) and not compiling:
         # Meta parameters hold no values: shapes only (connected to the parameters for autograd).

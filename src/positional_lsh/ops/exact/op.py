@@ -27,7 +27,7 @@ from positional_lsh.ops.exact.toeplitz import (
     alibi_rows_with_bad_keys,
     head_items,
 )
-from positional_lsh.ops.padding import forward_row_groups, row_groups
+from positional_lsh.ops.padding import forward_row_groups, group_backward_inputs, row_groups, scatter_group_grads
 from positional_lsh.ops.partitions.decays import decay_family
 
 
@@ -133,7 +133,7 @@ def _exact_forward(
     def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _toeplitz_forward(qg, kg, vg, spec, causal, scale, backend)
 
-    return forward_row_groups(q, k, v, groups, attend)
+    return forward_row_groups(q, k, v, groups, attend, scale)
 
 
 def _exact_backward(
@@ -167,13 +167,10 @@ def _exact_backward(
         grads = tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)) if qkv_grad else None
         dtheta = torch.zeros((q.shape[1], spec.num_params), dtype=acc_dtype(q.dtype), device=q.device)
         for g in groups:
-            gk, gq = g.keys, g.queries
-            saved = (q[g.rows][:, :, gq], k[g.rows][:, :, gk], v[g.rows][:, :, gk], out[g.rows][:, :, gq],
-                     lse[g.rows][:, :, gq])  # fmt: skip
-            part, pg = _toeplitz_backward(dout[g.rows][:, :, gq], saved, *args)
+            gs = group_backward_inputs(g, (q, k, v, out, lse), dout, scale)
+            part, pg = _toeplitz_backward(gs.dout, (gs.q, gs.k, gs.v, gs.out, gs.lse), *args)
             if grads is not None and part is not None:
-                for full, x, where in zip(grads, part, (gq, gk, gk), strict=True):
-                    full[g.rows, :, where] = x
+                scatter_group_grads(g, grads, part)  # type: ignore[arg-type]
             if pg is not None:
                 dtheta += pg.sum(0)
     if grads is None:

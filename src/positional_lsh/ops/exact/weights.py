@@ -6,8 +6,8 @@
 
 Both take the arguments of the ops' calls (``q (B, Hq, Lq, d)``, ``k (B, Hkv, Lk, d)`` with queries aligned to the
 last keys, grouped key heads shared by their query heads; ``key_padding_mask`` and ``key_offset`` as
-:func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache`: each row is computed on its contiguous run of valid
-keys, positions counted from the run's first key), and return ``(B, Hq, Lq, Lk)`` weights in ``q``'s dtype
+:func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache`: any pattern of valid keys, positions counted from
+each row's first valid key, masked keys after it included), and return ``(B, Hq, Lq, Lk)`` weights in ``q``'s dtype
 (computed in float32, float64 for float64 inputs). Masked keys (after the query, outside the window, padded, or
 never in the query's block) get weight 0; query rows at padded positions are all zeros. Dense: a call whose
 ``B Hq Lq Lk`` weights (or positional LSH's ``H n^2`` mean mask) exceed ``MAX_DENSE_ELEMENTS`` entries, or this
@@ -39,7 +39,7 @@ def _positions(
     q: torch.Tensor, k_len: int, mask: torch.Tensor | None, key_offset: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per batch row, the queries' and keys' positions counted from the row's first valid key, ``(B, Lq)`` and
-    ``(B, Lk)``, and whether each is inside the row's valid run."""
+    ``(B, Lk)``, and whether each is a valid position (masked ones, holes included, are not)."""
     b, lq = q.shape[0], q.shape[-2]
     n = key_offset + k_len
     dev = q.device
@@ -52,7 +52,10 @@ def _positions(
         end = torch.tensor([e for _, e in runs], dtype=torch.long, device=dev)[:, None]
     qa = torch.arange(n - lq, n, device=dev)[None, :]
     ka = torch.arange(key_offset, n, device=dev)[None, :]
-    return qa - first, ka - first, (qa >= first) & (qa < end), (ka >= first) & (ka < end)
+    qok, kok = (qa >= first) & (qa < end), (ka >= first) & (ka < end)
+    if mask is not None:  # holes: masked keys get weight 0, queries at masked positions are zero rows
+        qok, kok = qok & mask[:, n - lq :], kok & mask[:, key_offset:]
+    return qa - first, ka - first, qok, kok
 
 
 def _softmax(s: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
