@@ -11,11 +11,15 @@ The estimator's op (``ops._engine.op``: ``positional_lsh::plsh_forward`` / ``pls
   whose gradients it computes (``grads``, named in the backward's signature); only the tensors that shape the
   outputs are read;
 * ``setup_context``: saves ``q, k, v``, the forward's other tensor inputs (``tensors``), ``out``, ``lse`` and the
-  ``key_padding_mask``; keeps the settings (``settings``) as they are; ``lse`` is not differentiable;
+  ``key_padding_mask``; keeps the settings (``settings``) as they are; ``lse`` is not differentiable. Where the
+  forward kept its kernel layout (:func:`keep_layout`: ``q, k, v`` as its kernels read them, copied where their
+  strides needed it, non-finite keys zeroed) it saves those in place of ``q, k, v``, so that the backward does not
+  lay them out and scan the keys again;
 * the autograd backward: ``dout`` (zeros where autograd gives none), the flags that say which gradients are needed
   (``flags``, from ``ctx.needs_input_grad`` by name), one call of the backward op
-  ``backward(dout, q, k, v, out, lse, *tensors, **settings, **flags, key_padding_mask=mask)``, and its four outputs
-  returned at the inputs they belong to (``grads``), ``None`` for the others and for those not needed.
+  ``backward(dout, q, k, v, out, lse, *tensors, **settings, **flags, laid_out=..., key_padding_mask=mask)``
+  (``laid_out``: ``q, k, v`` are the forward's kept layout), and its four outputs returned at the inputs they
+  belong to (``grads``), ``None`` for the others and for those not needed.
 
 Each op module still registers its own ops (``torch.library.custom_op`` with its name, in its module:
 ``tests/test_architecture.py``, ``CUSTOM_OPS``) and hands them to :func:`attention_op`.
@@ -24,6 +28,8 @@ Each op module still registers its own ops (``torch.library.custom_op`` with its
 from __future__ import annotations
 
 import inspect
+import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +38,29 @@ import torch
 
 from positional_lsh.ops._engine.torch_attention import output_buffers
 
-__all__ = ["AttentionOp", "attention_op", "input_names"]
+__all__ = ["AttentionOp", "attention_op", "input_names", "keep_layout"]
+
+_KEPT = threading.local()  # .slot: (weakref to the forward's out, its kept q, k, v): one per thread, the last forward
+
+
+def keep_layout(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Hand ``setup_context`` the ``q, k, v`` a forward op's kernels read (``torch_attention.kernel_inputs``), for
+    the forward that returned ``out``; an eager forward calls it. Kept only where ``q``, ``k`` or ``v`` requires
+    grad, in one slot per thread that the next forward replaces: a forward under ``torch.no_grad`` keeps at most
+    its own layout alive until then. Compiled calls never find it (``setup_context`` runs on fakes there): their
+    backward lays the inputs out again."""
+    if q.requires_grad or k.requires_grad or v.requires_grad:  # else no backward will ask for it
+        _KEPT.slot = (weakref.ref(out), (q, k, v))
+
+
+def _kept_layout(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The layout :func:`keep_layout` kept for the forward that returned ``out`` (the slot is emptied), or ``None``."""
+    slot = getattr(_KEPT, "slot", None)
+    _KEPT.slot = None
+    if slot is None or slot[0]() is not out:
+        return None
+    kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = slot[1]
+    return kept
 
 
 def input_names(fn: Callable[..., Any]) -> tuple[str, ...]:
@@ -79,7 +107,7 @@ def attention_op(
     grad_like = grads
     back_names = input_names(backward_fn)
     missing = [n for n in ("q", "k", "v", "key_padding_mask", *tensors, *settings) if n not in inputs]
-    missing += [n for n in ("dout", "q", "k", "v", "out", "lse", *grad_like[3:]) if n not in back_names]
+    missing += [n for n in ("dout", "q", "k", "v", "out", "lse", "laid_out", *grad_like[3:]) if n not in back_names]
     if missing:
         raise ValueError(f"attention_op: the ops have no inputs named {missing}")
 
@@ -95,8 +123,11 @@ def attention_op(
         # (torch calls it with keywords: ctx, inputs, output)
         args = dict(zip(names_in, inputs, strict=True))
         out, lse = output
-        ctx.save_for_backward(*(args[n] for n in ("q", "k", "v", *tensors)), out, lse, args["key_padding_mask"])
+        kept = _kept_layout(out)
+        qkv = kept if kept is not None else (args["q"], args["k"], args["v"])
+        ctx.save_for_backward(*qkv, *(args[n] for n in tensors), out, lse, args["key_padding_mask"])
         ctx.settings = {n: args[n] for n in settings}
+        ctx.laid_out = kept is not None
         ctx.mark_non_differentiable(lse)
 
     def backward_autograd(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
@@ -107,7 +138,10 @@ def attention_op(
         # (the dispatcher drops trailing inputs left at their defaults from needs_input_grad: none of them is a grad's)
         need = {n: bool(x) for n, x in zip(inputs, ctx.needs_input_grad, strict=False)}
         need.update({n: False for n in inputs if n not in need})
-        result = backward(dout, q, k, v, out, lse, *saved, **ctx.settings, **flags(need), key_padding_mask=mask)
+        result = backward(
+            dout, q, k, v, out, lse, *saved, **ctx.settings, **flags(need), laid_out=ctx.laid_out,
+            key_padding_mask=mask,
+        )  # fmt: skip
         by_name = dict(zip(grads, result, strict=True))
         return tuple(by_name[n] if n in by_name and need[n] else None for n in inputs)
 

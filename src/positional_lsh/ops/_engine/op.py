@@ -39,7 +39,7 @@ from collections import OrderedDict
 
 import torch
 
-from positional_lsh.ops._engine.custom_op import attention_op
+from positional_lsh.ops._engine.custom_op import attention_op, keep_layout
 from positional_lsh.ops._engine.engine import backward, forward
 from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.routing import Plan, Route, plan
@@ -118,7 +118,8 @@ def _plsh_forward(
     tensors = (pitch, shift, slopes)
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
-        out, lse, _ = forward(_plan_of(q.shape[2], k, k.shape[2], tensors, scheme, max_block, route), q, k, v)
+        out, lse, laid = forward(_plan_of(q.shape[2], k, k.shape[2], tensors, scheme, max_block, route), q, k, v)
+        keep_layout(out, *laid)  # the backward's q, k, v (ops._engine.custom_op)
         return out, lse
 
     def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,17 +147,20 @@ def _plsh_backward(
     samples_kernel: str,
     multiplicity_kernel: str,
     slope_grad: bool = False,
+    laid_out: bool = False,
     key_padding_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dslopes)`` of :func:`plsh_forward` (see :func:`positional_lsh.ops._engine.engine.backward`),
     row group by row group with a ``key_padding_mask`` (padded positions get zero gradients): ``dslopes`` is the
-    surrogate slope gradient ``-slope_dist`` when ``slope_grad``, else zeros; shaped like ``slopes``, in its dtype."""
+    surrogate slope gradient ``-slope_dist`` when ``slope_grad``, else zeros; shaped like ``slopes``, in its dtype.
+    ``laid_out``: ``q, k, v`` are the forward's kernel layout (``ops._engine.custom_op.keep_layout``), taken as
+    they are."""
     route = route_of(method, samples_kernel, multiplicity_kernel, causal, scale)
     tensors = (pitch, shift, slopes)
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
         p = _plan_of(q.shape[2], k, k.shape[2], tensors, scheme, max_block, route)
-        qp, kp, vp, _ = kernel_inputs(q, k, v, p.kernel)
+        qp, kp, vp = (q, k, v) if laid_out else kernel_inputs(q, k, v, p.kernel)[:3]
         dq, dk, dv, slope_dist = backward(p, (qp, kp, vp, out, lse), dout, dist_grad=slope_grad)
     else:
         dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))  # as the fake

@@ -15,9 +15,9 @@ from functools import partial
 
 import torch
 
-from positional_lsh.ops._engine.custom_op import attention_op
+from positional_lsh.ops._engine.custom_op import attention_op, keep_layout
 from positional_lsh.ops._engine.parallel import pool_size, run_all
-from positional_lsh.ops._engine.torch_attention import acc_dtype, kernel_inputs, poison_rows
+from positional_lsh.ops._engine.torch_attention import Layout, acc_dtype, kernel_inputs, poison_rows
 from positional_lsh.ops.checks import as_slopes, as_window
 from positional_lsh.ops.exact.fused import exact_route, fused_backward, fused_forward
 from positional_lsh.ops.exact.toeplitz import (
@@ -33,10 +33,11 @@ from positional_lsh.ops.partitions.decays import decay_family
 
 def _toeplitz_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Toeplitz, causal: bool, scale: float, backend: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of exact attention with the Toeplitz bias ``spec``, chunk by chunk (non-finite keys zeroed,
-    the rows that keep one set to NaN)."""
-    q, k, v, bad = kernel_inputs(q, k, v, backend)
+) -> tuple[torch.Tensor, torch.Tensor, Layout]:
+    """``(out, lse, layout)`` of exact attention with the Toeplitz bias ``spec``, chunk by chunk (non-finite keys
+    zeroed, the rows that keep one set to NaN); ``layout``: the inputs as the kernels read them."""
+    layout = kernel_inputs(q, k, v, backend)
+    q, k, v, bad = layout
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
     if exact_route(spec.window, k.shape[2], backend, q.device) == "fused":
@@ -50,7 +51,7 @@ def _toeplitz_forward(
         run_all(run, items, pool_size(len(items), q.device))
     if bad is not None:
         poison_rows(out, lse, alibi_rows_with_bad_keys(bad, q.shape[1], q.shape[2], spec.window, causal))
-    return out, lse
+    return out, lse, layout
 
 
 def _toeplitz_backward(
@@ -62,12 +63,14 @@ def _toeplitz_backward(
     backend: str,
     qkv_grad: bool,
     theta_grad: bool,
+    laid_out: bool = False,
 ) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor | None]:
     """``((dq, dk, dv) or None, param_grad (B, Hq, P) or None)`` against the saved ``out`` and ``lse``: each part
     only when asked for (the parameter part is one more math pass of every chunk's scores). ``saved``: the
-    forward's ``(q, k, v, out, lse)``."""
+    forward's ``(q, k, v, out, lse)``; ``laid_out``: its ``q, k, v`` are the forward's kernel layout."""
     q, k, v, out, lse = saved
-    q, k, v, _ = kernel_inputs(q, k, v, backend)
+    if not laid_out:
+        q, k, v, _ = kernel_inputs(q, k, v, backend)
     dout = dout.contiguous()
     acc = acc_dtype(q.dtype)
     fused = qkv_grad and exact_route(spec.window, k.shape[2], backend, q.device) == "fused"
@@ -128,10 +131,12 @@ def _exact_forward(
     spec = _spec(kind, theta, window, check)
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
-        return _toeplitz_forward(q, k, v, spec, causal, scale, backend)
+        out, lse, layout = _toeplitz_forward(q, k, v, spec, causal, scale, backend)
+        keep_layout(out, *layout[:3])  # the backward's q, k, v (ops._engine.custom_op)
+        return out, lse
 
     def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _toeplitz_forward(qg, kg, vg, spec, causal, scale, backend)
+        return _toeplitz_forward(qg, kg, vg, spec, causal, scale, backend)[:2]
 
     return forward_row_groups(q, k, v, groups, attend, scale)
 
@@ -151,6 +156,7 @@ def _exact_backward(
     backend: str,
     qkv_grad: bool,
     theta_grad: bool,
+    laid_out: bool = False,
     key_padding_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dtheta)`` of :func:`exact_forward` by recomputation against the saved ``out`` and ``lse``,
@@ -161,7 +167,7 @@ def _exact_backward(
     groups = row_groups(key_padding_mask, q.shape[2])
     args = (spec, causal, scale, backend, qkv_grad, theta_grad)
     if groups is None:
-        grads, param_grad = _toeplitz_backward(dout, (q, k, v, out, lse), *args)
+        grads, param_grad = _toeplitz_backward(dout, (q, k, v, out, lse), *args, laid_out)
         dtheta = None if param_grad is None else param_grad.sum(0)
     else:
         grads = tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)) if qkv_grad else None
