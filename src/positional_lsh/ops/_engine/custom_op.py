@@ -43,14 +43,17 @@ __all__ = ["AttentionOp", "attention_op", "input_names", "keep_layout"]
 _KEPT = threading.local()  # .slot: (weakref to the forward's out, its kept q, k, v): one per thread, the last forward
 
 
-def keep_layout(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Hand ``setup_context`` the ``q, k, v`` a forward op's kernels read (``torch_attention.kernel_inputs``), for
-    the forward that returned ``out``; an eager forward calls it. Kept only where ``q``, ``k`` or ``v`` requires
-    grad, in one slot per thread that the next forward replaces: a forward under ``torch.no_grad`` keeps at most
-    its own layout alive until then. Compiled calls never find it (``setup_context`` runs on fakes there): their
-    backward lays the inputs out again."""
-    if q.requires_grad or k.requires_grad or v.requires_grad:  # else no backward will ask for it
-        _KEPT.slot = (weakref.ref(out), (q, k, v))
+def keep_layout(
+    out: torch.Tensor, inputs: tuple[torch.Tensor, ...], layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
+    """Hand ``setup_context`` the ``layout``, the ``q, k, v`` a forward op's kernels read
+    (``torch_attention.kernel_inputs``) of its ``inputs`` (``q, k, v`` and the tensors that get gradients), for the
+    forward that returned ``out``; an eager forward calls it. Kept only where one of the ``inputs`` requires grad,
+    in one slot per thread that the next forward replaces: a forward under ``torch.no_grad`` keeps at most its own
+    layout alive until then. Compiled calls never find it (``setup_context`` runs on fakes there): their backward
+    lays the inputs out again."""
+    if any(x.requires_grad for x in inputs):  # else no backward will ask for it
+        _KEPT.slot = (weakref.ref(out), layout)
 
 
 def _kept_layout(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

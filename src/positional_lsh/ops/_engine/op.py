@@ -119,7 +119,7 @@ def _plsh_forward(
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
         out, lse, laid = forward(_plan_of(q.shape[2], k, k.shape[2], tensors, scheme, max_block, route), q, k, v)
-        keep_layout(out, *laid)  # the backward's q, k, v (ops._engine.custom_op)
+        keep_layout(out, (q, k, v, slopes), laid)  # the backward's q, k, v (ops._engine.custom_op)
         return out, lse
 
     def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

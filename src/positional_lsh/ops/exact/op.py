@@ -132,7 +132,7 @@ def _exact_forward(
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
         out, lse, layout = _toeplitz_forward(q, k, v, spec, causal, scale, backend)
-        keep_layout(out, *layout[:3])  # the backward's q, k, v (ops._engine.custom_op)
+        keep_layout(out, (q, k, v, theta), (layout.q, layout.k, layout.v))  # the backward's q, k, v
         return out, lse
 
     def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
