@@ -12,7 +12,7 @@ from positional_lsh.ops._engine.backend import Gradients, Saved, accumulators
 from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.multiplicity.mask import Workspace, count_mask, kernel_calls
 from positional_lsh.ops._engine.multiplicity.plan import KEEP_MASK_ELEMENTS, Call, MultiplicityPlan, multiplicity_plan
-from positional_lsh.ops._engine.torch_attention import acc_dtype, attend, attend_backward, attend_bias_grad
+from positional_lsh.ops._engine.torch_attention import Grad, acc_dtype, attend, attend_backward, attend_bias_grad
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = ["MULTIPLICITY_FLASH", "MULTIPLICITY_MATH", "MultiplicityBackend", "call_inputs", "gather_rows"]
@@ -122,15 +122,14 @@ class MultiplicityBackend:
             lg = gather_rows(lse.unsqueeze(-1), c.q_index, c.rows.shape).squeeze(-1).to(cd)
             # Padding rows get a zero upstream gradient, so they contribute nothing.
             dg = (gather_rows(dout, c.q_index, c.rows.shape).to(cd) * c.real[None, :, :, None]).to(cd)
-            gq, gk, gv = attend_backward(
-                dg, qg, kg, vg, og, lg, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0)
-            )
+            grad = Grad(dg, qg, kg, vg, og, lg)
+            gq, gk, gv = attend_backward(grad, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0))
             dq_f.index_add_(1, c.q_index, gq.flatten(1, 2).to(dq.dtype))
             dk_f.index_add_(1, c.kv_index, gk.flatten(1, 2).to(dk.dtype))
             dv_f.index_add_(1, c.kv_index, gv.flatten(1, 2).to(dv.dtype))
             if slope_dist is not None:  # the surrogate slope gradient: |i - j| of the tiles' rows and union keys
                 w = (c.pos[:, :, None] - c.keys[:, None, :]).abs().to(cd).unsqueeze(0)
-                total = attend_bias_grad(dg, qg, kg, vg, og, lg, w, causal=False, scale=scale, bias=mask.unsqueeze(0))
+                total = attend_bias_grad(grad, w, causal=False, scale=scale, bias=mask.unsqueeze(0))
                 slope_dist.index_add_(0, c.g.head, total.sum(0).to(slope_dist.dtype))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), slope_dist
 
