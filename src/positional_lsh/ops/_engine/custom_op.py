@@ -6,6 +6,11 @@ The estimator's op (``ops._engine.op``: ``positional_lsh::plsh_forward`` / ``pls
 ``torch_attention.kernel_inputs``. What the scaffold shares (:func:`attention_op`):
 
 * inputs read by name, never by position (:func:`input_names`: the forward's signature);
+* the backward op's schema and arguments, derived from the forward's (:func:`backward_schema`, :func:`backward_impl`):
+  ``(dout, q, k, v, out, lse)`` as one :class:`~positional_lsh.ops._engine.torch_attention.Grad`, then the forward's
+  other tensors and settings as the forward declares them, the flags and ``laid_out`` and the ``key_padding_mask``;
+  the backward function takes ``(grad, inputs)``, ``inputs`` by name (the forward's parameter list is written once, in
+  the forward);
 * the fakes: the forward returns :func:`~positional_lsh.ops._engine.torch_attention.output_buffers` of ``q`` (``out``
   in ``q``'s dtype, ``lse`` in the accumulation dtype); the backward returns empty tensors shaped like the inputs
   whose gradients it computes (``grads``, named in the backward's signature); only the tensors that shape the
@@ -36,9 +41,12 @@ from typing import Any
 
 import torch
 
-from positional_lsh.ops._engine.torch_attention import output_buffers
+from positional_lsh.ops._engine.torch_attention import Grad, output_buffers
 
-__all__ = ["AttentionOp", "attention_op", "input_names", "keep_layout"]
+__all__ = ["AttentionOp", "attention_op", "backward_impl", "backward_schema", "input_names", "keep_layout"]
+
+BackwardFn = Callable[[Grad, dict[str, Any]], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+"""An op's backward: ``(grad, inputs) -> four gradients``, ``inputs`` the backward op's other arguments by name."""
 
 _KEPT = threading.local()  # .slot: (weakref to the forward's out, its kept q, k, v): one per thread, the last forward
 
@@ -71,6 +79,45 @@ def input_names(fn: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(inspect.signature(fn).parameters)
 
 
+def _schema_names(schema: str) -> tuple[str, ...]:
+    """The argument names of an op schema ``"(Type name, Type name=default, ...) -> ..."``."""
+    return tuple(d.split("=")[0].rsplit(" ", 1)[1] for d in _schema_args(schema))
+
+
+def _schema_args(schema: str) -> list[str]:
+    return schema[1 : schema.index(") ->")].split(", ")
+
+
+def backward_schema(
+    forward_fn: Callable[..., Any], *, tensors: tuple[str, ...], settings: tuple[str, ...], flags: tuple[str, ...]
+) -> str:
+    """The schema of the backward op of the forward op made from ``forward_fn``: ``(Tensor dout, Tensor q, Tensor k,
+    Tensor v, Tensor out, Tensor lse, <tensors and settings, typed as the forward types them>, bool <flag>=False...,
+    bool laid_out=False, Tensor? key_padding_mask=None) -> (Tensor, Tensor, Tensor, Tensor)``."""
+    declared = torch.library.infer_schema(forward_fn, mutates_args=())
+    by_name = dict(zip(_schema_names(declared), _schema_args(declared), strict=True))
+    args = [f"Tensor {n}" for n in Grad._fields] + [by_name[n] for n in (*tensors, *settings)]
+    args += [f"bool {n}=False" for n in (*flags, "laid_out")] + ["Tensor? key_padding_mask=None"]
+    return f"({', '.join(args)}) -> (Tensor, Tensor, Tensor, Tensor)"
+
+
+def backward_impl(fn: BackwardFn, schema: str) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The backward op's implementation for ``schema`` (:func:`backward_schema`): calls ``fn(grad, inputs)`` with
+    its first six arguments as one :class:`Grad` and the others by name (defaults filled in)."""
+    names = _schema_names(schema)
+    defaults = {
+        name: None if arg.endswith("=None") else False
+        for name, arg in zip(names, _schema_args(schema), strict=True)
+        if "=" in arg
+    }
+
+    def impl(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        named = defaults | dict(zip(names, args, strict=False)) | kwargs
+        return fn(Grad(*(named.pop(n) for n in Grad._fields)), named)
+
+    return impl
+
+
 @dataclass(frozen=True)
 class AttentionOp:
     """A registered forward / backward pair (see :func:`attention_op`).
@@ -96,7 +143,7 @@ def attention_op(
     forward: Any,
     forward_fn: Callable[..., Any],
     backward: Any,
-    backward_fn: Callable[..., Any],
+    schema: str,
     *,
     tensors: tuple[str, ...],
     settings: tuple[str, ...],
@@ -104,13 +151,14 @@ def attention_op(
     flags: Callable[[Mapping[str, bool]], dict[str, bool]],
 ) -> AttentionOp:
     """Register the fakes and the autograd of the custom ops ``forward`` (made from ``forward_fn``) and ``backward``
-    (from ``backward_fn``), as the module docstring says. ``flags(need)``: the backward op's keyword flags from
-    ``need`` (input name -> whether autograd needs its gradient; inputs left at their defaults read ``False``)."""
+    (of ``schema``, :func:`backward_schema`), as the module docstring says. ``flags(need)``: the backward op's flags
+    from ``need`` (input name -> whether autograd needs its gradient; inputs left at their defaults read
+    ``False``)."""
     inputs = names_in = input_names(forward_fn)
     grad_like = grads
-    back_names = input_names(backward_fn)
+    back_names = _schema_names(schema)
     missing = [n for n in ("q", "k", "v", "key_padding_mask", *tensors, *settings) if n not in inputs]
-    missing += [n for n in ("dout", "q", "k", "v", "out", "lse", "laid_out", *grad_like[3:]) if n not in back_names]
+    missing += [n for n in grad_like[3:] if n not in back_names]
     if missing:
         raise ValueError(f"attention_op: the ops have no inputs named {missing}")
 
