@@ -111,11 +111,12 @@ def kernel_calls(plan: MultiplicityPlan, device: torch.device, batch: int, d: in
                 whole = (whole_all[0][cut].to(device), whole_all[1][cut].to(device))
                 offset = cut.stop
             moves = None
-            if whole is not None and plan.causal and bool(real.all()):
+            padded = bool(g.q_start.max() + g.tile > lq)  # a tile that reaches past the last query row
+            if whole is not None and plan.causal and not padded:
                 moves = move_events(g, pos, n, plan.num_samples, whole)
             q_index = (g.head[:, None] * lq + rows).flatten()
             kv_index = (g.kv_head[:, None] * n + keys).flatten()
-            calls.append(Call(g, rows, real, pos, keys, q_index, kv_index, whole, moves))
+            calls.append(Call(g, rows, real, pos, keys, q_index, kv_index, whole, moves, padded))
     plan.calls_cache[key] = out = tuple(calls)
     return out
 

@@ -88,6 +88,7 @@ class Call:
     whole: tuple[torch.Tensor, torch.Tensor] | None  # int64 (pitch, shift) on the integer path, once per call
     # (ops.partitions.bounds.integer_pitch_shift); None: real partitions
     moves: tuple[torch.Tensor, torch.Tensor] | None = None  # (flat index, value) of the block-move events, if used
+    padded: bool = True  # whether some row is padding past Lq (False: ``real`` is all True)
 
 
 @dataclass(frozen=True)
