@@ -13,8 +13,13 @@ and backward (``torch.autograd.grad`` of ``q, k, v``) of:
   partitions at every call (``layer_seed(seed, c)``) and runs ``plsh_attention`` (``method="auto"``), as the
   language model's layers do.
 
-Prints every median, then a markdown table with both times and the ratio ``plsh / sdpa-mask``, and the target line
-(``<= 1.5x`` at ``n = 256``). Results: docs/benchmarks.md, "A short training step".
+Before the lengths it measures this machine's matmul peak on the same threads (:func:`gemm_peak`: the median
+GFLOP/s of ``512 x 512 @ 512 x 512`` fp32 products), and each row gives the time the step's causal attention
+matmuls would take at that peak (``gemm-peak``: ``14 d`` flops per kept (query, key) pair and head, forward 4,
+backward 10, as flash-attention counts them): a floor no kernel beats, against which both times read.
+
+Prints every median, then a markdown table with both times, the GEMM-peak time and the ratio ``plsh / sdpa-mask``,
+and the target line (``<= 1.5x`` at ``n = 256``). Results: docs/benchmarks.md, "A short training step".
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Row:
     n: int
     sdpa: float  # median seconds of a forward + backward
     plsh: float
+    gemm: float = 0.0  # seconds of the causal attention's matmuls at the measured matmul peak (0: not measured)
 
     @property
     def ratio(self) -> float:
@@ -84,9 +90,31 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
+def gemm_peak(repeats: int = 21, size: int = 512) -> float:
+    """This machine's fp32 matmul rate on the current threads, FLOP/s: the median over ``repeats`` products of two
+    ``size x size`` matrices (after one warm-up)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=g) for _ in range(2))
+    a @ b
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2.0 * size**3 / statistics.median(times)
+
+
+def attention_flops(n: int, batch: int, heads: int, dim: int) -> float:
+    """The flops of a causal attention forward + backward's matmuls over its kept pairs: ``14 d`` per (query, key)
+    pair and head (forward ``q k^T`` and ``p v``, 4 d; backward five products, 10 d)."""
+    return 14.0 * dim * batch * heads * n * (n + 1) / 2.0
+
+
 def table(rows: Sequence[Row]) -> str:
-    lines = ["| n | sdpa-mask fwd+bwd (ms) | plsh fwd+bwd (ms) | plsh / sdpa-mask |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r.n} | {r.sdpa * 1e3:.2f} | {r.plsh * 1e3:.2f} | {r.ratio:.2f}x |" for r in rows]
+    head = "| n | sdpa-mask fwd+bwd (ms) | plsh fwd+bwd (ms) | gemm-peak fwd+bwd (ms) | plsh / sdpa-mask |"
+    lines = [head, "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r.n} | {r.sdpa * 1e3:.2f} | {r.plsh * 1e3:.2f} | {r.gemm * 1e3:.2f} | {r.ratio:.2f}x |")
     return "\n".join(lines)
 
 
@@ -104,13 +132,15 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     torch.set_num_threads(args.threads)
     print(f"threads={torch.get_num_threads()} batch={args.batch} H={args.heads} d={args.dim} T={args.samples} "
           "causal fp32, forward + backward", flush=True)  # fmt: skip
+    peak = gemm_peak()
+    print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (fp32, 512^3, median of 21)", flush=True)
     rows = []
     for n in args.lengths:
         repeats = args.repeats or (31 if n <= 256 else 11)
         med = interleaved_medians(calls(n, args.batch, args.heads, args.dim, args.samples), repeats)
-        rows.append(Row(n, med["sdpa-mask"], med["plsh"]))
+        rows.append(Row(n, med["sdpa-mask"], med["plsh"], attention_flops(n, args.batch, args.heads, args.dim) / peak))
         print(f"n={n}: sdpa-mask {med['sdpa-mask'] * 1e3:.2f} ms, plsh {med['plsh'] * 1e3:.2f} ms "
-              f"({rows[-1].ratio:.2f}x)", flush=True)  # fmt: skip
+              f"({rows[-1].ratio:.2f}x; gemm-peak {rows[-1].gemm * 1e3:.2f} ms)", flush=True)  # fmt: skip
     print()
     print(table(rows))
     line = target(rows)

@@ -148,9 +148,12 @@ def test_short_step_runs_tiny(short_step, capsys):
         torch.set_num_threads(threads)
     assert [r.n for r in rows] == [16, 24]
     for r in rows:
-        assert r.sdpa > 0 and r.plsh > 0 and r.ratio == r.plsh / r.sdpa
+        assert r.sdpa > 0 and r.plsh > 0 and r.gemm > 0 and r.ratio == r.plsh / r.sdpa
     text = capsys.readouterr().out
-    assert "| n | sdpa-mask fwd+bwd (ms) | plsh fwd+bwd (ms) | plsh / sdpa-mask |" in text
+    assert "| n | sdpa-mask fwd+bwd (ms) | plsh fwd+bwd (ms) | gemm-peak fwd+bwd (ms) | plsh / sdpa-mask |" in text
+    assert "matmul peak:" in text
+    # 14 d flops per kept pair and head: n = 2, d = 1, one head keeps 3 pairs
+    assert short_step.attention_flops(2, 1, 1, 1) == 42.0
     assert short_step.target(rows) is None  # no n = 256 in this run
     assert "NOT met" in short_step.target([short_step.Row(256, 1.0, 2.0)])
 

@@ -502,7 +502,7 @@ def test_alibi_bias_keeps_the_graph_of_learnable_slopes(dtype: torch.dtype, caus
 def test_attend_bias_grads_is_dense_autograd_for_every_weight_in_one_pass(causal: bool) -> None:
     """``attend_bias_grads`` (several weights, one recomputation): each column is ``d L / d theta_p`` for the bias
     ``bias0 + sum_p theta_p W_p`` by dense float64 autograd, and equals :func:`attend_bias_grad` of that weight."""
-    from positional_lsh.ops._engine.torch_attention import attend, attend_bias_grad, attend_bias_grads
+    from positional_lsh.ops._engine.torch_attention import Grad, attend, attend_bias_grad, attend_bias_grads
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 3, 5, 4, generator=g, dtype=F64)
@@ -517,9 +517,9 @@ def test_attend_bias_grads_is_dense_autograd_for_every_weight_in_one_pass(causal
     dout = torch.randn(o.shape, generator=g, dtype=F64)
     (dense,) = torch.autograd.grad((o * dout).sum(), theta)
     out, lse = attend(q, k, v, causal=causal, scale=0.5, kernel="math", bias=bias0)
-    got = attend_bias_grads(dout, q, k, v, out, lse, weights, causal=causal, scale=0.5, bias=bias0)
+    got = attend_bias_grads(Grad(dout, q, k, v, out, lse), weights, causal=causal, scale=0.5, bias=bias0)
     assert got.shape == (2, 3, 2)
     torch.testing.assert_close(got, dense[..., 0, 0].permute(1, 2, 0), rtol=1e-10, atol=1e-12)
     for p, w in enumerate(weights):
-        one = attend_bias_grad(dout, q, k, v, out, lse, w, causal=causal, scale=0.5, bias=bias0)
+        one = attend_bias_grad(Grad(dout, q, k, v, out, lse), w, causal=causal, scale=0.5, bias=bias0)
         assert torch.equal(one, got[..., p])

@@ -130,7 +130,6 @@ def plsh_attention(
     slope_grad: str = DEFAULT_SLOPE_GRAD,
     key_padding_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    size_checked: bool = False,
 ) -> torch.Tensor:
     """Positional-LSH attention: the ALiBi estimator ``softmax(s + log Mbar) v`` in near-linear time.
 
@@ -191,8 +190,6 @@ def plsh_attention(
             Each document is its own sequence: positions restart at its start, no attention crosses documents, and
             the partitions apply to it as ``partitions.with_seq_len(its length)``, so the output equals running the
             documents one by one (:mod:`positional_lsh.ops.padding`). Combines with ``key_padding_mask``.
-        size_checked: the caller ran :func:`check_call_size` for this call already (the module does, before its
-            draw): the call does not run it again.
 
     Returns:
         ``(B, Hq, Lq, d)`` tensor in ``q``'s dtype. Differentiable w.r.t. ``q``, ``k``, ``v`` (exact gradients
@@ -226,6 +223,22 @@ def plsh_attention(
         >>> torch.allclose(plsh.plsh_attention(q, k, v, slopes=0.0), sdpa, atol=1e-6)
         True
     """
+    return run_plsh_attention(
+        q, k, v, slopes, num_samples=num_samples, causal=causal, partitions=partitions, scheme=scheme,
+        generator=generator, scale=scale, backend=backend, method=method, slope_grad=slope_grad,
+        key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, size_checked=False,
+    )  # fmt: skip
+
+
+def run_plsh_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: SlopesLike, *, num_samples: int, causal: bool,
+    partitions: Partitions | None, scheme: str, generator: GeneratorLike, scale: float | None, backend: str,
+    method: str, slope_grad: str, key_padding_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+    size_checked: bool,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`plsh_attention`, whose arguments it takes, for a caller that ran :func:`check_call_size` for the call
+    already when ``size_checked`` (:class:`~positional_lsh.PositionalLSHAttention`, before its draw): then the call
+    does not run it again. Internal to the package (not in ``__all__``)."""
     shape = check_qkv(q, k, v)
     mask = check_key_padding_mask(key_padding_mask, q, shape.k_len)
     cu = check_cu_seqlens(cu_seqlens, shape.k_len)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from positional_lsh.ops._engine.routing import sized_method
-from positional_lsh.ops.attention import check_call_size, plsh_attention
+from positional_lsh.ops.attention import check_call_size, run_plsh_attention
 from positional_lsh.ops.checks import (
     SlopesLike,
     check_bool,
@@ -296,18 +296,9 @@ class PositionalLSHAttention(nn.Module):
             self.calls.add_(1)
         if context is not None:
             return context.attend(q, k, v, ShardedCall(partitions, self.causal, self.scale, self.backend, self.method))
-        return plsh_attention(
-            q,
-            k,
-            v,
-            values,
-            partitions=partitions,
-            causal=self.causal,
-            scale=self.scale,
-            backend=self.backend,
-            method=self.method,
-            slope_grad=self.slope_grad,
+        return run_plsh_attention(
+            q, k, v, values, num_samples=self.num_samples, causal=self.causal, partitions=partitions,
+            scheme=self.scheme, generator=None, scale=self.scale, backend=self.backend, method=self.method,
+            slope_grad=self.slope_grad, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
             size_checked=checked,
-            key_padding_mask=key_padding_mask,
-            cu_seqlens=cu_seqlens,
-        )
+        )  # fmt: skip

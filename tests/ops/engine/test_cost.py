@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from positional_lsh import alibi_slopes, sample_partitions
-from positional_lsh.ops._engine import routing
+from positional_lsh.ops._engine import cost, routing
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "implementation.md"
 DRAWS = 5  # generator = 0 ... 4 per cell
@@ -68,3 +68,18 @@ def test_the_rule_depends_on_the_draw_and_on_causality() -> None:
     assert 0 < chosen(1024, 4, causal=True) < DRAWS
     assert chosen(513, 4, causal=True) == DRAWS and chosen(513, 4, causal=False) == 0
     assert chosen(4096, 1, causal=True) == 0  # one sample: never the multiplicity form
+
+
+@pytest.mark.parametrize("scheme", ["discrete", "gamma"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_samples_floor_bounds_every_per_sample_estimate(scheme: str, causal: bool) -> None:
+    """``method="auto"`` skips the per-sample plan where the multiplicity form wins even against
+    ``cost.samples_floor``: that is the rule's choice only if the floor is at most the plan's estimate, every time
+    (slope 0: infinite pitches; short query spans; pitches below 1 from steep slopes)."""
+    slopes = torch.cat([alibi_slopes(HEADS), torch.tensor([0.0, 4.0])])
+    for n, t, q_len in ((16, 3, 16), (100, 8, 37), (256, 8, 256), (700, 32, 700), (2048, 2, 1)):
+        for seed in range(3):
+            parts = sample_partitions(n, slopes, t, generator=seed, scheme=scheme)
+            plan = routing.samples_plan(parts, 2, q_len, causal)
+            floor = cost.samples_floor(parts.pitch, parts.shift, q_len)
+            assert 0 < floor <= cost.samples_estimate(plan), (n, t, q_len, seed)

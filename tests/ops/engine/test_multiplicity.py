@@ -198,3 +198,19 @@ def test_repeated_draws_and_block_moves_stay_exact(events, causal, monkeypatch):
     assert any(c.moves is not None for c in calls) == (causal and events == "moves")
     out = plsh_attention(q, k, v, partitions=parts, causal=causal, method="multiplicity")
     _check(out, dense_plsh_attention(q, k, v, parts, causal=causal), (q, k, v))
+
+
+def test_distinct_partitions_count_every_draw_once():
+    # Each head's distinct (pitch, shift) pairs, sorted, with how many of its T draws each is (padding: the first
+    # pair, weight 0), against Python's Counter over the drawn values.
+    from collections import Counter
+
+    for scheme, t in (("discrete", 9), ("gamma", 4), ("discrete", 200)):
+        parts = sample_partitions(120, torch.cat([SLOPES, torch.tensor([0.0])]), t, generator=3, scheme=scheme)
+        pitch, shift, weight = mult_plan.distinct_partitions(parts)
+        for h in range(parts.num_heads):
+            want = sorted(Counter(zip(parts.pitch[:, h].tolist(), parts.shift[:, h].tolist(), strict=True)).items())
+            u = len(want)
+            got = list(zip(pitch[h, :u].tolist(), shift[h, :u].tolist(), strict=True))
+            assert got == [pair for pair, _ in want] and weight[h, :u].tolist() == [c for _, c in want]
+            assert not weight[h, u:].any() and bool((pitch[h, u:] == want[0][0][0]).all())

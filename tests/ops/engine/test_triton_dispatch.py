@@ -203,13 +203,13 @@ def _meta(*shape, dtype=torch.bfloat16):
 
 def test_cuda_flash_calls_on_meta_tensors():
     # The CUDA op and its backward, called as attend / attend_backward call them, through torch's shape functions.
-    from positional_lsh.ops._engine.torch_attention import cuda_flash_attend, cuda_flash_attend_backward
+    from positional_lsh.ops._engine.torch_attention import Grad, cuda_flash_attend, cuda_flash_attend_backward
 
     q, k = _meta(2, 3, 40, 64), _meta(2, 3, 90, 64)
     v = _meta(2, 3, 90, 64).transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim strided: made contiguous
     out, lse = cuda_flash_attend(q, k, v, False, 0.125)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 3, 40) and lse.dtype == torch.float32
-    dq, dk, dv = cuda_flash_attend_backward(out, q, k, v, out, lse, False, 0.125)
+    dq, dk, dv = cuda_flash_attend_backward(Grad(out, q, k, v, out, lse), False, 0.125)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dq.dtype == q.dtype
 
 

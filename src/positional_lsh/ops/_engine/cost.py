@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from positional_lsh.ops._engine.kinds import Method
@@ -41,7 +42,7 @@ __all__ = [
     "AUTO_MARGIN", "AUTO_PLAN_SECONDS", "BLOCK_COST", "BOUND_COST", "CALL_COST", "CALL_ROW_COST", "ENTRY_COST",
     "MOVE_EVENT_NS", "PAIR_COST", "PAIR_COST_TILE", "PLAN_BYTES", "PLAN_COST", "ROW_START_NS", "ROW_SUM_ENTRY_NS",
     "ROW_SUM_NS", "SAMPLES_CALL_COST", "TILE_COST", "TILE_HEIGHTS", "AutoEstimate", "auto_method", "call_estimate",
-    "exact_seconds", "samples_estimate", "tiling_estimate",
+    "exact_seconds", "samples_estimate", "samples_floor", "tiling_estimate",
 ]  # fmt: skip
 
 TILE_HEIGHTS = (16, 32, 64, 128, 256)
@@ -91,8 +92,8 @@ docs/benchmarks.md, "Choosing the method"."""
 
 
 def tiling_estimate(
-    pairs: torch.Tensor, tile: int, num_tiles: int, q_len: int, num_samples: int, calls: torch.Tensor | float = 1.0
-) -> torch.Tensor:
+    pairs: np.ndarray, tile: int, num_tiles: int, q_len: int, num_samples: int, calls: np.ndarray | float = 1.0
+) -> np.ndarray:
     """The multiplicity form's estimate of one tiling of each head: ``pairs`` (float64, per head) score entries of
     ``num_tiles`` tiles of ``tile`` rows, over ``q_len`` rows and ``num_samples`` samples, in ``calls`` kernel calls
     (per head: its distinct window lengths)."""
@@ -108,6 +109,25 @@ def samples_estimate(plan: SamplesPlan) -> float:
         per_call = CALL_ROW_COST * plan.q_len + SAMPLES_CALL_COST
         total += ENTRY_COST * work.cost + BLOCK_COST * blocks + per_call * work.calls
     return total
+
+
+def samples_floor(pitch: torch.Tensor, shift: torch.Tensor, q_len: int) -> float:
+    """A lower bound on :func:`samples_estimate` of the per-sample plan of partitions ``pitch``, ``shift`` (float64
+    ``(T, H)`` on the CPU) over ``q_len`` query rows, without building it. Each distinct partition of a head (pitches
+    ``<= 1`` all one, as the plan counts them) is at least one kernel call, and its blocks, none longer than
+    ``ceil(pitch)``, cover the ``q_len`` rows (at least one score entry each): at least ``ceil(q_len /
+    ceil(pitch))`` blocks. ``method="auto"`` takes the multiplicity form without planning the per-sample path where
+    even this bound loses (:func:`auto_method`'s rule then holds for the plan's estimate too: the same choice)."""
+    single = pitch.numpy() <= 1.0
+    p, s = np.where(single, 1.0, pitch.numpy()), np.where(single, 0.0, shift.numpy())
+    order = np.lexsort((s, p), axis=0)  # each head's (column's) partitions in order: a new one where a value changes
+    ps, ss = np.take_along_axis(p, order, 0), np.take_along_axis(s, order, 0)
+    new = np.ones(p.shape, dtype=bool)
+    new[1:] = (ps[1:] != ps[:-1]) | (ss[1:] != ss[:-1])
+    longest = np.minimum(np.ceil(ps[new]), float(q_len))  # inf: one block
+    blocks = float(np.ceil(q_len / longest).sum())
+    per_call = ENTRY_COST * q_len + CALL_ROW_COST * q_len + SAMPLES_CALL_COST
+    return int(new.sum()) * per_call + BLOCK_COST * blocks
 
 
 def auto_method(num_samples: int, multiplicity_ns: float, samples_ns: float) -> Method:

@@ -17,16 +17,18 @@ modes:
   (:mod:`positional_lsh.ops.padding`), each group of batch rows with one run of valid keys is planned and run on that
   run; padded query rows get ``out = 0`` and ``lse = -inf``. ``expected``: slopes that must equal ``slopes`` in value
   (compared here, on the data: under ``torch.compile`` the comparison cannot run at trace time);
-* ``plsh_backward(dout, q, k, v, out, lse, pitch, shift, slopes, ..., slope_grad=False, key_padding_mask=None) ->
-  (dq, dk, dv, dslopes)``: ``dslopes`` (shaped like ``slopes``, in its dtype) is the surrogate slope gradient
-  ``-slope_dist`` when ``slope_grad`` is true, else zeros (and no extra work). ``register_autograd`` asks for it only
-  when autograd needs the gradient of the ``slopes`` input (``ctx.needs_input_grad``): a call that learns the
-  slopes passes the slopes tensor requiring grad as ``slopes`` (its values are those the partitions were drawn
-  from), any other call ``partitions.slopes``.
+* ``plsh_backward(dout, q, k, v, out, lse, pitch, shift, slopes, ..., slope_grad=False, laid_out=False,
+  key_padding_mask=None) -> (dq, dk, dv, dslopes)`` (its schema derived from the forward's,
+  ``ops._engine.custom_op.backward_schema``): ``dslopes`` (shaped like ``slopes``, in its dtype) is the surrogate
+  slope gradient ``-slope_dist`` when ``slope_grad`` is true, else zeros (and no extra work). ``register_autograd``
+  asks for it only when autograd needs the gradient of the ``slopes`` input (``ctx.needs_input_grad``): a call that
+  learns the slopes passes the slopes tensor requiring grad as ``slopes`` (its values are those the partitions were
+  drawn from), any other call ``partitions.slopes``.
 
-Nothing host-side passes between the two ops: the backward plans from its inputs, as the forward did, and finds the
-forward's plan in a small cache keyed by the values of every argument of the plan (:data:`PLAN_CACHE_SIZE`). The
-inputs are read by name (:data:`FORWARD_INPUTS`), never by position.
+The backward plans from its inputs, as the forward did, and finds the forward's plan in a small cache keyed by the
+values of every argument of the plan (:data:`PLAN_CACHE_SIZE`); an eager forward also hands it its kernel layout
+(``ops._engine.custom_op.keep_layout``: ``q, k, v`` as laid out, non-finite keys zeroed). The inputs are read by
+name (:data:`FORWARD_INPUTS`), never by position.
 
 The partition draw under ``torch.compile`` is the custom op ``positional_lsh::sample_partitions``
 (:func:`positional_lsh.ops.partitions.sampling.sample_op`).
@@ -36,14 +38,15 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
-from positional_lsh.ops._engine.custom_op import attention_op
+from positional_lsh.ops._engine.custom_op import attention_op, backward_impl, backward_schema, keep_layout
 from positional_lsh.ops._engine.engine import backward, forward
 from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.routing import Plan, Route, plan
-from positional_lsh.ops._engine.torch_attention import acc_dtype, kernel_inputs
+from positional_lsh.ops._engine.torch_attention import Grad, acc_dtype, kernel_inputs
 from positional_lsh.ops.padding import forward_row_groups, group_backward_inputs, row_groups, scatter_group_grads
 from positional_lsh.ops.partitions.partition import Partitions, check_same_slopes
 
@@ -118,7 +121,8 @@ def _plsh_forward(
     tensors = (pitch, shift, slopes)
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
-        out, lse, _ = forward(_plan_of(q.shape[2], k, k.shape[2], tensors, scheme, max_block, route), q, k, v)
+        out, lse, laid = forward(_plan_of(q.shape[2], k, k.shape[2], tensors, scheme, max_block, route), q, k, v)
+        keep_layout(out, (q, k, v, slopes), laid)  # the backward's q, k, v (ops._engine.custom_op)
         return out, lse
 
     def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,35 +132,22 @@ def _plsh_forward(
     return forward_row_groups(q, k, v, groups, attend, scale)
 
 
-def _plsh_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    pitch: torch.Tensor,
-    shift: torch.Tensor,
-    slopes: torch.Tensor,
-    scheme: str,
-    max_block: int | None,
-    causal: bool,
-    scale: float,
-    method: str,
-    samples_kernel: str,
-    multiplicity_kernel: str,
-    slope_grad: bool = False,
-    key_padding_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dslopes)`` of :func:`plsh_forward` (see :func:`positional_lsh.ops._engine.engine.backward`),
-    row group by row group with a ``key_padding_mask`` (padded positions get zero gradients): ``dslopes`` is the
-    surrogate slope gradient ``-slope_dist`` when ``slope_grad``, else zeros; shaped like ``slopes``, in its dtype."""
-    route = route_of(method, samples_kernel, multiplicity_kernel, causal, scale)
-    tensors = (pitch, shift, slopes)
-    groups = row_groups(key_padding_mask, q.shape[2])
+def _plsh_backward(grad: Grad, a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dslopes)`` of :func:`plsh_forward` (see :func:`positional_lsh.ops._engine.engine.backward`)
+    from ``grad`` (``dout, q, k, v, out, lse``) and ``a``, the backward op's other arguments by name (the forward's
+    tensors and settings, ``slope_grad``, ``laid_out``, ``key_padding_mask``; ``ops._engine.custom_op``), row group by
+    row group with a ``key_padding_mask`` (padded positions get zero gradients): ``dslopes`` is the surrogate slope
+    gradient ``-slope_dist`` when ``slope_grad``, else zeros; shaped like ``slopes``, in its dtype. ``laid_out``:
+    ``q, k, v`` are the forward's kernel layout (``ops._engine.custom_op.keep_layout``), taken as they are."""
+    dout, q, k, v, out, lse = grad
+    route = route_of(a["method"], a["samples_kernel"], a["multiplicity_kernel"], a["causal"], a["scale"])
+    tensors = (a["pitch"], a["shift"], a["slopes"])
+    slopes, scheme, max_block, slope_grad = a["slopes"], a["scheme"], a["max_block"], a["slope_grad"]
+    scale = a["scale"]
+    groups = row_groups(a["key_padding_mask"], q.shape[2])
     if groups is None:
         p = _plan_of(q.shape[2], k, k.shape[2], tensors, scheme, max_block, route)
-        qp, kp, vp, _ = kernel_inputs(q, k, v, p.kernel)
+        qp, kp, vp = (q, k, v) if a["laid_out"] else kernel_inputs(q, k, v, p.kernel)[:3]
         dq, dk, dv, slope_dist = backward(p, (qp, kp, vp, out, lse), dout, dist_grad=slope_grad)
     else:
         dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))  # as the fake
@@ -175,13 +166,15 @@ def _plsh_backward(
 
 
 plsh_forward = torch.library.custom_op("positional_lsh::plsh_forward", _plsh_forward, mutates_args=())
-plsh_backward = torch.library.custom_op("positional_lsh::plsh_backward", _plsh_backward, mutates_args=())
+_TENSORS = ("pitch", "shift", "slopes")
+_SETTINGS = ("scheme", "max_block", "causal", "scale", "method", "samples_kernel", "multiplicity_kernel")
+_BACKWARD = backward_schema(_plsh_forward, tensors=_TENSORS, settings=_SETTINGS, flags=("slope_grad",))
+plsh_backward = torch.library.custom_op(
+    "positional_lsh::plsh_backward", backward_impl(_plsh_backward, _BACKWARD), mutates_args=(), schema=_BACKWARD
+)
 PLSH_OP = attention_op(
-    plsh_forward, _plsh_forward, plsh_backward, _plsh_backward,
-    tensors=("pitch", "shift", "slopes"),
-    settings=("scheme", "max_block", "causal", "scale", "method", "samples_kernel", "multiplicity_kernel"),
-    grads=("q", "k", "v", "slopes"),
-    flags=lambda need: {"slope_grad": need["slopes"]},
+    plsh_forward, _plsh_forward, plsh_backward, _BACKWARD, tensors=_TENSORS, settings=_SETTINGS,
+    grads=("q", "k", "v", "slopes"), flags=lambda need: {"slope_grad": need["slopes"]},
 )  # fmt: skip
 """The estimator's op pair on the one scaffold (``ops._engine.custom_op``): fakes, ``setup_context`` and the
 autograd backward, inputs read by name."""

@@ -30,7 +30,7 @@ import torch
 from positional_lsh.ops._engine.backend import Gradients, Saved, accumulators
 from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.parallel import pool_size, run_all, work_items, workers_for
-from positional_lsh.ops._engine.torch_attention import acc_dtype, attend, attend_backward, attend_bias_grad
+from positional_lsh.ops._engine.torch_attention import Grad, acc_dtype, attend, attend_backward, attend_bias_grad
 from positional_lsh.ops.partitions.partition import Partitions, block_runs
 from positional_lsh.ops.partitions.schemes import get_scheme
 
@@ -382,15 +382,14 @@ def _backward_item(
                 # A sample counted `count` times contributes `count` times its probabilities.
                 if count > 1:
                     ds = ds * count
-                gq, gk, gv = attend_backward(
-                    ds, qs, ks, vs, os_, ls, causal=causal and seg.masked, scale=scale, kernel=kernel
-                )
+                grad = Grad(ds, qs, ks, vs, os_, ls)
+                gq, gk, gv = attend_backward(grad, causal=causal and seg.masked, scale=scale, kernel=kernel)
                 _add_rows(dq[b, h], seg, seg.q_start, seg.q_len, gq)
                 _add_rows(dk[b, hk], seg, seg.k_start, seg.k_len, gk)
                 _add_rows(dv[b, hk], seg, seg.k_start, seg.k_len, gv)
                 if slope_dist is not None:  # the surrogate slope gradient: sum dS |i - j| of this call (count included)
                     w = segment_distance(seg, q_offset, slope_dist.dtype, slope_dist.device)
-                    total = attend_bias_grad(ds, qs, ks, vs, os_, ls, w, causal=causal and seg.masked, scale=scale)
+                    total = attend_bias_grad(grad, w, causal=causal and seg.masked, scale=scale)
                     slope_dist[b, h] += total.sum(1).to(slope_dist.dtype)
 
 

@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from positional_lsh.ops._engine.backend import Backend
-from positional_lsh.ops._engine.cost import AutoEstimate, auto_method, samples_estimate
+from positional_lsh.ops._engine.cost import AUTO_MARGIN, AutoEstimate, auto_method, samples_estimate, samples_floor
 from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.multiplicity.backend import MULTIPLICITY_FLASH, MULTIPLICITY_MATH
 from positional_lsh.ops._engine.multiplicity.plan import multiplicity_plan, tilings
@@ -351,8 +351,9 @@ class Decision(Generic[P]):
 def decide(route: Route, partitions: Partitions, num_kv_heads: int, q_len: int) -> Decision[Any]:
     """What runs the call that :func:`dispatch` routed, now that its partitions are drawn (host-side).
 
-    ``method="auto"`` with a kernel for both methods builds the per-sample plan and each head's cheapest
-    multiplicity tiling and lets the cost model choose (``ops._engine.cost.auto_method``: one sample never takes the
+    ``method="auto"`` with a kernel for both methods builds each head's cheapest multiplicity tiling and the
+    per-sample plan (not built where the tiling wins even against its lower bound, ``cost.samples_floor``: the
+    choice is the same) and lets the cost model choose (``ops._engine.cost.auto_method``: one sample never takes the
     multiplicity form, it would compute the same pairs plus a mask; a call whose per-sample planning alone would
     take minutes takes the multiplicity form without it, ``AutoEstimate.up_front``); the chosen plan is kept
     (``Decision.prepared``). With one method in the route (forced, or the only one that can run) it is taken.
@@ -368,11 +369,14 @@ def decide(route: Route, partitions: Partitions, num_kv_heads: int, q_len: int) 
     if method is Method.AUTO and AutoEstimate.of(partitions.num_samples, partitions.num_heads, q_len).up_front:
         method = Method.MULTIPLICITY  # planning the per-sample path alone would take minutes (ops._engine.cost)
     if method is Method.AUTO:
-        samples = samples_plan(partitions, num_kv_heads, q_len, route.causal)
         if partitions.num_samples > 1:  # one sample: nothing to estimate
             tiles = tilings(partitions, heads, q_len, route.causal)
         multiplicity_ns = float("inf") if tiles is None else sum(tiles[h][0] for h in heads)
-        method = auto_method(partitions.num_samples, multiplicity_ns, samples_estimate(samples))
+        if multiplicity_ns <= AUTO_MARGIN * samples_floor(partitions.pitch, partitions.shift, q_len):
+            method = Method.MULTIPLICITY  # the rule's choice whatever the per-sample plan: it is not built
+        else:
+            samples = samples_plan(partitions, num_kv_heads, q_len, route.causal)
+            method = auto_method(partitions.num_samples, multiplicity_ns, samples_estimate(samples))
     kernel = route.kernel_of(method)
     if method is Method.SAMPLES:
         return Decision(method, kernel, backend_for(method, kernel), samples)

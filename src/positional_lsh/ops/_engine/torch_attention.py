@@ -19,8 +19,8 @@ needs stride 1 in the last dim, see :func:`kernel_layout`),
 ``Lq <= Lk``; queries are aligned to the *last* ``Lq`` keys, so with ``causal=True`` query ``i`` sees keys
 ``j <= i + Lk - Lq``. ``bias`` is an optional additive float mask broadcastable to ``(N, M, Lq, Lk)``.
 ``attend`` returns ``out`` in the input dtype and ``lse`` in float32 (float64 for float64 input).
-``attend_backward`` takes the upstream gradient with an arbitrary ``out``/``lse`` — when these are the
-*merged* output and log-sum-exp of several attention calls whose key sets are united in one softmax,
+``attend_backward`` takes the upstream gradient with an arbitrary ``out``/``lse`` (one :class:`Grad`) — when these
+are the *merged* output and log-sum-exp of several attention calls whose key sets are united in one softmax,
 it returns this call's share of the gradient of the merged output (docs/design.md, the merged-lse backward).
 The ``kernel`` arguments are :class:`~positional_lsh.ops._engine.kinds.Kernel` members.
 """
@@ -71,6 +71,18 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+class Grad(NamedTuple):
+    """What an attention backward takes: the upstream gradient ``dout`` and the call's ``q, k, v`` with its
+    (possibly merged) ``out`` and ``lse`` (see the module docstring)."""
+
+    dout: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
 def cuda_flash_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,20 +92,11 @@ def cuda_flash_attend(
     return out, lse
 
 
-def cuda_flash_attend_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cuda_flash_attend_backward(g: Grad, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` from torch's fused CUDA flash backward for an arbitrary (merged) ``out``/``lse``, dropout 0
     (its random-state inputs are unused then)."""
-    q, k, v, dout, out = (_last_contiguous(x) for x in (q, k, v, dout, out))
-    lse = lse.to(torch.float32).contiguous()
+    dout, q, k, v, out = (_last_contiguous(x) for x in g[:5])
+    lse = g.lse.to(torch.float32).contiguous()
     seed = torch.zeros((2,), dtype=torch.uint64, device=q.device)
     offset = torch.zeros((), dtype=torch.uint64, device=q.device)
     lq, lk = q.shape[-2], k.shape[-2]
@@ -232,16 +235,7 @@ def _add_mask(s: torch.Tensor, mask: torch.Tensor | None, sl: slice) -> torch.Te
 
 
 def _math_chunk_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    acc: torch.dtype,
-    mask: torch.Tensor | None,
-    sl: slice,
-    scale: float,
+    g: Grad, acc: torch.dtype, mask: torch.Tensor | None, sl: slice, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The math backward's recomputation for the chunk ``sl`` of ``M``, in ``acc``: ``(qa, ka, doa, p, dP - D)``.
 
@@ -249,12 +243,11 @@ def _math_chunk_backward(
     the gradient with respect to the additive scores (shared by :func:`attend_backward` and
     :func:`attend_bias_grad`, so the two see the same ``p`` and ``dS`` to the bit).
     """
-    qa, ka, va = q[:, sl].to(acc), k[:, sl].to(acc), v[:, sl].to(acc)
-    doa = dout[:, sl].to(acc)
+    doa, qa, ka, va, oa = (x[:, sl].to(acc) for x in g[:5])
     s = _add_mask(torch.matmul(qa, ka.transpose(-1, -2)) * scale, mask, sl)
-    p = torch.exp(s - lse[:, sl].to(acc)[..., None])
+    p = torch.exp(s - g.lse[:, sl].to(acc)[..., None])
     dp = torch.matmul(doa, va.transpose(-1, -2))
-    delta = (doa * out[:, sl].to(acc)).sum(-1, keepdim=True)
+    delta = (doa * oa).sum(-1, keepdim=True)
     return qa, ka, doa, p, dp - delta
 
 
@@ -292,32 +285,23 @@ def attend(
 
 
 def attend_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    kernel: str,
-    bias: torch.Tensor | None = None,
+    g: Grad, *, causal: bool, scale: float, kernel: str, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` of one call with ``kernel``, given the (possibly merged) ``out`` and ``lse``."""
+    """Gradients ``(dq, dk, dv)`` of one call with ``kernel``, given the (possibly merged) ``g.out`` and ``g.lse``."""
+    q, k, v = g.q, g.k, g.v
     lk = k.shape[-2]
     if kernel == Kernel.FLASH and q.device.type != "cpu":
-        return cuda_flash_attend_backward(dout, q, k, v, out, lse, causal, scale)
+        return cuda_flash_attend_backward(g, causal, scale)
     if kernel == Kernel.FLASH:
         mask = _full_bias(q, lk, causal, bias, q.dtype)
         plain_causal = causal and mask is None
-        return _flash_backward(dout, q, k, v, out, lse, 0.0, plain_causal, attn_mask=mask, scale=scale)
+        return _flash_backward(*g, 0.0, plain_causal, attn_mask=mask, scale=scale)
     acc, mask, chunks = _math_setup(q, lk, causal, bias)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for sl in chunks:
-        qa, ka, doa, p, dpd = _math_chunk_backward(dout, q, k, v, out, lse, acc, mask, sl, scale)
+        qa, ka, doa, p, dpd = _math_chunk_backward(g, acc, mask, sl, scale)
         dv[:, sl] = torch.matmul(p.transpose(-1, -2), doa).to(v.dtype)
         ds = p * dpd * scale
         dq[:, sl] = torch.matmul(ds, ka).to(q.dtype)
@@ -326,17 +310,7 @@ def attend_backward(
 
 
 def attend_bias_grad(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    bias: torch.Tensor | None = None,
+    g: Grad, weight: torch.Tensor, *, causal: bool, scale: float, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``(N, M)`` in the accumulation dtype: ``sum_{i,j} dS[n, m, i, j] * weight[n, m, i, j]`` for one call.
 
@@ -349,30 +323,20 @@ def attend_bias_grad(
     ``M``), for any kernel's call; no ``(Lq, Lk)`` tensor outlives a chunk. Several weights of one call:
     :func:`attend_bias_grads` (one pass for all of them).
     """
-    return attend_bias_grads(dout, q, k, v, out, lse, (weight,), causal=causal, scale=scale, bias=bias)[..., 0]
+    return attend_bias_grads(g, (weight,), causal=causal, scale=scale, bias=bias)[..., 0]
 
 
 def attend_bias_grads(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    weights: Sequence[torch.Tensor],
-    *,
-    causal: bool,
-    scale: float,
-    bias: torch.Tensor | None = None,
+    g: Grad, weights: Sequence[torch.Tensor], *, causal: bool, scale: float, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``(N, M, P)``: :func:`attend_bias_grad` for each of the ``P`` weights, from one recomputation of the scores
     (a bias with ``P`` parameters, e.g. a decay family's, costs one pass, not ``P``)."""
-    lk = k.shape[-2]
-    acc, mask, chunks = _math_setup(q, lk, causal, bias)
+    q = g.q
+    acc, mask, chunks = _math_setup(q, g.k.shape[-2], causal, bias)
     total = torch.zeros((*q.shape[:2], len(weights)), dtype=acc, device=q.device)
     ws = [w.to(acc) for w in weights]
     for sl in chunks:
-        p, dpd = _math_chunk_backward(dout, q, k, v, out, lse, acc, mask, sl, scale)[3:]
+        p, dpd = _math_chunk_backward(g, acc, mask, sl, scale)[3:]
         ds = p * dpd
         for i, w in enumerate(ws):
             per_m = w.dim() == 4 and w.shape[1] > 1

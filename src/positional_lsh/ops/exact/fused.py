@@ -9,7 +9,7 @@ import torch
 
 from positional_lsh.ops._engine.kinds import Kernel
 from positional_lsh.ops._engine.parallel import pool_size, run_all, work_items, workers_for
-from positional_lsh.ops._engine.torch_attention import attend, attend_backward
+from positional_lsh.ops._engine.torch_attention import Grad, attend, attend_backward
 from positional_lsh.ops.exact.toeplitz import Chunk, Toeplitz
 
 #: Query rows per kernel call of the ``"fused"`` route (:func:`exact_route`). Causal, each call's keys end at its last
@@ -168,10 +168,9 @@ def fused_backward(
         kh = _kv_heads(heads, group)
         for i, c in enumerate(reversed(plan.chunks)):
             ks, qs = plan.keys(c), slice(c.a, c.b)
-            gq, gk, gv = attend_backward(
-                dout[b, heads, qs], q[b, heads, qs], kr[b, kh, ks], vr[b, kh, ks], out[b, heads, qs],
-                lse[b, heads, qs], causal=False, scale=scale, kernel="flash", bias=plan.bias(heads, c),
-            )  # fmt: skip
+            grad = Grad(dout[b, heads, qs], q[b, heads, qs], kr[b, kh, ks], vr[b, kh, ks], out[b, heads, qs],
+                        lse[b, heads, qs])  # fmt: skip
+            gq, gk, gv = attend_backward(grad, causal=False, scale=scale, kernel="flash", bias=plan.bias(heads, c))
             dq[b, heads, qs] = gq
             if i == 0 and ks == slice(0, k.shape[2]):
                 dkr[b, kh] = gk

@@ -12,12 +12,13 @@ are :func:`~positional_lsh.alibi_attention` and :func:`~positional_lsh.decay_att
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 
-from positional_lsh.ops._engine.custom_op import attention_op
+from positional_lsh.ops._engine.custom_op import attention_op, backward_impl, backward_schema, keep_layout
 from positional_lsh.ops._engine.parallel import pool_size, run_all
-from positional_lsh.ops._engine.torch_attention import acc_dtype, kernel_inputs, poison_rows
+from positional_lsh.ops._engine.torch_attention import Grad, Layout, acc_dtype, kernel_inputs, poison_rows
 from positional_lsh.ops.checks import as_slopes, as_window
 from positional_lsh.ops.exact.fused import exact_route, fused_backward, fused_forward
 from positional_lsh.ops.exact.toeplitz import (
@@ -33,10 +34,11 @@ from positional_lsh.ops.partitions.decays import decay_family
 
 def _toeplitz_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Toeplitz, causal: bool, scale: float, backend: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of exact attention with the Toeplitz bias ``spec``, chunk by chunk (non-finite keys zeroed,
-    the rows that keep one set to NaN)."""
-    q, k, v, bad = kernel_inputs(q, k, v, backend)
+) -> tuple[torch.Tensor, torch.Tensor, Layout]:
+    """``(out, lse, layout)`` of exact attention with the Toeplitz bias ``spec``, chunk by chunk (non-finite keys
+    zeroed, the rows that keep one set to NaN); ``layout``: the inputs as the kernels read them."""
+    layout = kernel_inputs(q, k, v, backend)
+    q, k, v, bad = layout
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
     if exact_route(spec.window, k.shape[2], backend, q.device) == "fused":
@@ -50,7 +52,7 @@ def _toeplitz_forward(
         run_all(run, items, pool_size(len(items), q.device))
     if bad is not None:
         poison_rows(out, lse, alibi_rows_with_bad_keys(bad, q.shape[1], q.shape[2], spec.window, causal))
-    return out, lse
+    return out, lse, layout
 
 
 def _toeplitz_backward(
@@ -62,12 +64,14 @@ def _toeplitz_backward(
     backend: str,
     qkv_grad: bool,
     theta_grad: bool,
+    laid_out: bool = False,
 ) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor | None]:
     """``((dq, dk, dv) or None, param_grad (B, Hq, P) or None)`` against the saved ``out`` and ``lse``: each part
     only when asked for (the parameter part is one more math pass of every chunk's scores). ``saved``: the
-    forward's ``(q, k, v, out, lse)``."""
+    forward's ``(q, k, v, out, lse)``; ``laid_out``: its ``q, k, v`` are the forward's kernel layout."""
     q, k, v, out, lse = saved
-    q, k, v, _ = kernel_inputs(q, k, v, backend)
+    if not laid_out:
+        q, k, v, _ = kernel_inputs(q, k, v, backend)
     dout = dout.contiguous()
     acc = acc_dtype(q.dtype)
     fused = qkv_grad and exact_route(spec.window, k.shape[2], backend, q.device) == "fused"
@@ -128,40 +132,34 @@ def _exact_forward(
     spec = _spec(kind, theta, window, check)
     groups = row_groups(key_padding_mask, q.shape[2])
     if groups is None:
-        return _toeplitz_forward(q, k, v, spec, causal, scale, backend)
+        out, lse, layout = _toeplitz_forward(q, k, v, spec, causal, scale, backend)
+        keep_layout(out, (q, k, v, theta), (layout.q, layout.k, layout.v))  # the backward's q, k, v
+        return out, lse
 
     def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _toeplitz_forward(qg, kg, vg, spec, causal, scale, backend)
+        return _toeplitz_forward(qg, kg, vg, spec, causal, scale, backend)[:2]
 
     return forward_row_groups(q, k, v, groups, attend, scale)
 
 
 def _exact_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    theta: torch.Tensor,
-    window: torch.Tensor | None,
-    kind: str,
-    causal: bool,
-    scale: float,
-    backend: str,
-    qkv_grad: bool,
-    theta_grad: bool,
-    key_padding_mask: torch.Tensor | None = None,
+    grad: Grad, a: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dtheta)`` of :func:`exact_forward` by recomputation against the saved ``out`` and ``lse``,
-    row group by row group with a ``key_padding_mask`` (padded positions get zero gradients). ``dq, dk, dv`` when
-    ``qkv_grad`` (else zeros); ``dtheta`` (``sum dS * d bias / d theta``, accumulated in float32, float64 for
-    float64 inputs; in ``theta``'s shape, dtype and device) when ``theta_grad`` (else zeros, and no extra pass)."""
-    spec = _spec(kind, theta, window, False)  # the forward checked the values
-    groups = row_groups(key_padding_mask, q.shape[2])
-    args = (spec, causal, scale, backend, qkv_grad, theta_grad)
+    """``(dq, dk, dv, dtheta)`` of :func:`exact_forward` by recomputation against the saved ``out`` and ``lse``, from
+    ``grad`` (``dout, q, k, v, out, lse``) and ``a``, the backward op's other arguments by name (``theta``,
+    ``window``, the settings, ``qkv_grad``, ``theta_grad``, ``laid_out``, ``key_padding_mask``;
+    ``ops._engine.custom_op``), row group by row group with a ``key_padding_mask`` (padded positions get zero
+    gradients). ``dq, dk, dv`` when ``qkv_grad`` (else zeros); ``dtheta`` (``sum dS * d bias / d theta``,
+    accumulated in float32, float64 for float64 inputs; in ``theta``'s shape, dtype and device) when ``theta_grad``
+    (else zeros, and no extra pass); ``laid_out``: ``q, k, v`` are the forward's kernel layout."""
+    dout, q, k, v, out, lse = grad
+    theta, qkv_grad, theta_grad = a["theta"], a["qkv_grad"], a["theta_grad"]
+    spec = _spec(a["kind"], theta, a["window"], False)  # the forward checked the values
+    groups = row_groups(a["key_padding_mask"], q.shape[2])
+    scale = a["scale"]
+    args = (spec, a["causal"], scale, a["backend"], qkv_grad, theta_grad)
     if groups is None:
-        grads, param_grad = _toeplitz_backward(dout, (q, k, v, out, lse), *args)
+        grads, param_grad = _toeplitz_backward(dout, (q, k, v, out, lse), *args, a["laid_out"])
         dtheta = None if param_grad is None else param_grad.sum(0)
     else:
         grads = tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)) if qkv_grad else None
@@ -182,13 +180,14 @@ def _exact_backward(
 
 
 exact_forward = torch.library.custom_op("positional_lsh::exact_forward", _exact_forward, mutates_args=())
-exact_backward = torch.library.custom_op("positional_lsh::exact_backward", _exact_backward, mutates_args=())
+_TENSORS, _SETTINGS = ("theta", "window"), ("kind", "causal", "scale", "backend")
+_BACKWARD = backward_schema(_exact_forward, tensors=_TENSORS, settings=_SETTINGS, flags=("qkv_grad", "theta_grad"))
+exact_backward = torch.library.custom_op(
+    "positional_lsh::exact_backward", backward_impl(_exact_backward, _BACKWARD), mutates_args=(), schema=_BACKWARD
+)
 EXACT_OP = attention_op(
-    exact_forward, _exact_forward, exact_backward, _exact_backward,
-    tensors=("theta", "window"),
-    settings=("kind", "causal", "scale", "backend"),
-    grads=("q", "k", "v", "theta"),
-    flags=lambda n: {"qkv_grad": n["q"] or n["k"] or n["v"], "theta_grad": n["theta"]},
+    exact_forward, _exact_forward, exact_backward, _BACKWARD, tensors=_TENSORS, settings=_SETTINGS,
+    grads=("q", "k", "v", "theta"), flags=lambda n: {"qkv_grad": n["q"] or n["k"] or n["v"], "theta_grad": n["theta"]},
 )  # fmt: skip
 """The exact op pair on the one scaffold (``ops._engine.custom_op``): fakes, ``setup_context`` and the autograd
 backward, inputs read by name (``theta`` gets its exact gradient when autograd needs it)."""

@@ -20,6 +20,7 @@ import torch
 from positional_lsh.ops._engine.kinds import Kernel
 from positional_lsh.ops._engine.parallel import work_items, workers_for
 from positional_lsh.ops._engine.torch_attention import (
+    Grad,
     acc_dtype,
     attend,
     attend_backward,
@@ -277,7 +278,7 @@ def alibi_backward_item(
         )
         if grads is not None:
             dq, dk, dv = grads
-            gq, gk, gv = attend_backward(*args, causal=False, scale=scale, kernel=backend, bias=bias)
+            gq, gk, gv = attend_backward(Grad(*args), causal=False, scale=scale, kernel=backend, bias=bias)
             dq[b, h, qs] += gq[:, 0]
             dk[b, hk, ks] += gk[:, 0]
             dv[b, hk, ks] += gv[:, 0]
@@ -317,5 +318,5 @@ def _param_grad_share(
         rs, ks = slice(a - c.a, b - c.a), slice(lo - c.lo, hi - c.lo)
         sub = (dout[..., rs, :], q[..., rs, :], k[..., ks, :], v[..., ks, :], out[..., rs, :], lse[..., rs])
         ws = [weights[p, rs, ks][None, None] for p in range(weights.shape[0])]
-        total += attend_bias_grads(*sub, ws, causal=False, scale=scale, bias=bias[..., rs, ks])[:, 0]
+        total += attend_bias_grads(Grad(*sub), ws, causal=False, scale=scale, bias=bias[..., rs, ks])[:, 0]
     return total

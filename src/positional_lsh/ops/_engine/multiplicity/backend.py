@@ -12,10 +12,15 @@ from positional_lsh.ops._engine.backend import Gradients, Saved, accumulators
 from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.multiplicity.mask import Workspace, count_mask, kernel_calls
 from positional_lsh.ops._engine.multiplicity.plan import KEEP_MASK_ELEMENTS, Call, MultiplicityPlan, multiplicity_plan
-from positional_lsh.ops._engine.torch_attention import acc_dtype, attend, attend_backward, attend_bias_grad
+from positional_lsh.ops._engine.torch_attention import Grad, acc_dtype, attend, attend_backward, attend_bias_grad
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = ["MULTIPLICITY_FLASH", "MULTIPLICITY_MATH", "MultiplicityBackend", "call_inputs", "gather_rows"]
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` (no call where it is already: a short call makes a few hundred of these)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
 
 def gather_rows(
     x: torch.Tensor, index: torch.Tensor, shape: torch.Size, ws: Workspace | None = None, role: str = ""
@@ -47,9 +52,9 @@ def call_inputs(
     the call's mask where the forward kept it (``plan.KEEP_MASK_ELEMENTS``), else it is built (:func:`count_mask`)."""
     if mask is None:
         mask = count_mask(c, plan, cd, ws)
-    qg = gather_rows(q, c.q_index, c.rows.shape, ws, "q").to(cd)
-    kg = gather_rows(k, c.kv_index, c.keys.shape, ws, "k").to(cd)
-    vg = gather_rows(v, c.kv_index, c.keys.shape, ws, "v").to(cd)
+    qg = _as(gather_rows(q, c.q_index, c.rows.shape, ws, "q"), cd)
+    kg = _as(gather_rows(k, c.kv_index, c.keys.shape, ws, "k"), cd)
+    vg = _as(gather_rows(v, c.kv_index, c.keys.shape, ws, "v"), cd)
     return mask, qg, kg, vg
 
 
@@ -90,17 +95,18 @@ class MultiplicityBackend:
         calls = kernel_calls(plan, q.device, b, d)
         keep = sum(c.rows.numel() * c.g.k_len for c in calls) <= KEEP_MASK_ELEMENTS
         masks = []
+        out_f, lse_f = out.view(b, -1, d), lse.view(b, -1)
         for c in calls:
             mask, qg, kg, vg = call_inputs(c, plan, q, k, v, cd, ws)
             if keep:
                 masks.append(mask.clone())
             o, l = attend(qg, kg, vg, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0))
             # Padded rows repeat row Lq-1 of the same tile: they write the same values.
-            out.view(b, -1, d).index_copy_(1, c.q_index, o.flatten(1, 2).to(out.dtype))
-            lse.view(b, -1).index_copy_(1, c.q_index, l.flatten(1, 2).to(lse.dtype))
+            out_f.index_copy_(1, c.q_index, _as(o.flatten(1, 2), cd))
+            lse_f.index_copy_(1, c.q_index, _as(l.flatten(1, 2), cd))
         if keep:
             plan.kept_masks[(str(q.device), b, d, cd)] = tuple(masks)
-        return out.to(q.dtype), lse
+        return _as(out, q.dtype), lse
 
     def backward(
         self, plan: MultiplicityPlan, saved: Saved, dout: torch.Tensor, scale: float, dist_grad: bool
@@ -113,24 +119,25 @@ class MultiplicityBackend:
         b, hq, lq, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         dq_f, dk_f, dv_f = dq.view(b, hq * lq, d), dk.view(b, hkv * n, d), dv.view(b, hkv * n, d)
+        lse_f = lse.reshape(b, hq * lq)
         ws = Workspace(q.device)
         calls = kernel_calls(plan, q.device, b, d)
         kept = plan.kept_masks.pop((str(q.device), b, d, cd), None)  # the forward's, where it kept them
         for i, c in enumerate(calls):
             mask, qg, kg, vg = call_inputs(c, plan, q, k, v, cd, ws, None if kept is None else kept[i])
-            og = gather_rows(out, c.q_index, c.rows.shape, ws, "out").to(cd)
-            lg = gather_rows(lse.unsqueeze(-1), c.q_index, c.rows.shape).squeeze(-1).to(cd)
-            # Padding rows get a zero upstream gradient, so they contribute nothing.
-            dg = (gather_rows(dout, c.q_index, c.rows.shape).to(cd) * c.real[None, :, :, None]).to(cd)
-            gq, gk, gv = attend_backward(
-                dg, qg, kg, vg, og, lg, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0)
-            )
-            dq_f.index_add_(1, c.q_index, gq.flatten(1, 2).to(dq.dtype))
-            dk_f.index_add_(1, c.kv_index, gk.flatten(1, 2).to(dk.dtype))
-            dv_f.index_add_(1, c.kv_index, gv.flatten(1, 2).to(dv.dtype))
+            og = _as(gather_rows(out, c.q_index, c.rows.shape, ws, "out"), cd)
+            lg = _as(lse_f.index_select(1, c.q_index).view(b, *c.rows.shape), cd)
+            dg = _as(gather_rows(dout, c.q_index, c.rows.shape), cd)
+            if c.padded:  # padding rows get a zero upstream gradient, so they contribute nothing
+                dg = _as(dg * c.real[None, :, :, None], cd)
+            grad = Grad(dg, qg, kg, vg, og, lg)
+            gq, gk, gv = attend_backward(grad, causal=False, scale=scale, kernel=self.kernel, bias=mask.unsqueeze(0))
+            dq_f.index_add_(1, c.q_index, _as(gq.flatten(1, 2), dq.dtype))
+            dk_f.index_add_(1, c.kv_index, _as(gk.flatten(1, 2), dk.dtype))
+            dv_f.index_add_(1, c.kv_index, _as(gv.flatten(1, 2), dv.dtype))
             if slope_dist is not None:  # the surrogate slope gradient: |i - j| of the tiles' rows and union keys
                 w = (c.pos[:, :, None] - c.keys[:, None, :]).abs().to(cd).unsqueeze(0)
-                total = attend_bias_grad(dg, qg, kg, vg, og, lg, w, causal=False, scale=scale, bias=mask.unsqueeze(0))
+                total = attend_bias_grad(grad, w, causal=False, scale=scale, bias=mask.unsqueeze(0))
                 slope_dist.index_add_(0, c.g.head, total.sum(0).to(slope_dist.dtype))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), slope_dist
 

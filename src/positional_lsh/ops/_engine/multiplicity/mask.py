@@ -92,19 +92,31 @@ def kernel_calls(plan: MultiplicityPlan, device: torch.device, batch: int, d: in
         return hit
     calls = []
     lq, n = plan.q_len, plan.k_len
+    # The integer path's int64 pitches and shifts of every tile, once per plan (one rule, one reduction), then cut
+    # as the groups and their calls are.
+    whole_all = None
+    if plan.groups:
+        pitch, shift = (torch.cat([getattr(g, name) for g in plan.groups]) for name in ("pitch", "shift"))
+        whole_all = integer_pitch_shift(pitch, shift)
+    at = 0
     for group in plan.groups:
-        integer = integer_pitch_shift(group.pitch, group.shift) is not None  # once per group, not per call
+        offset, at = at, at + group.head.shape[0]
         for g in call_chunks(group.to(device), batch, d):
             rows, real = tile_rows(g, lq)
             keys = call_keys(g, n)
             pos = rows + (n - lq)
-            whole = integer_pitch_shift(g.pitch, g.shift) if integer else None  # once per call, not per mask
+            whole = None  # the call's (once per call, not per mask)
+            if whole_all is not None:
+                cut = slice(offset, offset + g.head.shape[0])
+                whole = (whole_all[0][cut].to(device), whole_all[1][cut].to(device))
+                offset = cut.stop
             moves = None
-            if whole is not None and plan.causal and bool(real.all()):
+            padded = bool(g.q_start.max() + g.tile > lq)  # a tile that reaches past the last query row
+            if whole is not None and plan.causal and not padded:
                 moves = move_events(g, pos, n, plan.num_samples, whole)
             q_index = (g.head[:, None] * lq + rows).flatten()
             kv_index = (g.kv_head[:, None] * n + keys).flatten()
-            calls.append(Call(g, rows, real, pos, keys, q_index, kv_index, whole, moves))
+            calls.append(Call(g, rows, real, pos, keys, q_index, kv_index, whole, moves, padded))
     plan.calls_cache[key] = out = tuple(calls)
     return out
 

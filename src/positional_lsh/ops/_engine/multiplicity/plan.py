@@ -88,6 +88,7 @@ class Call:
     whole: tuple[torch.Tensor, torch.Tensor] | None  # int64 (pitch, shift) on the integer path, once per call
     # (ops.partitions.bounds.integer_pitch_shift); None: real partitions
     moves: tuple[torch.Tensor, torch.Tensor] | None = None  # (flat index, value) of the block-move events, if used
+    padded: bool = True  # whether some row is padding past Lq (False: ``real`` is all True)
 
 
 @dataclass(frozen=True)
@@ -114,24 +115,24 @@ class MultiplicityPlan:
         return len(self.groups)
 
 
-def round_up(k: torch.Tensor, limit: int) -> torch.Tensor:
-    """Round lengths up to one of ``_STEPS_PER_OCTAVE`` sizes per octave (multiples of 8), at most ``limit``."""
-    kf = k.to(torch.float64).clamp_min(8.0)
-    octave = torch.floor(torch.log2(kf)) - math.log2(_STEPS_PER_OCTAVE)
-    unit = torch.exp2(octave).clamp_min(8.0)
-    out = (torch.ceil(kf / unit) * unit).long()
+def round_up(k: np.ndarray, limit: int) -> np.ndarray:
+    """Round int64 lengths up to one of ``_STEPS_PER_OCTAVE`` sizes per octave (multiples of 8), at most ``limit``."""
+    kf = np.maximum(k.astype(np.float64), 8.0)
+    octave = np.frexp(kf)[1] - 1 - math.log2(_STEPS_PER_OCTAVE)  # floor(log2(kf)), exactly
+    unit = np.maximum(np.exp2(octave), 8.0)
+    out = (np.ceil(kf / unit) * unit).astype(np.int64)
     out = ((out + 7) // 8) * 8
-    return torch.minimum(out, torch.full_like(out, limit))
+    return np.minimum(out, limit)
 
 
 Tiling = tuple[float, tuple[torch.Tensor, ...], int]
 """One head's tiling: ``(estimated ns, (q_start, k_start, k_len), tile height)`` (see :func:`tilings`)."""
 
 
-def distinct_count(x: torch.Tensor) -> torch.Tensor:
+def distinct_count(x: np.ndarray) -> np.ndarray:
     """The number of distinct values in each column of ``x (rows, cols)``, float64 ``(cols,)``."""
-    srt = x.sort(0).values
-    return ((srt[1:] != srt[:-1]).sum(0) + 1).to(torch.float64)
+    srt = np.sort(x, 0)
+    return ((srt[1:] != srt[:-1]).sum(0) + 1).astype(np.float64)
 
 
 def tilings(partitions: Partitions, heads: list[int], q_len: int, causal: bool) -> dict[int, Tiling]:
@@ -175,26 +176,35 @@ def tilings(partitions: Partitions, heads: list[int], q_len: int, causal: bool) 
             end_cols.append(end_h)
     lo_fine = torch.cat(lo_cols, 1)  # (fine tiles, heads)
     end_fine = (fine_last + 1)[:, None].expand_as(lo_fine) if causal else torch.cat(end_cols, 1)
-    best: dict[int, Tiling] = {}
+    # The candidate heights in numpy (a few dozen small ops each: torch's per-op cost was most of planning).
+    fine_np, lo_np, end_np = fine.numpy(), lo_fine.numpy(), end_fine.numpy()
+    best_cost = np.full(len(heads), math.inf)
+    chosen: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # per height: (tile, q_start, k_start, k_len)
+    which = np.zeros(len(heads), dtype=np.int64)  # each head's cheapest height (the first of equal estimates)
     # Short calls may also take one tile of all rows (fewer, larger kernel calls; the cost model weighs the pairs).
     heights = TILE_HEIGHTS if q_len > WHOLE_TILE_ROWS else (*TILE_HEIGHTS, q_len)
     for tile in heights:
         tile = min(tile, q_len)
-        step = tile // unit if tile < q_len else fine.numel()  # one tile: first row 0, last row Lq - 1
-        first_idx = torch.arange(0, fine.numel(), step)
-        last_idx = torch.clamp(first_idx + step - 1, max=fine.numel() - 1)
-        q_start = fine[first_idx]
-        lo, end = lo_fine[first_idx], end_fine[last_idx]  # (tiles, heads)
-        k_len = round_up(end - lo, n)
-        k_start = torch.minimum(lo, n - k_len)
-        pairs = k_len.sum(0).to(torch.float64) * tile
+        step = tile // unit if tile < q_len else fine_np.size  # one tile: first row 0, last row Lq - 1
+        first_idx = np.arange(0, fine_np.size, step)
+        last_idx = np.minimum(first_idx + step - 1, fine_np.size - 1)
+        tile_lo, tile_end = lo_np[first_idx], end_np[last_idx]  # (tiles, heads)
+        k_len = round_up(tile_end - tile_lo, n)
+        k_start = np.minimum(tile_lo, n - k_len)
+        pairs = k_len.sum(0).astype(np.float64) * tile
         shapes = distinct_count(k_len)  # each distinct window length is (at least) one kernel call
-        costs = tiling_estimate(pairs, tile, q_start.numel(), q_len, partitions.num_samples, shapes).tolist()
-        for col, (h, cost) in enumerate(zip(heads, costs, strict=True)):
-            if h not in best or cost < best[h][0]:
-                best[h] = (cost, (q_start, k_start[:, col].contiguous(), k_len[:, col].contiguous()), tile)
+        costs = tiling_estimate(pairs, tile, first_idx.size, q_len, partitions.num_samples, shapes)
+        better = costs < best_cost
+        best_cost = np.where(better, costs, best_cost)
+        which[better] = len(chosen)
+        chosen.append((tile, fine_np[first_idx], k_start, k_len))
         if tile >= q_len:
             break
+    best: dict[int, Tiling] = {}
+    for col, h in enumerate(heads):
+        tile, q_start, k_start, k_len = chosen[which[col]]
+        columns = (q_start, np.ascontiguousarray(k_start[:, col]), np.ascontiguousarray(k_len[:, col]))
+        best[h] = (float(best_cost[col]), tuple(torch.from_numpy(x) for x in columns), tile)
     return best
 
 
@@ -203,19 +213,21 @@ def distinct_partitions(partitions: Partitions) -> tuple[torch.Tensor, torch.Ten
     shifts and int32 weights, ``U`` the most distinct pairs of a head (the rest of a row repeats its first pair with
     weight 0). Equal partitions give equal blocks, so a count ``c`` is the weighted count over the distinct ones: at
     large ``T`` the heads of small ``sigma`` (whose draws repeat) have a fraction of ``T`` events per row."""
-    pitches, shifts = partitions.pitch.numpy(), partitions.shift.numpy()  # (T, H) float64 CPU: numpy, no copies
-    per_head = [
-        np.unique(np.stack([pitches[:, h], shifts[:, h]], 1), axis=0, return_counts=True)  # sorted, as torch.unique
-        for h in range(partitions.num_heads)
-    ]
-    width = max(u.shape[0] for u, _ in per_head)
-    pitch = np.empty((partitions.num_heads, width), dtype=np.float64)
-    shift = np.empty_like(pitch)
-    weight = np.zeros((partitions.num_heads, width), dtype=np.int32)
-    for h, (uniq, counts) in enumerate(per_head):
-        u = uniq.shape[0]
-        pitch[h], shift[h] = uniq[0, 0], uniq[0, 1]
-        pitch[h, :u], shift[h, :u], weight[h, :u] = uniq[:, 0], uniq[:, 1], counts
+    p, s = partitions.pitch.numpy(), partitions.shift.numpy()  # (T, H) float64 CPU: numpy, no copies
+    t, h = p.shape
+    # Every head at once (a per-head np.unique was most of a short call's planning): each column sorted by pitch,
+    # then shift (np.unique's order), a new pair wherever a value changes, its slot the running count of new pairs.
+    order = np.lexsort((s, p), axis=0)
+    ps, ss = np.take_along_axis(p, order, 0), np.take_along_axis(s, order, 0)
+    new = np.ones((t, h), dtype=bool)
+    new[1:] = (ps[1:] != ps[:-1]) | (ss[1:] != ss[:-1])
+    slot = np.cumsum(new, 0) - 1  # (T, H): the distinct pair of each draw
+    width = int(slot[-1].max()) + 1
+    cols = np.broadcast_to(np.arange(h), (t, h))
+    pitch, shift = np.repeat(ps[:1].T, width, 1), np.repeat(ss[:1].T, width, 1)  # (H, U): padding repeats pair 0
+    pitch[cols, slot], shift[cols, slot] = ps, ss
+    weight = np.zeros((h, width), dtype=np.int32)
+    np.add.at(weight, (cols, slot), 1)
     return torch.from_numpy(pitch), torch.from_numpy(shift), torch.from_numpy(weight)
 
 
@@ -238,21 +250,24 @@ def multiplicity_plan(
         tiles.update(tilings(partitions, missing, q_len, causal))
     # Every tile of every head as one row of (head, q_start, k_start, k_len), per tile height; sorted by k_len,
     # each run of equal k_len is one group (vectorized: a per-head loop was most of a short call's planning).
-    distinct = distinct_partitions(partitions)
-    by_tile: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+    # In numpy: a few dozen small ops per height, where torch's per-op cost was most of a short call's planning.
+    distinct = tuple(x.numpy() for x in distinct_partitions(partitions))
+    by_tile: dict[int, list[tuple[np.ndarray, ...]]] = {}
     for h in heads:
-        _, (q_start, k_start, k_len), tile = tiles[h]
-        by_tile.setdefault(tile, []).append((torch.full_like(q_start, h), q_start, k_start, k_len))
+        _, tiling, tile = tiles[h]
+        rows, k_start, k_len = (x.numpy() for x in tiling)
+        by_tile.setdefault(tile, []).append((np.full(rows.shape, h, dtype=np.int64), rows, k_start, k_len))
     groups = []
     for tile in sorted(by_tile):
-        head, q_start, k_start, k_len = (torch.cat(c) for c in zip(*by_tile[tile], strict=True))
-        k_len, order = torch.sort(k_len, stable=True)
-        head, q_start, k_start = head[order], q_start[order], k_start[order]
-        lengths, counts = torch.unique_consecutive(k_len, return_counts=True)
+        head, q_start, k_start, k_len = (np.concatenate(c) for c in zip(*by_tile[tile], strict=True))
+        order = np.argsort(k_len, kind="stable")
+        head, q_start, k_start, k_len = head[order], q_start[order], k_start[order], k_len[order]
+        cuts = [*np.flatnonzero(k_len[1:] != k_len[:-1]) + 1, k_len.size]  # runs of equal k_len
         cols = (head, head // group_size, q_start, k_start, *(x[head] for x in distinct))
-        splits = [c.split(counts.tolist()) for c in cols]
-        for kl, *parts in zip(lengths.tolist(), *splits, strict=True):
-            groups.append(Group(tile, int(kl), *(c.contiguous() for c in parts)))
+        first = 0
+        for end in cuts:
+            groups.append(Group(tile, int(k_len[first]), *(torch.from_numpy(c[first:end].copy()) for c in cols)))
+            first = end
     return MultiplicityPlan(tuple(heads), tuple(groups), q_len, partitions.seq_len, causal, partitions.num_samples)
 
 
