@@ -251,6 +251,15 @@ inline bool bias_row(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64
   return true;
 }
 
+// The tile's rows that keep a key of [j0, j0 + bn): [ra, rb), contiguous since every row's kept keys [lo, hi) are
+// an interval whose ends do not decrease down the rows.
+inline void live_rows(const TileRows& tr, int64_t j0, int64_t bn, int64_t& ra, int64_t& rb) {
+  ra = 0;
+  while (ra < tr.rows && tr.hi[ra] <= j0) ++ra;
+  rb = tr.rows;
+  while (rb > ra && tr.lo[rb - 1] >= j0 + bn) --rb;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Vector helpers over n floats.
 
@@ -456,9 +465,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
         const int64_t kb0 = span_lo[ht] / block_n, kb1 = (span_hi[ht] + block_n - 1) / block_n;
         for (int64_t kb = kb0; kb < std::min(kb1, nb); ++kb) {
           const int64_t j0 = kb * block_n, bn = std::min(block_n, Lk - j0);
-          at::native::cpublas::brgemm(rows, bn, d, d, block_n, block_n, false, qt,
-                                      ktp + ((b * Hkv + hk) * nb + kb) * d * block_n, sc.data(), false);
-          for (int64_t x = 0; x < rows; ++x) {
+          int64_t ra, rb;
+          live_rows(tr, j0, bn, ra, rb);
+          if (ra >= rb) continue;
+          at::native::cpublas::brgemm(rb - ra, bn, d, d, block_n, block_n, false, qt + ra * d,
+                                      ktp + ((b * Hkv + hk) * nb + kb) * d * block_n, sc.data() + ra * block_n, false);
+          for (int64_t x = ra; x < rb; ++x) {
             float* s = sc.data() + x * block_n;
             if (!bias_row(bias, h, tr, x, j0, bn, br.data())) {
               std::fill(s, s + bn, 0.f);
@@ -476,8 +488,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
             l[x] = l[x] * alpha + sum;
             m[x] = mn;
           }
-          at::native::cpublas::brgemm(rows, d, bn, block_n, d, d, true, sc.data(),
-                                      vp + ((b * Hkv + hk) * Lk + j0) * d, acc.data(), false);
+          at::native::cpublas::brgemm(rb - ra, d, bn, block_n, d, d, true, sc.data() + ra * block_n,
+                                      vp + ((b * Hkv + hk) * Lk + j0) * d, acc.data() + ra * d, false);
         }
         float* ot = op + ((b * Hq + h) * Lq + r0) * d;
         float* lt = lp + (b * Hq + h) * Lq + r0;
@@ -577,10 +589,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
           for (int64_t kb = kb0; kb < std::min(kb1, nb); ++kb) {
             const int64_t j0 = kb * block_n, bn = std::min(block_n, Lk - j0);
             const int64_t kvo = ((b * Hkv + hk) * nb + kb) * d * block_n;
-            at::native::cpublas::brgemm(rows, bn, d, d, block_n, block_n, false, qt, ktp + kvo, sc.data(), false);
-            at::native::cpublas::brgemm(rows, bn, d, d, block_n, block_n, false, dot, vtp + kvo, dp.data(), false);
+            int64_t ra, rb;
+            live_rows(tr, j0, bn, ra, rb);
+            if (ra >= rb) continue;
+            const int64_t mr = rb - ra;
+            float* sr = sc.data() + ra * block_n;
+            float* dr = dp.data() + ra * block_n;
+            at::native::cpublas::brgemm(mr, bn, d, d, block_n, block_n, false, qt + ra * d, ktp + kvo, sr, false);
+            at::native::cpublas::brgemm(mr, bn, d, d, block_n, block_n, false, dot + ra * d, vtp + kvo, dr, false);
             bool any = false;
-            for (int64_t x = 0; x < rows; ++x) {
+            for (int64_t x = ra; x < rb; ++x) {
               float* s = sc.data() + x * block_n;
               float* g = dp.data() + x * block_n;
               live[x] = bias_row(bias, h, tr, x, j0, bn, br.data()) && lt[x] != kNegInf;
@@ -613,13 +631,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
             }
             if (!any) continue;
             // dv += P^T dO; dk += scale dS^T Q; dq += scale dS K
-            transpose(sc.data(), rows, bn, block_n, tp.data(), block_m);
-            at::native::cpublas::brgemm(bn, d, rows, block_m, d, d, true, tp.data(), dot, dvt + j0 * d, false);
-            for (int64_t x = 0; x < rows; ++x) scale_row(dp.data() + x * block_n, scale, bn);
-            transpose(dp.data(), rows, bn, block_n, tp.data(), block_m);
-            at::native::cpublas::brgemm(bn, d, rows, block_m, d, d, true, tp.data(), qt, dkt + j0 * d, false);
-            at::native::cpublas::brgemm(rows, d, bn, block_n, d, d, true, dp.data(),
-                                        kp + ((b * Hkv + hk) * Lk + j0) * d, dqt, false);
+            transpose(sr, mr, bn, block_n, tp.data(), block_m);
+            at::native::cpublas::brgemm(bn, d, mr, block_m, d, d, true, tp.data(), dot + ra * d, dvt + j0 * d, false);
+            for (int64_t x = ra; x < rb; ++x) scale_row(dp.data() + x * block_n, scale, bn);
+            transpose(dr, mr, bn, block_n, tp.data(), block_m);
+            at::native::cpublas::brgemm(bn, d, mr, block_m, d, d, true, tp.data(), qt + ra * d, dkt + j0 * d, false);
+            at::native::cpublas::brgemm(mr, d, bn, block_n, d, d, true, dr, kp + ((b * Hkv + hk) * Lk + j0) * d,
+                                        dqt + ra * d, false);
           }
         }
         if (dist) {
