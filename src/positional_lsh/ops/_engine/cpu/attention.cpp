@@ -28,6 +28,7 @@
 #include <limits>
 #include <numeric>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -320,21 +321,39 @@ inline void scale_row(float* x, float a, int64_t n) {
   for (; j < n; ++j) x[j] *= a;
 }
 
-// Key blocks of block_n keys on the grid 0, block_n, ...: K^T of each, (d, block_n), zero-padded past Lk.
-at::Tensor pack_transposed(const at::Tensor& k, int64_t block_n) {
-  const int64_t B = k.size(0), H = k.size(1), L = k.size(2), d = k.size(3);
+// Each key block of block_n keys (on the grid 0, block_n, ...) of x (B, H, L, d) laid out as a brgemm B matrix,
+// zero-padded past L: (B, H, nb, d * block_n).
+//   * Layout::kTransposed: x^T, the K x N matrix (d, block_n), row-major (float32 keys);
+//   * Layout::kKeysVnni / kValuesVnni: x^T (d, block_n) or x (block_n, d) in the VNNI-2 layout of half types,
+//     element (r, c) of a K x N matrix at ((r / 2) * N + c) * 2 + r % 2 (K even: zero rows pad it).
+enum class Layout { kTransposed, kKeysVnni, kValuesVnni };
+
+template <typename T>
+at::Tensor pack_blocks(const at::Tensor& x, int64_t block_n, Layout layout) {
+  const int64_t B = x.size(0), H = x.size(1), L = x.size(2), d = x.size(3);
   const int64_t nb = (L + block_n - 1) / block_n;
-  auto out = at::zeros({B, H, nb, d, block_n}, k.options());
-  const float* src = k.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+  auto out = at::zeros({B, H, nb, d * block_n}, x.options());
+  const T* src = x.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
   at::parallel_for(0, B * H * nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t bh = idx / nb, kb = idx % nb;
       const int64_t j0 = kb * block_n, bn = std::min(block_n, L - j0);
-      const float* s = src + (bh * L + j0) * d;
-      float* o = dst + idx * d * block_n;
-      for (int64_t j = 0; j < bn; ++j)
-        for (int64_t c = 0; c < d; ++c) o[c * block_n + j] = s[j * d + c];
+      const T* s = src + (bh * L + j0) * d;
+      T* o = dst + idx * d * block_n;
+      for (int64_t j = 0; j < bn; ++j) {
+        for (int64_t c = 0; c < d; ++c) {
+          int64_t at;
+          if (layout == Layout::kTransposed) {
+            at = c * block_n + j;
+          } else if (layout == Layout::kKeysVnni) {
+            at = ((c / 2) * block_n + j) * 2 + c % 2;
+          } else {
+            at = ((j / 2) * d + c) * 2 + j % 2;
+          }
+          o[at] = s[j * d + c];
+        }
+      }
     }
   });
   return out;
@@ -404,11 +423,15 @@ Spans spans(const Bias& bias, int64_t Hq, int64_t Lq, int64_t Lk, int64_t block_
   return sp;
 }
 
-void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool half = false) {
+  const auto dt = q.scalar_type();
+  const bool ok = dt == at::kFloat || (half && dt == at::kBFloat16);
   for (const auto* x : {&q, &k, &v}) {
-    TORCH_CHECK(x->dim() == 4 && x->is_contiguous() && x->scalar_type() == at::kFloat && x->device().is_cpu(),
-                "q, k, v: contiguous float32 CPU tensors (B, H, L, d)");
+    TORCH_CHECK(x->dim() == 4 && x->is_contiguous() && x->scalar_type() == dt && ok && x->device().is_cpu(),
+                "q, k, v: contiguous CPU tensors (B, H, L, d) of one dtype: float32 (bfloat16: forward, even head "
+                "dim)");
   }
+  TORCH_CHECK(dt == at::kFloat || q.size(3) % 2 == 0, "bfloat16: an even head dim");
   TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3), "q, k, v: shapes");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "q heads: a multiple of the key heads");
   TORCH_CHECK(q.size(2) <= k.size(2), "Lq <= Lk");
@@ -417,21 +440,14 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
 // ---------------------------------------------------------------------------------------------------------------
 // Forward.
 
-std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     const at::Tensor& pitch, const at::Tensor& shift,
-                                                     const at::Tensor& table, const at::Tensor& rtable,
-                                                     const at::Tensor& reach, int64_t kind, bool causal,
-                                                     double scale_d, int64_t block_m, int64_t block_n) {
-  check_inputs(q, k, v);
+template <typename T>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias, float scale,
+                  int64_t block_m, int64_t block_n, at::Tensor& out, at::Tensor& lse) {
+  constexpr bool kHalf = !std::is_same_v<T, float>;  // bfloat16: VNNI-packed B, P rounded to T
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), d = q.size(3);
   const int64_t Hkv = k.size(1), Lk = k.size(2), group = Hq / Hkv;
-  const Bias bias = make_bias(kind, causal, pitch, shift, table, rtable, reach, Lk);
-  TORCH_CHECK(bias.H == Hq, "the bias has one head per query head");
-  const float scale = static_cast<float>(scale_d);
-  auto out = at::empty_like(q);
-  auto lse = at::empty({B, Hq, Lq}, q.options());
-  if (B * Hq * Lq == 0) return {out, lse};
-  const at::Tensor kt = pack_transposed(k, block_n);
+  const at::Tensor kt = pack_blocks<T>(k, block_n, kHalf ? Layout::kKeysVnni : Layout::kTransposed);
+  const at::Tensor vk = kHalf ? pack_blocks<T>(v, block_n, Layout::kValuesVnni) : v;
   const int64_t nb = (Lk + block_n - 1) / block_n;
   const Spans sp = spans(bias, Hq, Lq, Lk, block_m);
   const int64_t tiles = sp.tiles, q0 = Lk - Lq;
@@ -442,14 +458,14 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
     cost[idx] = static_cast<double>(span_hi[ht] - span_lo[ht]);
   }
   const auto lists = balance(cost, at::get_num_threads());
-  const float* qp = q.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const float* ktp = kt.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* vp = vk.data_ptr<T>();
+  const T* ktp = kt.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t tb, int64_t te) {
     std::vector<float> sc(block_m * block_n), br(block_n), acc(block_m * d), m(block_m), l(block_m);
-    std::vector<char> live(block_m);
+    std::vector<T> pb(kHalf ? block_m * block_n : 0);
     TileRows tr;
     for (int64_t tid = tb; tid < te; ++tid) {
       for (int64_t item : lists[tid]) {
@@ -461,7 +477,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
         std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
         std::fill(m.begin(), m.end(), kNegInf);
         std::fill(l.begin(), l.end(), 0.f);
-        const float* qt = qp + ((b * Hq + h) * Lq + r0) * d;
+        const T* qt = qp + ((b * Hq + h) * Lq + r0) * d;
         const int64_t kb0 = span_lo[ht] / block_n, kb1 = (span_hi[ht] + block_n - 1) / block_n;
         for (int64_t kb = kb0; kb < std::min(kb1, nb); ++kb) {
           const int64_t j0 = kb * block_n, bn = std::min(block_n, Lk - j0);
@@ -469,7 +485,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
           live_rows(tr, j0, bn, ra, rb);
           if (ra >= rb) continue;
           at::native::cpublas::brgemm(rb - ra, bn, d, d, block_n, block_n, false, qt + ra * d,
-                                      ktp + ((b * Hkv + hk) * nb + kb) * d * block_n, sc.data() + ra * block_n, false);
+                                      ktp + ((b * Hkv + hk) * nb + kb) * d * block_n, sc.data() + ra * block_n,
+                                      kHalf);
           for (int64_t x = ra; x < rb; ++x) {
             float* s = sc.data() + x * block_n;
             if (!bias_row(bias, h, tr, x, j0, bn, br.data())) {
@@ -488,25 +505,56 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
             l[x] = l[x] * alpha + sum;
             m[x] = mn;
           }
-          at::native::cpublas::brgemm(rb - ra, d, bn, block_n, d, d, true, sc.data() + ra * block_n,
-                                      vp + ((b * Hkv + hk) * Lk + j0) * d, acc.data() + ra * d, false);
+          if constexpr (kHalf) {
+            const int64_t bn2 = bn + bn % 2;  // VNNI pairs of keys: a zero probability pads an odd block
+            for (int64_t x = ra; x < rb; ++x) {
+              at::vec::convert(sc.data() + x * block_n, pb.data() + x * block_n, bn);
+              if (bn2 > bn) pb[x * block_n + bn] = T(0.f);
+            }
+            at::native::cpublas::brgemm(rb - ra, d, bn2, block_n, d, d, true, pb.data() + ra * block_n,
+                                        vp + ((b * Hkv + hk) * nb + kb) * block_n * d, acc.data() + ra * d, true);
+          } else {
+            at::native::cpublas::brgemm(rb - ra, d, bn, block_n, d, d, true, sc.data() + ra * block_n,
+                                        vp + ((b * Hkv + hk) * Lk + j0) * d, acc.data() + ra * d, false);
+          }
         }
-        float* ot = op + ((b * Hq + h) * Lq + r0) * d;
+        T* ot = op + ((b * Hq + h) * Lq + r0) * d;
         float* lt = lp + (b * Hq + h) * Lq + r0;
         for (int64_t x = 0; x < rows; ++x) {
           if (l[x] > 0.f || std::isnan(l[x])) {  // NaN inputs: a NaN row
             const float inv = 1.f / l[x];
-            for (int64_t c = 0; c < d; ++c) ot[x * d + c] = acc[x * d + c] * inv;
+            for (int64_t c = 0; c < d; ++c) ot[x * d + c] = static_cast<T>(acc[x * d + c] * inv);
             lt[x] = m[x] + std::log(l[x]);
           } else {
-            std::fill(ot + x * d, ot + (x + 1) * d, 0.f);
+            std::fill(ot + x * d, ot + (x + 1) * d, static_cast<T>(0.f));
             lt[x] = kNegInf;
           }
         }
       }
     }
-    at::native::cpublas::brgemm_release(false);
+    at::native::cpublas::brgemm_release(kHalf);
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& pitch, const at::Tensor& shift,
+                                                     const at::Tensor& table, const at::Tensor& rtable,
+                                                     const at::Tensor& reach, int64_t kind, bool causal,
+                                                     double scale_d, int64_t block_m, int64_t block_n) {
+  check_inputs(q, k, v, true);
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
+  const Bias bias = make_bias(kind, causal, pitch, shift, table, rtable, reach, k.size(2));
+  TORCH_CHECK(bias.H == Hq, "the bias has one head per query head");
+  TORCH_CHECK(block_n % 2 == 0, "block_n: even");
+  auto out = at::empty_like(q);
+  auto lse = at::empty({B, Hq, Lq}, q.options().dtype(at::kFloat));
+  if (B * Hq * Lq == 0) return {out, lse};
+  const float scale = static_cast<float>(scale_d);
+  if (q.scalar_type() == at::kFloat) {
+    forward_impl<float>(q, k, v, bias, scale, block_m, block_n, out, lse);
+  } else {
+    forward_impl<at::BFloat16>(q, k, v, bias, scale, block_m, block_n, out, lse);
+  }
   return {out, lse};
 }
 
@@ -539,8 +587,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   auto dsum = at::zeros({B, Hq, dist ? Lk : 0}, q.options());
   if (B * Hq * Lq == 0) return {dq, dkh, dvh, dsum};
   auto delta = (dout * out).sum(-1).contiguous();
-  const at::Tensor kt = pack_transposed(k, block_n);
-  const at::Tensor vt = pack_transposed(v, block_n);
+  const at::Tensor kt = pack_blocks<float>(k, block_n, Layout::kTransposed);
+  const at::Tensor vt = pack_blocks<float>(v, block_n, Layout::kTransposed);
   const int64_t nb = (Lk + block_n - 1) / block_n;
   const Spans sp = spans(bias, Hq, Lq, Lk, block_m);
   const int64_t tiles = sp.tiles, q0 = Lk - Lq;

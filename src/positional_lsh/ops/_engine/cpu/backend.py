@@ -2,14 +2,18 @@
 the engine's table) and the exact biases of ``alibi_attention`` / ``decay_attention`` (:func:`table_forward`,
 :func:`table_backward`).
 
-The kernel (``attention.cpp``, built by :mod:`~positional_lsh.ops._engine.cpu.build`) computes in float32: inputs are
-converted once (half types and non-contiguous layouts: one copy), ``out`` returned in the inputs' dtype, ``lse``
-float32. The multiplicity form's bias ``log c`` is computed inside the kernel from the partitions' pitches and shifts
-(no mask tensor); the exact biases come from one ``(Hq, Lk)`` line per head, the bias at each distance.
+The kernel (``attention.cpp``, built by :mod:`~positional_lsh.ops._engine.cpu.build`) accumulates in float32. The
+forward multiplies bfloat16 inputs as they are (batch-reduce GEMMs with float32 accumulation on VNNI-packed blocks;
+the probabilities rounded to bfloat16 for ``P V``, as torch's flash kernels do); the backward, float16 (whose VNNI
+GEMM needs AMX-FP16), odd head dims and float32 inputs compute in float32 (one conversion). ``out`` is returned in the
+inputs' dtype, ``lse`` float32. The multiplicity form's bias ``log c`` is computed inside the kernel from the
+partitions' pitches and shifts (no mask tensor); the exact biases come from one ``(Hq, Lk)`` line per head, the bias
+at each distance.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -21,7 +25,7 @@ from positional_lsh.ops._engine.multiplicity.mask import log_count_table
 from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
-    "BLOCK_M", "BLOCK_N", "CPU_KERNEL", "DTYPES", "MAX_HEAD_DIM", "CpuBackend", "CpuPlan", "TableBias",
+    "BLOCK_M", "BLOCK_N", "CPU_KERNEL", "DTYPES", "MAX_HEAD_DIM", "CpuBackend", "CpuPlan", "TableBias", "bf16_gemm",
     "table_backward", "table_forward",
 ]  # fmt: skip
 
@@ -37,6 +41,29 @@ _COUNT, _TABLE = 0, 1
 
 def _inputs(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x.to(torch.float32).contiguous() for x in xs]
+
+
+@functools.cache
+def bf16_gemm() -> bool:
+    """Whether ATen's batch-reduce GEMM takes VNNI-packed bfloat16 here (one tiny call of the kernel, once): it
+    needs oneDNN's ukernel (AVX-512 with bf16, or AMX). float16 needs AMX-FP16: it is computed in float32."""
+    x = torch.zeros(1, 1, 2, 2, dtype=torch.bfloat16)
+    table = torch.zeros(1, 2)
+    try:
+        torch.ops.plsh_cpu.attention_forward(
+            x, x, x, _empty(), _empty(), table, table, torch.ones(1, dtype=torch.int64), _TABLE, True, 1.0, 2, 2
+        )
+    except RuntimeError:
+        return False
+    return True
+
+
+def _forward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """The forward's inputs: bfloat16 as it is (contiguous; the kernel multiplies it with fp32 accumulation, ``P``
+    rounded to bfloat16 for ``P V``) where the head dim is even and :func:`bf16_gemm`, else float32."""
+    if q.dtype == torch.bfloat16 and q.shape[-1] % 2 == 0 and bf16_gemm():
+        return [x.contiguous() for x in (q, k, v)]
+    return _inputs(q, k, v)
 
 
 def _empty() -> torch.Tensor:
@@ -87,7 +114,7 @@ class CpuBackend:
         self, plan: CpuPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)``: ``out`` in ``q``'s dtype, ``lse`` float32."""
-        qf, kf, vf = _inputs(q, k, v)
+        qf, kf, vf = _forward_inputs(q, k, v)
         out, lse = torch.ops.plsh_cpu.attention_forward(
             qf, kf, vf, *plan.count_args(), plan.causal, scale, BLOCK_M, BLOCK_N
         )
@@ -154,7 +181,7 @@ def table_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: TableBias, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of exact attention with the bias ``bias`` (``out`` in ``q``'s dtype, ``lse`` float32)."""
-    qf, kf, vf = _inputs(q, k, v)
+    qf, kf, vf = _forward_inputs(q, k, v)
     out, lse = torch.ops.plsh_cpu.attention_forward(qf, kf, vf, *bias.args(), causal, scale, BLOCK_M, BLOCK_N)
     return out.to(q.dtype), lse
 
