@@ -563,8 +563,14 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 // query heads of a key head by the caller); with dist, dsum[b, h, x] = sum of dS over |i - j| = x.
 
 inline void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, static_cast<int>(rows), static_cast<int>(cols));
+}
+
+// y[0, n) += x[0, n)
+inline void add_to(float* y, const float* x, int64_t n) {
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(y + j) + Vec::loadu(x + j)).store(y + j);
+  for (; j < n; ++j) y[j] += x[j];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -670,11 +676,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
               }
               if (dist) {
                 const int64_t i = q0 + r0 + x;
-                for (int64_t jj = 0; jj < bn; ++jj) {
-                  const int64_t key = j0 + jj;
-                  if (key <= i) left[Lk - 1 - i + key] += g[jj];
-                  else right[key - i] += g[jj];
-                }
+                const int64_t mid = std::min(bn, std::max<int64_t>(0, i + 1 - j0));  // keys j0 .. i: i - j
+                if (mid > 0) add_to(left.data() + (Lk - 1 - i + j0), g, mid);
+                if (bn > mid) add_to(right.data() + (j0 + mid - i), g + mid, bn - mid);
               }
             }
             if (!any) continue;
