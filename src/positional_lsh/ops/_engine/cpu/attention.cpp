@@ -332,7 +332,7 @@ template <typename T>
 at::Tensor pack_blocks(const at::Tensor& x, int64_t block_n, Layout layout) {
   const int64_t B = x.size(0), H = x.size(1), L = x.size(2), d = x.size(3);
   const int64_t nb = (L + block_n - 1) / block_n;
-  auto out = at::zeros({B, H, nb, d * block_n}, x.options());
+  auto out = at::empty({B, H, nb, d * block_n}, x.options());
   const T* src = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
   at::parallel_for(0, B * H * nb, 1, [&](int64_t begin, int64_t end) {
@@ -341,6 +341,7 @@ at::Tensor pack_blocks(const at::Tensor& x, int64_t block_n, Layout layout) {
       const int64_t j0 = kb * block_n, bn = std::min(block_n, L - j0);
       const T* s = src + (bh * L + j0) * d;
       T* o = dst + idx * d * block_n;
+      if (bn < block_n) std::fill(o, o + d * block_n, static_cast<T>(0.f));  // the zero padding of a last block
       for (int64_t j = 0; j < bn; ++j) {
         for (int64_t c = 0; c < d; ++c) {
           int64_t at;
