@@ -61,6 +61,24 @@ def naive_estimator(q, k, v, mbar, *, causal: bool, scale: float | None = None) 
     return out
 
 
+def dense_surrogate(q, k, v, dout, mbar, *, causal, scale):
+    """float64 ``(out, dq, dk, dv, dist)`` by autograd through ``softmax(s + log Mbar - (m - m.detach()) |i - j|) v``
+    (``Mbar (Hq, Lk, Lk)``; queries the last ``Lq`` positions): the estimator and its gradients, ``dist = -dm``."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    hq, hkv, lq, lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    pos = torch.arange(lk - lq, lk)
+    dist = (pos[:, None] - torch.arange(lk)[None, :]).abs().double()
+    log_mbar = torch.log(mbar[:, lk - lq :, :])
+    if causal:
+        log_mbar = log_mbar.masked_fill(torch.arange(lk)[None, :] > pos[:, None], -math.inf)
+    m = torch.zeros(hq, dtype=torch.float64, requires_grad=True)
+    kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    s = q @ kk.transpose(-1, -2) * scale + log_mbar - (m - m.detach())[:, None, None] * dist
+    out = torch.softmax(s, -1) @ vv
+    dq, dk, dv, dm = torch.autograd.grad(out, (q, k, v, m), dout.double())
+    return out.detach(), dq, dk, dv, -dm
+
+
 def naive_alibi(q, k, v, slopes, *, causal: bool, window=None, scale: float | None = None) -> torch.Tensor:
     """Exact ALiBi by an explicit n x n bias built with Python loops (float64)."""
     q, k, v = q.double(), k.double(), v.double()
@@ -164,3 +182,11 @@ def hf_text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tok_file(hf_text_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 300-token BPE trained on ``hf_text_dir``'s training split (nothing is downloaded)."""
     return bpe_file(hf_text_dir, tmp_path_factory.mktemp("hf-tok"))
+
+
+@pytest.fixture
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path (``PLSH_CPU_KERNEL=0``): for the tests of torch's kernels and of their routing, which the CPU
+    kernel (ops/_engine/cpu/, the default on the CPU where it builds) would otherwise take over. Use:
+    ``pytestmark = pytest.mark.usefixtures("torch_path")`` or a test's argument."""
+    monkeypatch.setenv("PLSH_CPU_KERNEL", "0")

@@ -166,7 +166,7 @@ def test_only_the_slopes_require_grad(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["flash", "math"])
 @pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
-def test_no_slope_grad_changes_nothing(backend, dtype, monkeypatch):
+def test_no_slope_grad_changes_nothing(backend, dtype, monkeypatch, torch_path):
     """Slopes that do not require grad (a float, a tensor without grad): no extra pass, and bitwise the same
     outputs and q/k/v gradients as with slopes that do."""
     if backend == "flash" and dtype == torch.bfloat16:

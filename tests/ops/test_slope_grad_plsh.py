@@ -164,7 +164,7 @@ def _counting(monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["samples", "multiplicity"])
-def test_nothing_changes_without_slope_grad(method, monkeypatch):
+def test_nothing_changes_without_slope_grad(method, monkeypatch, torch_path):
     """Slopes not requiring grad, a float list, ``slope_grad="none"``: bitwise the same outputs and q/k/v gradients
     as with the surrogate on, and no extra pass (``attend_bias_grad`` is never called)."""
     calls = _counting(monkeypatch)

@@ -11,7 +11,9 @@ Peers, measured in the same run on the same inputs:
 * ``alibi-chunked`` / ``window-chunked`` — this library's :func:`~positional_lsh.alibi_attention` (``O(n)``
   memory, with a backward); opt in with ``--methods``.
 * ``plsh`` / ``plsh-mult`` — :func:`~positional_lsh.plsh_attention` with ``T`` samples (default scheme
-  ``discrete``), ``method="samples"`` (per sampled block) / ``method="multiplicity"`` (query tiles).
+  ``discrete``), ``method="samples"`` (per sampled block) / ``method="multiplicity"`` (query tiles; on the CPU the
+  package's CPU kernel where it builds); ``plsh-mult-torch`` the multiplicity form on the torch path
+  (``PLSH_CPU_KERNEL=0``), so that one run reports both paths.
 
 Useful GFLOP/s is ``4 d x pairs / seconds`` (x3.5 for fwd+bwd), where ``pairs`` are the score entries the
 method needs, not what it computes: exact attention ``H n(n+1)/2`` (causal), windowed the band, the per-sample
@@ -237,7 +239,7 @@ class BenchConfig:
         parse=comma_list(positive_int_text),
     )
     samples: tuple[int, ...] = option(
-        (1, 4, 8, 16), "T values for plsh and plsh-mult, e.g. 1,8,64,256", parse=comma_list(positive_int_text)
+        (1, 4, 8, 16), "T values for plsh, plsh-mult(-torch), e.g. 1,8,64,256", parse=comma_list(positive_int_text)
     )
     methods: tuple[str, ...] = option(DEFAULT_METHODS, f"comma-separated, from {ALL_METHODS}", choices=ALL_METHODS)
     heads: int = option(8, "attention heads H (standard ALiBi slopes)")

@@ -7,8 +7,10 @@ too.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ __all__ = [
     "DEFAULT_METHODS",
     "EXACT_METHODS",
     "PLSH_METHODS",
+    "TORCH_PATH_METHODS",
     "Method",
     "band_block_mask",
     "band_pairs",
@@ -30,12 +33,33 @@ __all__ = [
     "reference_rows",
     "sample_pairs",
     "sampled_rows",
+    "torch_path",
     "union_pairs",
     "useful_gflops",
 ]
 
-PLSH_METHODS = {"plsh": "samples", "plsh-mult": "multiplicity"}
-"""Positional-LSH entries of the benchmark and the ``method=`` of :func:`~positional_lsh.plsh_attention` each uses."""
+PLSH_METHODS = {"plsh": "samples", "plsh-mult": "multiplicity", "plsh-mult-torch": "multiplicity"}
+"""Positional-LSH entries of the benchmark and the ``method=`` of :func:`~positional_lsh.plsh_attention` each uses;
+``plsh-mult-torch`` runs the multiplicity form on the torch path (``PLSH_CPU_KERNEL=0``, :func:`torch_path`), so
+that one run reports both paths (on the CPU ``plsh-mult`` takes the CPU kernel where it builds)."""
+TORCH_PATH_METHODS = ("plsh-mult-torch",)
+
+
+@contextlib.contextmanager
+def torch_path(on: bool = True) -> Iterator[None]:
+    """``PLSH_CPU_KERNEL=0`` inside the block when ``on`` (the torch path; the variable restored after it)."""
+    if not on:
+        yield
+        return
+    old = os.environ.get("PLSH_CPU_KERNEL")
+    os.environ["PLSH_CPU_KERNEL"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PLSH_CPU_KERNEL"]
+        else:
+            os.environ["PLSH_CPU_KERNEL"] = old
 ALL_METHODS = ("flex-exact", "sdpa-mask", "flex-window", "alibi-chunked", "window-chunked", *PLSH_METHODS)
 DEFAULT_METHODS = ("flex-exact", "sdpa-mask", "flex-window", *PLSH_METHODS)
 EXACT_METHODS = ("flex-exact", "sdpa-mask", "alibi-chunked")
@@ -259,9 +283,11 @@ def _plsh_methods(
             count = sample_pairs if method == "samples" else union_pairs
 
             def plsh_fn(
-                a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, parts: Partitions = parts, method: str = method
-            ) -> torch.Tensor:
-                return plsh_attention(a, b, c, partitions=parts, causal=causal, method=method)
+                a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, parts: Partitions = parts, method: str = method,
+                torch_only: bool = name in TORCH_PATH_METHODS,
+            ) -> torch.Tensor:  # fmt: skip
+                with torch_path(torch_only):
+                    return plsh_attention(a, b, c, partitions=parts, causal=causal, method=method)
 
             out.append(Method(name, t, plsh_fn, True, ctx["scheme"], count(parts, causal=causal)))
     return out

@@ -14,6 +14,8 @@ import torch
 from positional_lsh import alibi_slopes, sample_partitions
 from positional_lsh.ops._engine import cost, routing
 
+pytestmark = pytest.mark.usefixtures("torch_path")  # torch's kernels and their cost model (PLSH_CPU_KERNEL=0)
+
 DOC = Path(__file__).resolve().parents[3] / "docs" / "implementation.md"
 DRAWS = 5  # generator = 0 ... 4 per cell
 HEADS = 8

@@ -16,7 +16,6 @@ call, and every backend through the one interface (ops/_engine/backend.py) again
 
 from __future__ import annotations
 
-import math
 import os
 from types import SimpleNamespace
 
@@ -33,7 +32,7 @@ from positional_lsh.ops._engine.multiplicity.plan import MultiplicityPlan
 from positional_lsh.ops._engine.per_sample import PerSampleBackend, SamplesPlan
 from positional_lsh.ops._engine.torch_attention import kernel_inputs
 
-from conftest import naive_estimator, naive_mean_mask
+from conftest import dense_surrogate, naive_estimator, naive_mean_mask
 
 F64 = torch.float64
 CPU = torch.device("cpu")
@@ -67,7 +66,7 @@ def test_the_triton_row_reaches_the_triton_backend():
 
 
 def test_the_table_has_one_row_per_pair_and_the_priority_list_walks_them_all():
-    assert sorted(routing.BACKEND_TABLE) == sorted([*TORCH_ROWS, ("multiplicity", "triton")])
+    assert sorted(routing.BACKEND_TABLE) == sorted([*TORCH_ROWS, ("multiplicity", "triton"), ("multiplicity", "cpu")])
     assert sorted(routing.PRIORITY) == sorted(routing.BACKEND_TABLE)
     for method in (Method.SAMPLES, Method.MULTIPLICITY):
         for kernel in Kernel:
@@ -85,7 +84,7 @@ def _route(q, backend="auto", method="auto", causal=True, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["auto", "flash", "math"])
-def test_cpu_decisions(backend, dtype):
+def test_cpu_decisions(backend, dtype, torch_path):
     n = 1024
     q = torch.zeros(1, 4, n, 64, dtype=dtype)
     slopes = [0.5, 0.25, 0.125, 0.0625]
@@ -268,24 +267,6 @@ def test_cuda_routing_end_to_end(monkeypatch):
 # ------------------------------------------------------------------------------- every backend against the oracle
 
 
-def _dense_surrogate(q, k, v, dout, mbar, *, causal, scale):
-    """float64 ``(out, dq, dk, dv, dist)`` by autograd through ``softmax(s + log Mbar - (m - m.detach()) |i - j|) v``
-    (``Mbar (Hq, Lk, Lk)``; queries the last ``Lq`` positions): the estimator and its gradients, ``dist = -dm``."""
-    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    hq, hkv, lq, lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-    pos = torch.arange(lk - lq, lk)
-    dist = (pos[:, None] - torch.arange(lk)[None, :]).abs().double()
-    log_mbar = torch.log(mbar[:, lk - lq :, :])
-    if causal:
-        log_mbar = log_mbar.masked_fill(torch.arange(lk)[None, :] > pos[:, None], -math.inf)
-    m = torch.zeros(hq, dtype=F64, requires_grad=True)
-    kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
-    s = q @ kk.transpose(-1, -2) * scale + log_mbar - (m - m.detach())[:, None, None] * dist
-    out = torch.softmax(s, -1) @ vv
-    dq, dk, dv, dm = torch.autograd.grad(out, (q, k, v, m), dout.double())
-    return out.detach(), dq, dk, dv, -dm
-
-
 # (hq, hkv, lq, lk, T, scheme, causal)
 _CASES = [
     (4, 2, 24, 24, 5, "discrete", True),
@@ -318,7 +299,7 @@ def _through_the_interface(backend, q, k, v, dout, parts, causal, scale):
 
 def _check(out, lse, grads, q, k, v, dout, parts, causal, scale, tol):
     mbar = naive_mean_mask(parts.pitch, parts.shift, parts.seq_len)
-    want = _dense_surrogate(q, k, v, dout, mbar, causal=causal, scale=scale)
+    want = dense_surrogate(q, k, v, dout, mbar, causal=causal, scale=scale)
     oracle = naive_estimator(q, k, v, mbar, causal=causal, scale=scale)
     assert out.dtype == q.dtype and lse.shape == q.shape[:3]
     torch.testing.assert_close(out.double(), oracle, rtol=0, atol=tol)

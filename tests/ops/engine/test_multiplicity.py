@@ -16,6 +16,8 @@ from positional_lsh.ops.partitions.schemes import scheme_names
 
 from conftest import naive_estimator, naive_mean_mask
 
+pytestmark = pytest.mark.usefixtures("torch_path")  # torch's kernels and their cost model (PLSH_CPU_KERNEL=0)
+
 SLOPES = torch.tensor([0.5, 0.1, 0.0, 0.03, 40.0, 0.7])
 
 

@@ -69,7 +69,7 @@ def test_dispatch_of_cuda_calls(backend, method, dtype, d, want):
     assert not route.compiled and route.causal and route.scale == pytest.approx(d**-0.5)
 
 
-def test_dispatch_without_triton_or_cuda(monkeypatch):
+def test_dispatch_without_triton_or_cuda(monkeypatch, torch_path):
     q = torch.zeros(1, 4, 64, 64)
     assert kind(routing.dispatch(q, causal=True, scale=None, backend="auto", method="auto")) == ("auto", "flash")
     monkeypatch.setattr(routing, "triton_installed", lambda: False)

@@ -21,7 +21,7 @@ from conftest import naive_alibi
 
 F64 = torch.float64
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "torch_path")  # the routes of torch's kernels
 
 
 def _qkv(b, hq, hkv, lq, lk, d, dtype=F64, seed=0):

@@ -170,9 +170,9 @@ def test_alibi_attention_worker_pool_matches_sequential():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_alibi_attention_explicit_flash_refuses_half_types(dtype):
+def test_alibi_attention_explicit_flash_refuses_half_types(dtype, torch_path):
     q, k, v = (t.detach().to(dtype) for t in _qkv(1, 4, 2, 16, 16, 8))
     with pytest.raises(ValueError, match=r"backend='flash'.*math"):
         alibi_attention(q, k, v, backend="flash")
-    auto = alibi_attention(q, k, v)  # "auto" picks the float32-score math path
+    auto = alibi_attention(q, k, v)  # "auto" picks the float32-score math path (on the torch path)
     torch.testing.assert_close(auto, alibi_attention(q, k, v, backend="math"), rtol=0, atol=0)

@@ -42,7 +42,7 @@ __all__ = [
     "AUTO_MARGIN", "AUTO_PLAN_SECONDS", "BLOCK_COST", "BOUND_COST", "CALL_COST", "CALL_ROW_COST", "ENTRY_COST",
     "MOVE_EVENT_NS", "PAIR_COST", "PAIR_COST_TILE", "PLAN_BYTES", "PLAN_COST", "ROW_START_NS", "ROW_SUM_ENTRY_NS",
     "ROW_SUM_NS", "SAMPLES_CALL_COST", "TILE_COST", "TILE_HEIGHTS", "AutoEstimate", "auto_method", "call_estimate",
-    "exact_seconds", "samples_estimate", "samples_floor", "tiling_estimate",
+    "exact_seconds", "kernel_auto_method", "samples_estimate", "samples_floor", "tiling_estimate",
 ]  # fmt: skip
 
 TILE_HEIGHTS = (16, 32, 64, 128, 256)
@@ -137,6 +137,15 @@ def auto_method(num_samples: int, multiplicity_ns: float, samples_ns: float) -> 
     if num_samples > 1 and multiplicity_ns <= AUTO_MARGIN * samples_ns:
         return Method.MULTIPLICITY
     return Method.SAMPLES
+
+
+def kernel_auto_method(num_samples: int) -> Method:
+    """``method="auto"``'s choice where the multiplicity form runs on the CPU kernel (``ops._engine.cpu``): the
+    multiplicity form for two samples or more. The kernel computes each kept (query, key) pair once with its bias
+    inside the loop, and the pairs a tile keeps are the union of the samples' blocks, never more than the per-sample
+    path's sum over samples; its cost per pair is that of a fused kernel (no mask tensor, no gathers). One sample:
+    the per-sample path (the same pairs, without a bias)."""
+    return Method.MULTIPLICITY if num_samples > 1 else Method.SAMPLES
 
 
 AUTO_PLAN_SECONDS = 60.0

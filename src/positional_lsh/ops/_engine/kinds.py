@@ -30,12 +30,16 @@ class Kernel(_Name):
       (``_scaled_dot_product_flash_attention_for_cpu`` on the CPU, ``_scaled_dot_product_flash_attention`` on CUDA):
       on the CPU too, not only on GPUs;
     * ``MATH``: batched matmuls and a softmax (any device and dtype);
-    * ``TRITON``: the Triton kernels of the multiplicity form.
+    * ``TRITON``: the Triton kernels of the multiplicity form;
+    * ``CPU``: this package's own CPU kernel (``ops._engine.cpu``, built at first use): the multiplicity form and the
+      exact biases, with the bias computed inside the loop. Not a public ``backend=`` name: ``backend="auto"`` takes
+      it on the CPU where it builds (``PLSH_CPU_KERNEL``).
     """
 
     FLASH = "flash"
     MATH = "math"
     TRITON = "triton"
+    CPU = "cpu"
 
 
 class Method(_Name):

@@ -31,7 +31,16 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from positional_lsh.ops._engine.backend import Backend
-from positional_lsh.ops._engine.cost import AUTO_MARGIN, AutoEstimate, auto_method, samples_estimate, samples_floor
+from positional_lsh.ops._engine.cost import (
+    AUTO_MARGIN,
+    AutoEstimate,
+    auto_method,
+    kernel_auto_method,
+    samples_estimate,
+    samples_floor,
+)
+from positional_lsh.ops._engine.cpu.backend import CPU_KERNEL, DTYPES, MAX_HEAD_DIM
+from positional_lsh.ops._engine.cpu.build import kernel_unavailable
 from positional_lsh.ops._engine.kinds import Kernel, Method
 from positional_lsh.ops._engine.multiplicity.backend import MULTIPLICITY_FLASH, MULTIPLICITY_MATH
 from positional_lsh.ops._engine.multiplicity.plan import multiplicity_plan, tilings
@@ -43,7 +52,8 @@ from positional_lsh.ops.partitions.partition import Partitions
 
 __all__ = [
     "BACKEND_TABLE", "DECODE_KERNEL", "DECODE_METHOD", "PRIORITY", "Decision", "Inputs", "Plan", "Route", "backend_for",
-    "decide", "decode_forced", "dispatch", "exact_kernel", "plan", "refusal", "sized_method", "torch_kernel",
+    "cpu_kernel_refusal", "decide", "decode_forced", "dispatch", "exact_kernel", "plan", "refusal", "sized_method",
+    "torch_kernel",
     "triton_device", "triton_installed",
 ]  # fmt: skip
 
@@ -52,6 +62,7 @@ P = TypeVar("P")
 
 PRIORITY: tuple[tuple[Method, Kernel], ...] = (
     (Method.MULTIPLICITY, Kernel.TRITON),
+    (Method.MULTIPLICITY, Kernel.CPU),
     (Method.SAMPLES, Kernel.FLASH),
     (Method.MULTIPLICITY, Kernel.FLASH),
     (Method.SAMPLES, Kernel.MATH),
@@ -73,6 +84,7 @@ BACKEND_TABLE: dict[tuple[Method, Kernel], Callable[[], Backend[Any]]] = {
     (Method.MULTIPLICITY, Kernel.FLASH): lambda: MULTIPLICITY_FLASH,
     (Method.MULTIPLICITY, Kernel.MATH): lambda: MULTIPLICITY_MATH,
     (Method.MULTIPLICITY, Kernel.TRITON): _triton,
+    (Method.MULTIPLICITY, Kernel.CPU): lambda: CPU_KERNEL,
 }
 """The backends, one per (method, kernel): each row gives the object implementing
 :class:`~positional_lsh.ops._engine.backend.Backend` (a function, so that a row's module is imported only when the
@@ -162,6 +174,23 @@ def _triton_refusal(inputs: Inputs, forced: bool) -> str | None:
     return triton_refusal(inputs.q)
 
 
+def cpu_kernel_refusal(device: torch.device, dtype: torch.dtype, head_dim: int, q_len: int, k_len: int) -> str | None:
+    """Why the CPU kernel (``ops._engine.cpu``) cannot run a call (``None`` if it can): another device, a dtype other
+    than float32/bfloat16/float16 (float64 runs on the torch path), a head dim above ``MAX_HEAD_DIM``, more queries
+    than keys or ``2**31 - 1`` keys, ``PLSH_CPU_KERNEL=0``, or a kernel that does not build here (the build's
+    outcome: ``ops._engine.cpu.build.kernel_state``, which warns once, or raises under ``PLSH_CPU_KERNEL=1``)."""
+    if device.type != "cpu":
+        return f"the CPU kernel runs on the CPU; tensors are on {device}"
+    if dtype not in DTYPES:
+        return f"the CPU kernel takes float32, bfloat16 or float16, got {dtype}"
+    if head_dim > MAX_HEAD_DIM:
+        return f"the CPU kernel takes head dims up to {MAX_HEAD_DIM}, got {head_dim}"
+    if q_len > k_len or k_len >= 2**31 - 1:
+        return f"the CPU kernel takes Lq <= Lk < 2**31 - 1, got Lq={q_len}, Lk={k_len}"
+    why = kernel_unavailable()
+    return f"the CPU kernel is not available: {why}" if why else None
+
+
 def refusal(method: Method, kernel: Kernel, inputs: Inputs, forced: bool = False) -> str | None:
     """Why the backend ``(method, kernel)`` cannot run a call of ``inputs`` (``None`` if it can).
 
@@ -171,6 +200,7 @@ def refusal(method: Method, kernel: Kernel, inputs: Inputs, forced: bool = False
     * ``"flash"``: tensors on a device other than the CPU and CUDA; on CUDA (``"meta"`` stands for it) an additive
       mask (the multiplicity form), a dtype other than float16/bfloat16, a head dim that is not a multiple of 8 or
       above 256, a GPU older than sm_80, causal calls with ``Lq != Lk`` or row groups, torch's own check;
+    * ``("multiplicity", "cpu")``: :func:`cpu_kernel_refusal`;
     * ``"math"``: never.
     """
     if (method, kernel) not in BACKEND_TABLE:
@@ -179,6 +209,8 @@ def refusal(method: Method, kernel: Kernel, inputs: Inputs, forced: bool = False
         return _triton_refusal(inputs, forced)
     if kernel is Kernel.FLASH:
         return _flash_refusal(method, inputs)
+    if kernel is Kernel.CPU:
+        return cpu_kernel_refusal(inputs.device, inputs.dtype, inputs.head_dim, inputs.q_len, inputs.k_len)
     return None
 
 
@@ -286,8 +318,9 @@ def decode_forced(backend: str, method: str) -> list[tuple[str, str]]:
 
 
 def exact_kernel(backend: object, q: Any, op: str) -> Kernel:
-    """The torch kernel an exact op (``alibi_attention``, ``decay_attention``: ``op``) runs for ``backend`` on ``q``:
-    :func:`torch_kernel` of its additive bias, the math kernel (float32 scores) for half types. ``ValueError``
+    """The kernel an exact op (``alibi_attention``, ``decay_attention``: ``op``) runs for ``backend`` on ``q``: with
+    ``"auto"`` the CPU kernel where it takes ``q`` (:func:`cpu_kernel_refusal`), else :func:`torch_kernel` of its
+    additive bias, the math kernel (float32 scores) for half types. ``ValueError``
     naming ``backend`` for ``"triton"`` (exact ALiBi has no Triton path), a name outside ``ALIBI_BACKENDS``, and an
     explicit ``"flash"`` with a half type (the fused op would round the bias to 8 bits) or where the op refuses."""
     if backend == Kernel.TRITON:
@@ -296,6 +329,9 @@ def exact_kernel(backend: object, q: Any, op: str) -> Kernel:
             f"(the Triton kernels are positional LSH's); backend must be one of {ALIBI_BACKENDS}"
         )
     name = check_backend(backend, ALIBI_BACKENDS)
+    q_len = int(q.shape[-2])
+    if name == "auto" and cpu_kernel_refusal(q.device, q.dtype, int(q.shape[-1]), q_len, q_len) is None:
+        return Kernel.CPU  # the exact biases inside the CPU kernel's loop (one line per head)
     kernel = torch_kernel(name, q.device, masked=True)
     if q.dtype in (torch.float16, torch.bfloat16):
         if name == Kernel.FLASH:
@@ -366,6 +402,8 @@ def decide(route: Route, partitions: Partitions, num_kv_heads: int, q_len: int) 
     samples = None
     tiles = None
     heads = list(range(partitions.num_heads))
+    if method is Method.AUTO and route.multiplicity is Kernel.CPU:  # the kernel's cost model: ops._engine.cost
+        method = kernel_auto_method(partitions.num_samples)
     if method is Method.AUTO and AutoEstimate.of(partitions.num_samples, partitions.num_heads, q_len).up_front:
         method = Method.MULTIPLICITY  # planning the per-sample path alone would take minutes (ops._engine.cost)
     if method is Method.AUTO:

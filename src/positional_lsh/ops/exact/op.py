@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from positional_lsh.ops._engine.cpu.backend import TableBias, table_backward, table_forward
 from positional_lsh.ops._engine.custom_op import attention_op, backward_impl, backward_schema, keep_layout
+from positional_lsh.ops._engine.kinds import Kernel
 from positional_lsh.ops._engine.parallel import pool_size, run_all
 from positional_lsh.ops._engine.torch_attention import Grad, Layout, acc_dtype, kernel_inputs, poison_rows
 from positional_lsh.ops.checks import as_slopes, as_window
@@ -36,23 +38,62 @@ def _toeplitz_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Toeplitz, causal: bool, scale: float, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, Layout]:
     """``(out, lse, layout)`` of exact attention with the Toeplitz bias ``spec``, chunk by chunk (non-finite keys
-    zeroed, the rows that keep one set to NaN); ``layout``: the inputs as the kernels read them."""
+    zeroed, the rows that keep one set to NaN); ``layout``: the inputs as the kernels read them. On the CPU kernel
+    (``Kernel.CPU``) in one call, the bias a line per head."""
     layout = kernel_inputs(q, k, v, backend)
     q, k, v, bad = layout
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
-    if exact_route(spec.window, k.shape[2], backend, q.device) == "fused":
-        fused_forward(q, k, v, out, lse, spec, causal, scale)
+    if backend == Kernel.CPU:
+        out, lse = table_forward(q, k, v, _table(spec, k.shape[2]), causal, scale)
     else:
-        items = head_items(q, k, spec.window)
-        run = partial(
-            alibi_forward_item, q=q, k=k, v=v, out=out, lse=lse, spec=spec, causal=causal, scale=scale,
-            backend=backend,
-        )  # fmt: skip
-        run_all(run, items, pool_size(len(items), q.device))
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
+        if exact_route(spec.window, k.shape[2], backend, q.device) == "fused":
+            fused_forward(q, k, v, out, lse, spec, causal, scale)
+        else:
+            items = head_items(q, k, spec.window)
+            run = partial(
+                alibi_forward_item, q=q, k=k, v=v, out=out, lse=lse, spec=spec, causal=causal, scale=scale,
+                backend=backend,
+            )  # fmt: skip
+            run_all(run, items, pool_size(len(items), q.device))
     if bad is not None:
         poison_rows(out, lse, alibi_rows_with_bad_keys(bad, q.shape[1], q.shape[2], spec.window, causal))
     return out, lse, layout
+
+
+def _table(spec: Toeplitz, k_len: int) -> TableBias:
+    """The CPU kernel's bias of ``spec``: the bias at each distance ``0 .. k_len - 1`` and each head's reach."""
+    line = spec.line(0, k_len - 1, False, torch.float32, torch.device("cpu"))
+    reaches = [spec.reach(h) for h in range(line.shape[0])]
+    reach = [float("inf") if r is None else float(r) for r in reaches]
+    return TableBias.of(line, reach)
+
+
+def _kernel_backward(
+    dout: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    spec: Toeplitz,
+    causal: bool,
+    scale: float,
+    theta_grad: bool,
+    laid_out: bool,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """:func:`_toeplitz_backward` on the CPU kernel: ``dq, dk, dv`` and, for ALiBi's slopes, their gradient from the
+    kernel's ``dS`` summed per distance (``d bias / d m = -|i - j|``); a decay family's parameters take the
+    ``"banks"`` parameter pass (math kernel)."""
+    q, k, v, out, lse = saved
+    if not laid_out:
+        q, k, v, _ = kernel_inputs(q, k, v, Kernel.CPU)
+    alibi = spec.family is None
+    table = _table(spec, k.shape[2])
+    grads, dsum = table_backward(dout, (q, k, v, out, lse), table, causal, scale, theta_grad and alibi)
+    param_grad = None
+    if dsum is not None:
+        dist = torch.arange(k.shape[2], dtype=torch.float64)
+        param_grad = (-(dsum.double() * dist).sum(-1, keepdim=True)).to(acc_dtype(q.dtype))
+    elif theta_grad:
+        _, param_grad = _toeplitz_backward(dout, (q, k, v, out, lse), spec, causal, scale, Kernel.MATH, False, True)
+    return grads, param_grad
 
 
 def _toeplitz_backward(
@@ -69,6 +110,8 @@ def _toeplitz_backward(
     """``((dq, dk, dv) or None, param_grad (B, Hq, P) or None)`` against the saved ``out`` and ``lse``: each part
     only when asked for (the parameter part is one more math pass of every chunk's scores). ``saved``: the
     forward's ``(q, k, v, out, lse)``; ``laid_out``: its ``q, k, v`` are the forward's kernel layout."""
+    if backend == Kernel.CPU:
+        return _kernel_backward(dout, saved, spec, causal, scale, theta_grad, laid_out)
     q, k, v, out, lse = saved
     if not laid_out:
         q, k, v, _ = kernel_inputs(q, k, v, backend)

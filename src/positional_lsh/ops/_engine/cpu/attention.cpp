@@ -1,0 +1,722 @@
+// The CPU attention kernel of positional_lsh: flash-attention shaped, the bias computed inside the loop.
+//
+//   out_i = softmax_j(scale * q_i . k_j + bias(i, j)) v_j,   lse_i = log sum_j exp(scale * q_i . k_j + bias(i, j))
+//
+// Two bias functors over one tiled loop (query tiles of block_m rows, key blocks of block_n keys on one grid):
+//   * COUNT, the multiplicity form: bias = log c[i, j], c[i, j] = #{t : start_t(i) <= j < end_t(i)} (end_t(i)
+//     replaced by i + 1 when causal), log 0 = -inf. Per query tile every row's block starts (and ends) are kept
+//     sorted, built for the first row and carried down the rows (a row changes only the samples whose block begins
+//     there); per key block each row's counts are a running count of the starts (and ends) passed, filled segment
+//     by segment: no (n, T) or (n, n) table, work per score entry independent of T.
+//   * TABLE, the exact biases: bias = table[h, |i - j|] (ALiBi's -m |i - j|, a decay's log k(|i - j|)), -inf
+//     beyond reach[h]: per row two contiguous slices of the table (one reversed), no gather.
+// Scores and P.V are batch-reduce GEMMs (at::native::cpublas::brgemm, float32), the softmax is online with
+// at::vec's exp; work items (batch, head, query tile) are spread over at::parallel_for's threads by their work.
+// Block bounds mirror ops/partitions/bounds.py: position i is in block floor((i - shift) / pitch) (float64).
+// The backward recomputes the scores from lse (FA2): dq, dk, dv per (batch, query head) and, when asked, the sum of
+// dS per distance |i - j| (from which the slope and decay-parameter gradients follow).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kCount = 0;
+constexpr int64_t kTable = 1;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Block bounds: the block [lo, hi) holding position i of a partition (pitch b, shift s) of n positions.
+
+inline double label_of(double i, double s, double b) { return std::floor((i - s) / b); }
+
+inline void block_of(double b, double s, int64_t n, int64_t i, int64_t& lo, int64_t& hi) {
+  if (std::isinf(b)) {
+    lo = 0;
+    hi = n;
+    return;
+  }
+  if (b <= 1.0) {
+    lo = i;
+    hi = i + 1;
+    return;
+  }
+  const double di = static_cast<double>(i);
+  const double lab = label_of(di, s, b);
+  const double dn = static_cast<double>(n);
+  double flo = std::ceil(s + lab * b);
+  double fhi = std::ceil(s + (lab + 1.0) * b);
+  flo = std::min(std::max(flo, 0.0), di);
+  fhi = std::max(std::min(fhi, dn), di + 1.0);
+  int64_t l = static_cast<int64_t>(flo), h = static_cast<int64_t>(fhi);
+  while (l > 0 && label_of(static_cast<double>(l - 1), s, b) >= lab) --l;
+  while (label_of(static_cast<double>(l), s, b) < lab) ++l;
+  while (h < n && label_of(static_cast<double>(h), s, b) <= lab) ++h;
+  while (label_of(static_cast<double>(h - 1), s, b) > lab) --h;
+  lo = l;
+  hi = h;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The bias of a call.
+
+struct Bias {
+  int64_t kind;
+  bool causal;
+  int64_t T = 0;             // COUNT: samples
+  int64_t H = 0;             // heads of pitch / shift / table
+  const double* pitch = nullptr;  // COUNT: (T, H)
+  const double* shift = nullptr;
+  const float* logc = nullptr;    // COUNT: (T + 1): log c
+  const float* table = nullptr;   // TABLE: (H, L) bias at distance x
+  const float* rtable = nullptr;  // TABLE: (H, L) reversed: rtable[h, L - 1 - x] = table[h, x]
+  const int64_t* reach = nullptr; // TABLE: (H,) the largest kept distance
+  int64_t L = 0;                  // keys (n)
+};
+
+// The rows of one query tile: for COUNT each row's sorted starts (and ends) and its running counts.
+struct TileRows {
+  int64_t rows = 0;
+  int64_t first = 0;  // position of row 0
+  std::vector<int32_t> S, E;    // (rows, T)
+  std::vector<int32_t> ps, pe;  // running counts: #{S <= key}, #{E <= key} at the last key block visited
+  std::vector<int64_t> cs, ce;  // per sample: the current row's block
+  std::vector<int32_t> rem, fresh, tmp;
+  std::vector<int64_t> lo, hi;  // each row's kept keys [lo, hi)
+};
+
+// [lo, hi) of the keys kept by query tile rows [first, first + rows): one call's span.
+inline void tile_span(const Bias& bias, int64_t h, int64_t first, int64_t rows, int64_t& lo, int64_t& hi) {
+  const int64_t last = first + rows - 1;
+  if (bias.kind == kTable) {
+    const int64_t r = bias.reach[h];
+    lo = std::max<int64_t>(0, first - r);
+    hi = bias.causal ? last + 1 : std::min<int64_t>(bias.L, last + r + 1);
+    return;
+  }
+  lo = first;
+  hi = bias.causal ? last + 1 : last + 1;
+  for (int64_t t = 0; t < bias.T; ++t) {
+    int64_t a, b;
+    block_of(bias.pitch[t * bias.H + h], bias.shift[t * bias.H + h], bias.L, first, a, b);
+    lo = std::min(lo, a);
+    if (!bias.causal) {
+      block_of(bias.pitch[t * bias.H + h], bias.shift[t * bias.H + h], bias.L, last, a, b);
+      hi = std::max(hi, b);
+    }
+  }
+}
+
+void build_rows(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRows& tr) {
+  tr.rows = rows;
+  tr.first = first;
+  tr.lo.resize(rows);
+  tr.hi.resize(rows);
+  if (bias.kind == kTable) {
+    const int64_t r = bias.reach[h];
+    for (int64_t x = 0; x < rows; ++x) {
+      const int64_t i = first + x;
+      tr.lo[x] = std::max<int64_t>(0, i - r);
+      tr.hi[x] = bias.causal ? i + 1 : std::min<int64_t>(bias.L, i + r + 1);
+    }
+    return;
+  }
+  const int64_t T = bias.T;
+  const bool ends = !bias.causal;
+  tr.S.resize(rows * T);
+  tr.ps.assign(rows, 0);
+  tr.cs.resize(T);
+  tr.ce.resize(T);
+  if (ends) {
+    tr.E.resize(rows * T);
+    tr.pe.assign(rows, 0);
+  }
+  const double* pitch = bias.pitch;
+  const double* shift = bias.shift;
+  for (int64_t t = 0; t < T; ++t) {
+    block_of(pitch[t * bias.H + h], shift[t * bias.H + h], bias.L, first, tr.cs[t], tr.ce[t]);
+    tr.S[t] = static_cast<int32_t>(tr.cs[t]);
+    if (ends) tr.E[t] = static_cast<int32_t>(tr.ce[t]);
+  }
+  std::sort(tr.S.begin(), tr.S.begin() + T);
+  if (ends) std::sort(tr.E.begin(), tr.E.begin() + T);
+  for (int64_t x = 1; x < rows; ++x) {
+    const int64_t i = first + x;
+    int32_t* S = tr.S.data() + x * T;
+    const int32_t* Sp = S - T;
+    tr.rem.clear();
+    tr.fresh.clear();
+    for (int64_t t = 0; t < T; ++t) {
+      if (tr.ce[t] <= i) {  // the block of row i - 1 ends at i: sample t begins a block at i
+        tr.rem.push_back(static_cast<int32_t>(tr.cs[t]));
+        block_of(pitch[t * bias.H + h], shift[t * bias.H + h], bias.L, i, tr.cs[t], tr.ce[t]);
+        tr.fresh.push_back(static_cast<int32_t>(tr.ce[t]));
+      }
+    }
+    const int64_t k = static_cast<int64_t>(tr.rem.size());
+    if (k == 0) {
+      std::copy(Sp, Sp + T, S);
+      if (ends) std::copy(tr.E.data() + (x - 1) * T, tr.E.data() + x * T, tr.E.data() + x * T);
+      continue;
+    }
+    std::sort(tr.rem.begin(), tr.rem.end());
+    int64_t w = 0, y = 0;
+    for (int64_t z = 0; z < T; ++z) {
+      if (y < k && Sp[z] == tr.rem[y]) {
+        ++y;
+        continue;
+      }
+      S[w++] = Sp[z];
+    }
+    for (; w < T; ++w) S[w] = static_cast<int32_t>(i);  // every other start is at most i - 1
+    if (ends) {
+      // The k ends of row i - 1 that equal i are its k smallest: drop them, merge in the new ends.
+      const int32_t* Ep = tr.E.data() + (x - 1) * T;
+      int32_t* E = tr.E.data() + x * T;
+      std::sort(tr.fresh.begin(), tr.fresh.end());
+      std::merge(Ep + k, Ep + T, tr.fresh.begin(), tr.fresh.end(), E);
+    }
+  }
+  for (int64_t x = 0; x < rows; ++x) {
+    tr.lo[x] = tr.S[x * T];
+    tr.hi[x] = ends ? tr.E[x * T + T - 1] : first + x + 1;
+  }
+}
+
+// The bias of row x of the tile over keys [j0, j0 + bn) into br[0, bn), -inf outside the row's keys.
+// Returns false when the row keeps no key of the block (br untouched).
+inline bool bias_row(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64_t j0, int64_t bn, float* br) {
+  const int64_t i = tr.first + x;
+  const int64_t a = std::max(j0, tr.lo[x]);
+  const int64_t b = std::min(j0 + bn, tr.hi[x]);
+  if (a >= b) return false;
+  std::fill(br, br + (a - j0), kNegInf);
+  std::fill(br + (b - j0), br + bn, kNegInf);
+  if (bias.kind == kTable) {
+    const int64_t L = bias.L;
+    const int64_t mid = std::min(b, i + 1);  // keys [a, mid) are at or left of the row: distance i - j
+    if (mid > a) {
+      const float* src = bias.rtable + h * L + (L - 1 - i + a);
+      std::copy(src, src + (mid - a), br + (a - j0));
+    }
+    const int64_t right = std::max(a, i + 1);
+    if (b > right) {
+      const float* src = bias.table + h * L + (right - i);
+      std::copy(src, src + (b - right), br + (right - j0));
+    }
+    return true;
+  }
+  const int64_t T = bias.T;
+  const int32_t* S = tr.S.data() + x * T;
+  int64_t ps = tr.ps[x];
+  const float* logc = bias.logc;
+  if (bias.causal) {
+    int64_t j = a;
+    while (j < b) {
+      while (ps < T && S[ps] <= j) ++ps;
+      int64_t next = b;
+      if (ps < T) next = std::min<int64_t>(next, S[ps]);
+      std::fill(br + (j - j0), br + (next - j0), logc[ps]);
+      j = next;
+    }
+    tr.ps[x] = static_cast<int32_t>(ps);
+    return true;
+  }
+  const int32_t* E = tr.E.data() + x * T;
+  int64_t pe = tr.pe[x];
+  int64_t j = a;
+  while (j < b) {
+    while (ps < T && S[ps] <= j) ++ps;
+    while (pe < T && E[pe] <= j) ++pe;
+    int64_t next = b;
+    if (ps < T) next = std::min<int64_t>(next, S[ps]);
+    if (pe < T) next = std::min<int64_t>(next, E[pe]);
+    std::fill(br + (j - j0), br + (next - j0), logc[ps - pe]);
+    j = next;
+  }
+  tr.ps[x] = static_cast<int32_t>(ps);
+  tr.pe[x] = static_cast<int32_t>(pe);
+  return true;
+}
+
+// The tile's rows that keep a key of [j0, j0 + bn): [ra, rb), contiguous since every row's kept keys [lo, hi) are
+// an interval whose ends do not decrease down the rows.
+inline void live_rows(const TileRows& tr, int64_t j0, int64_t bn, int64_t& ra, int64_t& rb) {
+  ra = 0;
+  while (ra < tr.rows && tr.hi[ra] <= j0) ++ra;
+  rb = tr.rows;
+  while (rb > ra && tr.lo[rb - 1] >= j0 + bn) --rb;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Vector helpers over n floats.
+
+inline float max_nan(float a, float b) { return (a < b || std::isnan(b)) ? b : a; }  // NaN wins
+
+inline float hmax(const Vec& v) {
+  alignas(64) float buf[Vec::size()];
+  v.store(buf);
+  float m = buf[0];
+  for (int64_t j = 1; j < Vec::size(); ++j) m = max_nan(m, buf[j]);
+  return m;
+}
+
+inline float hsum(const Vec& v) {
+  alignas(64) float buf[Vec::size()];
+  v.store(buf);
+  float total = 0.f;
+  for (int64_t j = 0; j < Vec::size(); ++j) total += buf[j];
+  return total;
+}
+
+inline float scale_add_max(float* s, const float* br, float scale, int64_t n) {
+  Vec vmax(kNegInf), vs(scale);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    Vec x = at::vec::fmadd(Vec::loadu(s + j), vs, Vec::loadu(br + j));
+    x.store(s + j);
+    vmax = at::vec::maximum(vmax, x);
+  }
+  float m = hmax(vmax);
+  for (; j < n; ++j) {
+    s[j] = s[j] * scale + br[j];
+    m = max_nan(m, s[j]);
+  }
+  return m;
+}
+
+inline float exp_sum(float* s, float m, int64_t n) {
+  Vec vm(m), acc(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    Vec p = (Vec::loadu(s + j) - vm).exp_u20();
+    p.store(s + j);
+    acc = acc + p;
+  }
+  float total = hsum(acc);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    total += s[j];
+  }
+  return total;
+}
+
+inline void scale_row(float* x, float a, int64_t n) {
+  Vec va(a);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(x + j) * va).store(x + j);
+  for (; j < n; ++j) x[j] *= a;
+}
+
+// Each key block of block_n keys (on the grid 0, block_n, ...) of x (B, H, L, d) laid out as a brgemm B matrix,
+// zero-padded past L: (B, H, nb, d * block_n).
+//   * Layout::kTransposed: x^T, the K x N matrix (d, block_n), row-major (float32 keys);
+//   * Layout::kKeysVnni / kValuesVnni: x^T (d, block_n) or x (block_n, d) in the VNNI-2 layout of half types,
+//     element (r, c) of a K x N matrix at ((r / 2) * N + c) * 2 + r % 2 (K even: zero rows pad it).
+enum class Layout { kTransposed, kKeysVnni, kValuesVnni };
+
+template <typename T>
+at::Tensor pack_blocks(const at::Tensor& x, int64_t block_n, Layout layout) {
+  const int64_t B = x.size(0), H = x.size(1), L = x.size(2), d = x.size(3);
+  const int64_t nb = (L + block_n - 1) / block_n;
+  auto out = at::empty({B, H, nb, d * block_n}, x.options());
+  const T* src = x.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, B * H * nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t bh = idx / nb, kb = idx % nb;
+      const int64_t j0 = kb * block_n, bn = std::min(block_n, L - j0);
+      const T* s = src + (bh * L + j0) * d;
+      T* o = dst + idx * d * block_n;
+      if (bn < block_n) std::fill(o, o + d * block_n, static_cast<T>(0.f));  // the zero padding of a last block
+      for (int64_t j = 0; j < bn; ++j) {
+        for (int64_t c = 0; c < d; ++c) {
+          int64_t at;
+          if (layout == Layout::kTransposed) {
+            at = c * block_n + j;
+          } else if (layout == Layout::kKeysVnni) {
+            at = ((c / 2) * block_n + j) * 2 + c % 2;
+          } else {
+            at = ((j / 2) * d + c) * 2 + j % 2;
+          }
+          o[at] = s[j * d + c];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Greedy longest-first assignment of items with costs to threads: the items of each thread.
+std::vector<std::vector<int64_t>> balance(const std::vector<double>& cost, int64_t threads) {
+  std::vector<int64_t> order(cost.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::vector<std::vector<int64_t>> lists(threads);
+  std::vector<double> load(threads, 0.0);
+  for (int64_t item : order) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    lists[t].push_back(item);
+    load[t] += cost[item] + 1.0;
+  }
+  return lists;
+}
+
+Bias make_bias(int64_t kind, bool causal, const at::Tensor& pitch, const at::Tensor& shift, const at::Tensor& table,
+               const at::Tensor& rtable, const at::Tensor& reach, int64_t L) {
+  Bias bias;
+  bias.kind = kind;
+  bias.causal = causal;
+  bias.L = L;
+  if (kind == kCount) {
+    TORCH_CHECK(pitch.dim() == 2 && pitch.sizes() == shift.sizes(), "pitch, shift: (T, H)");
+    TORCH_CHECK(pitch.scalar_type() == at::kDouble && shift.scalar_type() == at::kDouble, "pitch, shift: float64");
+    TORCH_CHECK(table.numel() == pitch.size(0) + 1, "table: the T + 1 values of log c");
+    TORCH_CHECK(L < std::numeric_limits<int32_t>::max(), "keys: fewer than 2**31 - 1");
+    bias.T = pitch.size(0);
+    bias.H = pitch.size(1);
+    bias.pitch = pitch.data_ptr<double>();
+    bias.shift = shift.data_ptr<double>();
+    bias.logc = table.data_ptr<float>();
+  } else {
+    TORCH_CHECK(kind == kTable, "kind: 0 (counts) or 1 (table)");
+    TORCH_CHECK(table.dim() == 2 && table.size(1) == L && rtable.sizes() == table.sizes(), "table: (H, Lk)");
+    TORCH_CHECK(reach.scalar_type() == at::kLong && reach.numel() == table.size(0), "reach: (H,) int64");
+    bias.H = table.size(0);
+    bias.table = table.data_ptr<float>();
+    bias.rtable = rtable.data_ptr<float>();
+    bias.reach = reach.data_ptr<int64_t>();
+  }
+  return bias;
+}
+
+// The key span [lo, hi) of every (head, query tile), index h * tiles + tile.
+struct Spans {
+  int64_t tiles;
+  std::vector<int64_t> lo, hi;
+};
+
+Spans spans(const Bias& bias, int64_t Hq, int64_t Lq, int64_t Lk, int64_t block_m) {
+  Spans sp;
+  sp.tiles = (Lq + block_m - 1) / block_m;
+  sp.lo.resize(Hq * sp.tiles);
+  sp.hi.resize(Hq * sp.tiles);
+  at::parallel_for(0, Hq * sp.tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t h = idx / sp.tiles, tl = idx % sp.tiles;
+      const int64_t rows = std::min(block_m, Lq - tl * block_m);
+      tile_span(bias, h, Lk - Lq + tl * block_m, rows, sp.lo[idx], sp.hi[idx]);
+    }
+  });
+  return sp;
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool half = false) {
+  const auto dt = q.scalar_type();
+  const bool ok = dt == at::kFloat || (half && dt == at::kBFloat16);
+  for (const auto* x : {&q, &k, &v}) {
+    TORCH_CHECK(x->dim() == 4 && x->is_contiguous() && x->scalar_type() == dt && ok && x->device().is_cpu(),
+                "q, k, v: contiguous CPU tensors (B, H, L, d) of one dtype: float32 (bfloat16: forward, even head "
+                "dim)");
+  }
+  TORCH_CHECK(dt == at::kFloat || q.size(3) % 2 == 0, "bfloat16: an even head dim");
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3), "q, k, v: shapes");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "q heads: a multiple of the key heads");
+  TORCH_CHECK(q.size(2) <= k.size(2), "Lq <= Lk");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward.
+
+template <typename T>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Bias& bias, float scale,
+                  int64_t block_m, int64_t block_n, at::Tensor& out, at::Tensor& lse) {
+  constexpr bool kHalf = !std::is_same_v<T, float>;  // bfloat16: VNNI-packed B, P rounded to T
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), d = q.size(3);
+  const int64_t Hkv = k.size(1), Lk = k.size(2), group = Hq / Hkv;
+  const at::Tensor kt = pack_blocks<T>(k, block_n, kHalf ? Layout::kKeysVnni : Layout::kTransposed);
+  const at::Tensor vk = kHalf ? pack_blocks<T>(v, block_n, Layout::kValuesVnni) : v;
+  const int64_t nb = (Lk + block_n - 1) / block_n;
+  const Spans sp = spans(bias, Hq, Lq, Lk, block_m);
+  const int64_t tiles = sp.tiles, q0 = Lk - Lq;
+  const std::vector<int64_t>&span_lo = sp.lo, &span_hi = sp.hi;
+  std::vector<double> cost(B * Hq * tiles);
+  for (int64_t idx = 0; idx < B * Hq * tiles; ++idx) {
+    const int64_t ht = idx % (Hq * tiles);
+    cost[idx] = static_cast<double>(span_hi[ht] - span_lo[ht]);
+  }
+  const auto lists = balance(cost, at::get_num_threads());
+  const T* qp = q.data_ptr<T>();
+  const T* vp = vk.data_ptr<T>();
+  const T* ktp = kt.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t tb, int64_t te) {
+    std::vector<float> sc(block_m * block_n), br(block_n), acc(block_m * d), m(block_m), l(block_m);
+    std::vector<T> pb(kHalf ? block_m * block_n : 0);
+    TileRows tr;
+    for (int64_t tid = tb; tid < te; ++tid) {
+      for (int64_t item : lists[tid]) {
+        const int64_t bh = item / tiles, tl = item % tiles;
+        const int64_t b = bh / Hq, h = bh % Hq, hk = h / group;
+        const int64_t r0 = tl * block_m, rows = std::min(block_m, Lq - r0);
+        const int64_t ht = h * tiles + tl;
+        build_rows(bias, h, q0 + r0, rows, tr);
+        std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
+        std::fill(m.begin(), m.end(), kNegInf);
+        std::fill(l.begin(), l.end(), 0.f);
+        const T* qt = qp + ((b * Hq + h) * Lq + r0) * d;
+        const int64_t kb0 = span_lo[ht] / block_n, kb1 = (span_hi[ht] + block_n - 1) / block_n;
+        for (int64_t kb = kb0; kb < std::min(kb1, nb); ++kb) {
+          const int64_t j0 = kb * block_n, bn = std::min(block_n, Lk - j0);
+          int64_t ra, rb;
+          live_rows(tr, j0, bn, ra, rb);
+          if (ra >= rb) continue;
+          at::native::cpublas::brgemm(rb - ra, bn, d, d, block_n, block_n, false, qt + ra * d,
+                                      ktp + ((b * Hkv + hk) * nb + kb) * d * block_n, sc.data() + ra * block_n,
+                                      kHalf);
+          for (int64_t x = ra; x < rb; ++x) {
+            float* s = sc.data() + x * block_n;
+            if (!bias_row(bias, h, tr, x, j0, bn, br.data())) {
+              std::fill(s, s + bn, 0.f);
+              continue;
+            }
+            const float mb = scale_add_max(s, br.data(), scale, bn);
+            const float mn = max_nan(m[x], mb);  // a NaN score makes the row NaN
+            if (mn == kNegInf) {
+              std::fill(s, s + bn, 0.f);
+              continue;
+            }
+            const float sum = exp_sum(s, mn, bn);
+            const float alpha = m[x] == kNegInf ? 0.f : std::exp(m[x] - mn);
+            if (alpha != 1.f) scale_row(acc.data() + x * d, alpha, d);
+            l[x] = l[x] * alpha + sum;
+            m[x] = mn;
+          }
+          if constexpr (kHalf) {
+            const int64_t bn2 = bn + bn % 2;  // VNNI pairs of keys: a zero probability pads an odd block
+            for (int64_t x = ra; x < rb; ++x) {
+              at::vec::convert(sc.data() + x * block_n, pb.data() + x * block_n, bn);
+              if (bn2 > bn) pb[x * block_n + bn] = T(0.f);
+            }
+            at::native::cpublas::brgemm(rb - ra, d, bn2, block_n, d, d, true, pb.data() + ra * block_n,
+                                        vp + ((b * Hkv + hk) * nb + kb) * block_n * d, acc.data() + ra * d, true);
+          } else {
+            at::native::cpublas::brgemm(rb - ra, d, bn, block_n, d, d, true, sc.data() + ra * block_n,
+                                        vp + ((b * Hkv + hk) * Lk + j0) * d, acc.data() + ra * d, false);
+          }
+        }
+        T* ot = op + ((b * Hq + h) * Lq + r0) * d;
+        float* lt = lp + (b * Hq + h) * Lq + r0;
+        for (int64_t x = 0; x < rows; ++x) {
+          if (l[x] > 0.f || std::isnan(l[x])) {  // NaN inputs: a NaN row
+            const float inv = 1.f / l[x];
+            for (int64_t c = 0; c < d; ++c) ot[x * d + c] = static_cast<T>(acc[x * d + c] * inv);
+            lt[x] = m[x] + std::log(l[x]);
+          } else {
+            std::fill(ot + x * d, ot + (x + 1) * d, static_cast<T>(0.f));
+            lt[x] = kNegInf;
+          }
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(kHalf);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& pitch, const at::Tensor& shift,
+                                                     const at::Tensor& table, const at::Tensor& rtable,
+                                                     const at::Tensor& reach, int64_t kind, bool causal,
+                                                     double scale_d, int64_t block_m, int64_t block_n) {
+  check_inputs(q, k, v, true);
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
+  const Bias bias = make_bias(kind, causal, pitch, shift, table, rtable, reach, k.size(2));
+  TORCH_CHECK(bias.H == Hq, "the bias has one head per query head");
+  TORCH_CHECK(block_n % 2 == 0, "block_n: even");
+  auto out = at::empty_like(q);
+  auto lse = at::empty({B, Hq, Lq}, q.options().dtype(at::kFloat));
+  if (B * Hq * Lq == 0) return {out, lse};
+  const float scale = static_cast<float>(scale_d);
+  if (q.scalar_type() == at::kFloat) {
+    forward_impl<float>(q, k, v, bias, scale, block_m, block_n, out, lse);
+  } else {
+    forward_impl<at::BFloat16>(q, k, v, bias, scale, block_m, block_n, out, lse);
+  }
+  return {out, lse};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Backward (FA2: recompute P from lse). Per (batch, query head): dq, and dk, dv of that head (summed over the
+// query heads of a key head by the caller); with dist, dsum[b, h, x] = sum of dS over |i - j| = x.
+
+inline void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst) {
+  at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, static_cast<int>(rows), static_cast<int>(cols));
+}
+
+// y[0, n) += x[0, n)
+inline void add_to(float* y, const float* x, int64_t n) {
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(y + j) + Vec::loadu(x + j)).store(y + j);
+  for (; j < n; ++j) y[j] += x[j];
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& pitch, const at::Tensor& shift, const at::Tensor& table,
+    const at::Tensor& rtable, const at::Tensor& reach, int64_t kind, bool causal, double scale_d, bool dist,
+    int64_t block_m, int64_t block_n) {
+  check_inputs(q, k, v);
+  TORCH_CHECK(dout.sizes() == q.sizes() && dout.is_contiguous() && dout.scalar_type() == at::kFloat, "dout");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat, "out");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.numel() == q.numel() / q.size(3), "lse");
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), d = q.size(3);
+  const int64_t Hkv = k.size(1), Lk = k.size(2), group = Hq / Hkv;
+  const Bias bias = make_bias(kind, causal, pitch, shift, table, rtable, reach, Lk);
+  TORCH_CHECK(bias.H == Hq, "the bias has one head per query head");
+  const float scale = static_cast<float>(scale_d);
+  auto dq = at::zeros_like(q);
+  auto dkh = at::zeros({B, Hq, Lk, d}, q.options());
+  auto dvh = at::zeros({B, Hq, Lk, d}, q.options());
+  auto dsum = at::zeros({B, Hq, dist ? Lk : 0}, q.options());
+  if (B * Hq * Lq == 0) return {dq, dkh, dvh, dsum};
+  auto delta = (dout * out).sum(-1).contiguous();
+  const at::Tensor kt = pack_blocks<float>(k, block_n, Layout::kTransposed);
+  const at::Tensor vt = pack_blocks<float>(v, block_n, Layout::kTransposed);
+  const int64_t nb = (Lk + block_n - 1) / block_n;
+  const Spans sp = spans(bias, Hq, Lq, Lk, block_m);
+  const int64_t tiles = sp.tiles, q0 = Lk - Lq;
+  const std::vector<int64_t>&span_lo = sp.lo, &span_hi = sp.hi;
+  std::vector<double> cost(B * Hq, 0.0);
+  for (int64_t idx = 0; idx < B * Hq; ++idx) {
+    const int64_t h = idx % Hq;
+    for (int64_t tl = 0; tl < tiles; ++tl) cost[idx] += static_cast<double>(span_hi[h * tiles + tl] - span_lo[h * tiles + tl]);
+  }
+  const auto lists = balance(cost, at::get_num_threads());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* dop = dout.data_ptr<float>();
+  const float* lp = lse.data_ptr<float>();
+  const float* dlp = delta.data_ptr<float>();
+  const float* ktp = kt.data_ptr<float>();
+  const float* vtp = vt.data_ptr<float>();
+  float* dqp = dq.data_ptr<float>();
+  float* dkp = dkh.data_ptr<float>();
+  float* dvp = dvh.data_ptr<float>();
+  float* dsp = dist ? dsum.data_ptr<float>() : nullptr;
+  at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t tb, int64_t te) {
+    std::vector<float> sc(block_m * block_n), dp(block_m * block_n), br(block_n), tp(block_n * block_m);
+    std::vector<float> left, right;
+    std::vector<char> live(block_m);
+    TileRows tr;
+    for (int64_t tid = tb; tid < te; ++tid) {
+      for (int64_t bh : lists[tid]) {
+        const int64_t b = bh / Hq, h = bh % Hq, hk = h / group;
+        float* dkt = dkp + bh * Lk * d;
+        float* dvt = dvp + bh * Lk * d;
+        if (dist) {
+          left.assign(Lk, 0.f);  // left[Lk - 1 - x]: dS summed over keys x to the left (i - j = x)
+          right.assign(Lk, 0.f);  // right[x]: over keys x to the right (j - i = x)
+        }
+        for (int64_t tl = 0; tl < tiles; ++tl) {
+          const int64_t r0 = tl * block_m, rows = std::min(block_m, Lq - r0);
+          const int64_t ht = h * tiles + tl;
+          build_rows(bias, h, q0 + r0, rows, tr);
+          const float* qt = qp + (bh * Lq + r0) * d;
+          const float* dot = dop + (bh * Lq + r0) * d;
+          const float* lt = lp + bh * Lq + r0;
+          const float* dlt = dlp + bh * Lq + r0;
+          float* dqt = dqp + (bh * Lq + r0) * d;
+          const int64_t kb0 = span_lo[ht] / block_n, kb1 = (span_hi[ht] + block_n - 1) / block_n;
+          for (int64_t kb = kb0; kb < std::min(kb1, nb); ++kb) {
+            const int64_t j0 = kb * block_n, bn = std::min(block_n, Lk - j0);
+            const int64_t kvo = ((b * Hkv + hk) * nb + kb) * d * block_n;
+            int64_t ra, rb;
+            live_rows(tr, j0, bn, ra, rb);
+            if (ra >= rb) continue;
+            const int64_t mr = rb - ra;
+            float* sr = sc.data() + ra * block_n;
+            float* dr = dp.data() + ra * block_n;
+            at::native::cpublas::brgemm(mr, bn, d, d, block_n, block_n, false, qt + ra * d, ktp + kvo, sr, false);
+            at::native::cpublas::brgemm(mr, bn, d, d, block_n, block_n, false, dot + ra * d, vtp + kvo, dr, false);
+            bool any = false;
+            for (int64_t x = ra; x < rb; ++x) {
+              float* s = sc.data() + x * block_n;
+              float* g = dp.data() + x * block_n;
+              live[x] = bias_row(bias, h, tr, x, j0, bn, br.data()) && lt[x] != kNegInf;
+              if (!live[x]) {
+                std::fill(s, s + bn, 0.f);
+                std::fill(g, g + bn, 0.f);
+                continue;
+              }
+              any = true;
+              scale_add_max(s, br.data(), scale, bn);
+              const Vec vl(lt[x]), vd(dlt[x]);
+              int64_t j = 0;
+              for (; j + Vec::size() <= bn; j += Vec::size()) {
+                Vec p = (Vec::loadu(s + j) - vl).exp_u20();
+                p.store(s + j);
+                (p * (Vec::loadu(g + j) - vd)).store(g + j);  // dS
+              }
+              for (; j < bn; ++j) {
+                s[j] = std::exp(s[j] - lt[x]);
+                g[j] = s[j] * (g[j] - dlt[x]);
+              }
+              if (dist) {
+                const int64_t i = q0 + r0 + x;
+                const int64_t mid = std::min(bn, std::max<int64_t>(0, i + 1 - j0));  // keys j0 .. i: i - j
+                if (mid > 0) add_to(left.data() + (Lk - 1 - i + j0), g, mid);
+                if (bn > mid) add_to(right.data() + (j0 + mid - i), g + mid, bn - mid);
+              }
+            }
+            if (!any) continue;
+            // dv += P^T dO; dk += scale dS^T Q; dq += scale dS K
+            transpose(sr, mr, bn, block_n, tp.data(), block_m);
+            at::native::cpublas::brgemm(bn, d, mr, block_m, d, d, true, tp.data(), dot + ra * d, dvt + j0 * d, false);
+            for (int64_t x = ra; x < rb; ++x) scale_row(dp.data() + x * block_n, scale, bn);
+            transpose(dr, mr, bn, block_n, tp.data(), block_m);
+            at::native::cpublas::brgemm(bn, d, mr, block_m, d, d, true, tp.data(), qt + ra * d, dkt + j0 * d, false);
+            at::native::cpublas::brgemm(mr, d, bn, block_n, d, d, true, dr, kp + ((b * Hkv + hk) * Lk + j0) * d,
+                                        dqt + ra * d, false);
+          }
+        }
+        if (dist) {
+          float* ds = dsp + bh * Lk;
+          for (int64_t x = 0; x < Lk; ++x) ds[x] = left[Lk - 1 - x] + right[x];
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(false);
+  });
+  return {dq, dkh, dvh, dsum};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(plsh_cpu, m) {
+  m.def(
+      "attention_forward(Tensor q, Tensor k, Tensor v, Tensor pitch, Tensor shift, Tensor table, Tensor rtable, "
+      "Tensor reach, int kind, bool causal, float scale, int block_m, int block_n) -> (Tensor, Tensor)");
+  m.def(
+      "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor pitch, "
+      "Tensor shift, Tensor table, Tensor rtable, Tensor reach, int kind, bool causal, float scale, bool dist, "
+      "int block_m, int block_n) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(plsh_cpu, CPU, m) {
+  m.impl("attention_forward", attention_forward);
+  m.impl("attention_backward", attention_backward);
+}
