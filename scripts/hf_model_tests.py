@@ -101,7 +101,7 @@ def _apply(model):
 
 
 def _wrap(cls):
-    init = cls.__dict__["__init__"]
+    init = cls.__init__  # its own or inherited (the Llama family's heads inherit transformers' generic ones)
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
@@ -127,7 +127,7 @@ def pytest_configure(config):
 
 _module = importlib.import_module(f"transformers.models.{FAMILY}.modeling_{FAMILY}")
 for _obj in list(vars(_module).values()):
-    if isinstance(_obj, type) and issubclass(_obj, PreTrainedModel) and "__init__" in _obj.__dict__:
+    if isinstance(_obj, type) and issubclass(_obj, PreTrainedModel):
         _wrap(_obj)
 '''
 
