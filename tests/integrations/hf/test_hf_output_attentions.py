@@ -176,3 +176,35 @@ def test_generate_returns_each_steps_weights() -> None:
         for w in step:
             torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))
 
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["plsh", "alibi"])
+def test_output_attentions_set_on_the_config(family: str, mode: str) -> None:
+    """``model.config.output_attentions = True`` (transformers' own ``test_attention_outputs`` does it) is accepted
+    on a swapped model and returns the same weights as asking per call; a config built with the registered name
+    and ``output_attentions=True`` is accepted too."""
+    model = tiny_model(family)
+    x = token_ids(2, 10)
+    swap = hf.use_positional_lsh(model, num_samples=4) if mode == "plsh" else hf.use_alibi(model)
+    with torch.no_grad():
+        asked = model(x, output_attentions=True).attentions
+        model.config.output_attentions = True
+        calls = _record(swap)
+        out = model(x)
+    assert out.attentions is not None
+    _check_weights(out.attentions, calls, swap)
+    for a, b in zip(asked, out.attentions, strict=True):
+        assert torch.equal(a, b)
+    model.config.output_attentions = False
+    with torch.no_grad():
+        assert model(x).attentions is None
+    config = type(model.config)(output_attentions=True, attn_implementation=hf.ATTN_IMPLEMENTATION)
+    assert config.output_attentions
+
+
+def test_other_implementations_still_refuse_config_output_attentions() -> None:
+    """Only the registered name is accepted: transformers' refusal for sdpa stays."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="output_attentions"):
+        model.config.output_attentions = True

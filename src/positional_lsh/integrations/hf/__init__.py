@@ -168,6 +168,48 @@ def _register_falcon() -> None:
 _register_falcon()
 
 
+def _accept_config_output_attentions() -> None:
+    """transformers refuses ``config.output_attentions = True`` (and a config made with it) unless the attention
+    implementation is ``"eager"``, the only built-in one that returns weights. The registered name returns the
+    weights each call used (``output_attentions``), so it is accepted like ``"eager"``; every other name keeps
+    transformers' refusal."""
+    from transformers.configuration_utils import PreTrainedConfig
+
+    prop = PreTrainedConfig.__dict__.get("output_attentions")
+    validate = PreTrainedConfig.__dict__.get("validate_output_attentions")
+    if not isinstance(prop, property) or prop.fset is None or getattr(prop.fset, "positional_lsh", False):
+        return  # another transformers layout, or done already
+    stock_set = prop.fset
+
+    def fset(self: PreTrainedConfig, value: bool) -> None:
+        if value and self._attn_implementation == ATTN_IMPLEMENTATION:
+            self._output_attentions = value  # what the stock setter stores once it accepts
+            return
+        stock_set(self, value)
+
+    fset.positional_lsh = True  # type: ignore[attr-defined]
+    PreTrainedConfig.output_attentions = property(prop.fget, fset, prop.fdel, prop.__doc__)  # type: ignore[method-assign,assignment]
+    if callable(validate):
+        stock_validate = validate
+
+        def validate_output_attentions(self: PreTrainedConfig) -> None:
+            if self._attn_implementation != ATTN_IMPLEMENTATION:
+                stock_validate(self)
+
+        PreTrainedConfig.validate_output_attentions = validate_output_attentions  # type: ignore[method-assign]
+        # config classes made (by huggingface_hub's strict dataclasses) before this ran listed the stock validator
+        pending: list[type] = [PreTrainedConfig]
+        while pending:
+            cls = pending.pop()
+            pending += cls.__subclasses__()
+            validators = cls.__dict__.get("__class_validators__")
+            if isinstance(validators, list):
+                validators[:] = [validate_output_attentions if v is stock_validate else v for v in validators]
+
+
+_accept_config_output_attentions()
+
+
 def __getattr__(name: str) -> object:
     """``SwapStepCallback`` is imported on first access: transformers' ``TrainerCallback`` needs accelerate."""
     if name == "SwapStepCallback":
