@@ -14,6 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import tiny_model, token_ids  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from positional_lsh.integrations import hf  # noqa: E402
 from positional_lsh.integrations.hf.cache import LiveKeyCache  # noqa: E402
@@ -70,6 +72,8 @@ def test_a_bounded_swap_sets_the_generation_defaults_and_restoring_undoes_them(m
         calls.handle.remove()
         assert calls.lengths == [16, 16, 8, 1, 1, 1] and isinstance(cache, LiveKeyCache)
         assert max(cache.cached_tokens()) < 40  # dead keys dropped
+        seq, _, used = _generate(model, x, use_cache=False)  # no cache: one piece (transformers chunks only a cache)
+        assert used is None and torch.equal(seq, _generate(model, x)[0])
     assert model.generation_config.prefill_chunk_size is None
     assert "_prepare_cache_for_generation" not in model.__dict__
     _, _, cache = _generate(model, x)
@@ -87,8 +91,6 @@ def test_explicit_choices_are_kept():
         _generate(model, x, tokens=2, prefill_chunk_size=None)  # one piece, asked for
         calls.handle.remove()
         assert calls.lengths == [8] * 5 + [1] + [40, 1]
-        seq, _, used = _generate(model, x, use_cache=False)  # no cache: one piece (transformers chunks only a cache)
-        assert used is None and torch.equal(seq, _generate(model, x)[0])
         for cache in (transformers.DynamicCache(config=model.config), None):
             kwargs = {"cache": cache} if cache is not None else {"cache_implementation": "dynamic"}
             _, _, used = _generate(model, x, **kwargs)
@@ -148,3 +150,56 @@ def test_chunked_bounded_generation_is_the_one_piece_full_cache_generation(name,
             torch.testing.assert_close(b_scores, scores, rtol=0, atol=1e-10)
         b_seq, _, _ = _generate(model, x[:1], 12)  # the defaults: one chunk here, bounded cache
         assert torch.equal(b_seq, seq[:1])
+
+
+class _Elements(TorchDispatchMode):
+    """The floating-point and bool elements the aten ops read and write (views excepted), and the largest tensor they
+    read or write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            read = () if func.__name__.startswith("new_") else (args, kwargs or {})  # (new_empty reads no element)
+            for x in tree_flatten((read, out))[0]:
+                if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.dtype == torch.bool):
+                    self.elements += x.numel()
+                    self.largest = max(self.largest, x.numel())
+        return out
+
+
+class _CountAfterPrefill:
+    """A generate streamer that counts the work of the generated tokens after the first (the prefill's is not)."""
+
+    def __init__(self) -> None:
+        self.work = _Elements()
+        self.puts = 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.work.__enter__()
+
+    def end(self) -> None:
+        self.work.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+@pytest.mark.parametrize("name", ["bloom", "qwen3"])
+def test_a_generated_token_reads_and_builds_nothing_of_the_prompt_length(name, mode):
+    # A plain generate after the swap: the work of the generated tokens (floating-point and bool elements read and
+    # written, the whole model) and its largest tensor do not grow with the prompt (before: BLOOM's (B H, 1, n) ALiBi
+    # tensor and (B, n) masks per token, Qwen3's (B, n) position ids grown per token).
+    model = tiny_model(name)
+    runs = {}
+    with _swap(model, mode):
+        for n in (256, 4096):
+            count = _CountAfterPrefill()
+            model.generate(token_ids(batch=1, length=n), max_new_tokens=6, do_sample=False, streamer=count)
+            runs[n] = count.work
+    assert runs[4096].elements < 1.25 * runs[256].elements, {n: w.elements for n, w in runs.items()}
+    assert runs[4096].largest <= max(runs[256].largest, 4096 // 4), {n: w.largest for n, w in runs.items()}

@@ -13,7 +13,9 @@ two generation defaults on the model, recorded with the swap's other changes and
   decoding, which crops its cache) goes to transformers' own;
 * ``generation_config.prefill_chunk_size = PREFILL_CHUNK`` (:data:`PREFILL_CHUNK`), unless the user set one: the
   prompt runs in chunks, each attending to its own keys and the live keys of the cache, the dead ones dropped chunk
-  by chunk. A ``prefill_chunk_size`` passed to ``generate`` (``None``: one piece) wins, as any ``generate`` argument.
+  by chunk. A ``prefill_chunk_size`` passed to ``generate`` (``None``: one piece) wins, as any ``generate`` argument;
+* :class:`NoPositionIds` as the model's ``_prepare_position_ids_for_generation``: no ``(B, n)`` position ids grown
+  by a column per token (the swapped attention does not read them); position ids passed to ``generate`` are used.
 
 Exact ALiBi (``use_alibi`` without a window) reaches every key: its swap sets neither, and a plain ``generate`` keeps
 transformers' full ``DynamicCache`` and one-piece prefill (stacked on a bounded swap, it takes the chunk size that swap
@@ -94,6 +96,17 @@ class GenerationCacheFactory:
         )
 
 
+@dataclass(eq=False)
+class NoPositionIds:
+    """A bounded swap's ``_prepare_position_ids_for_generation``: ``None``, where ``generate`` would build ``(B, n)``
+    position ids for the prompt and grow them by one column per token (an ``O(n)`` buffer and copy per token). The
+    swapped attention reads positions from the cache and the padding mask (the RoPE family's rotary embedding is
+    neutralized), so the model's own default (the new tokens' positions after the cached ones) serves."""
+
+    def __call__(self, inputs_tensor: Any, model_kwargs: dict[str, Any]) -> None:
+        return None
+
+
 def set_generation_defaults(model: PreTrainedModel, swap: AttentionSwap, below: list[Any]) -> None:
     """Install ``swap``'s generation defaults on ``model`` (module docstring); the caller records the changed instance
     attributes (the swap's undo). ``below``: the records of the swaps installed before (``SwapChanges``), whose
@@ -104,8 +117,10 @@ def set_generation_defaults(model: PreTrainedModel, swap: AttentionSwap, below: 
         if isinstance(config, GenerationConfig) and config.prefill_chunk_size is None:
             config.prefill_chunk_size = chunk = PREFILL_CHUNK
         model.__dict__["_prepare_cache_for_generation"] = GenerationCacheFactory(swap, chunk)
+        model.__dict__["_prepare_position_ids_for_generation"] = NoPositionIds()
         return
-    model.__dict__.pop("_prepare_cache_for_generation", None)  # (a bounded swap's below: back when this one goes)
+    for name in ("_prepare_cache_for_generation", "_prepare_position_ids_for_generation"):
+        model.__dict__.pop(name, None)  # (a bounded swap's below: back when this one goes)
     if isinstance(config, GenerationConfig):
         set_below = any(
             obj is config and name == "prefill_chunk_size" for changes in below for obj, name, _, _ in changes.entries

@@ -50,6 +50,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from positional_lsh.integrations.families import FAMILIES, Family, attention_modules, family_of, native_slopes
 from positional_lsh.integrations.hf import rope
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
+from positional_lsh.integrations.hf.bloom import NoAlibi, all_valid_mask
 from positional_lsh.integrations.hf.cache import LiveKeyCache
 from positional_lsh.integrations.hf.configs import own_config
 from positional_lsh.integrations.hf.forward import asks_for_attentions, check_model_inputs, packed_inputs
@@ -264,10 +265,13 @@ class StepHook:
     checked here, before any layer runs (a refused call changes no KV cache). ``registry``: the swap goes through
     transformers' attention registry (the RoPE family), whose attention implementation is put back if it was changed
     (``model.set_attn_implementation("eager")``), with a warning: the swap stays in force until it is restored.
+    ``bloom``: a BLOOM model call without an attention mask gets the all-valid view
+    (:func:`~positional_lsh.integrations.hf.bloom.all_valid_mask`).
     """
 
     swap: AttentionSwap
     registry: bool = False
+    bloom: bool = False
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -296,6 +300,9 @@ class StepHook:
         if module.training:
             if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
                 self.swap.advance_step()
+        if self.bloom:  # no (B H, 1, n) ALiBi tensor per call (bloom.NoAlibi)
+            all_valid_mask(args, kwargs)
+            return args, kwargs
         return None if packed is None else (args, kwargs)
 
 
@@ -384,7 +391,11 @@ def _install(outer: nn.Module, inner: PreTrainedModel, swap: AttentionSwap, fami
         # A plain generate() holds the live keys only and prefills in chunks (bounded swaps; module generation).
         set_generation_defaults(inner, swap, inner.__dict__.get(_STACK_ATTR, []))
         inner.__dict__[_STACK_ATTR] = [*inner.__dict__.get(_STACK_ATTR, []), changes]
-        handle = inner.base_model.register_forward_pre_hook(StepHook(swap, family.registry), with_kwargs=True)
+        bloom = family.name == "bloom"
+        if bloom:  # the stock model's ALiBi tensor, which the replacement forward does not read: a view of one zero
+            inner.base_model.__dict__["build_alibi_tensor"] = NoAlibi()
+        hook = StepHook(swap, family.registry, bloom)
+        handle = inner.base_model.register_forward_pre_hook(hook, with_kwargs=True)
         changes.hook_module, changes.hook_id = inner.base_model, handle.id
         changes.entries = _diff(before)
     except BaseException:
