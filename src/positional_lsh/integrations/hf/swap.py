@@ -265,9 +265,7 @@ class StepHook:
     checked here, before any layer runs (a refused call changes no KV cache). ``registry``: the swap goes through
     transformers' attention registry (the RoPE family), whose attention implementation is put back if it was changed
     (``model.set_attn_implementation("eager")``), with a warning: the swap stays in force until it is restored.
-    ``bloom``: a BLOOM model call without an attention mask gets the all-valid view
-    (:func:`~positional_lsh.integrations.hf.bloom.all_valid_mask`).
-    """
+    ``bloom``: a BLOOM call without an attention mask gets the all-valid view (``bloom.all_valid_mask``)."""
 
     swap: AttentionSwap
     registry: bool = False
@@ -391,10 +389,9 @@ def _install(outer: nn.Module, inner: PreTrainedModel, swap: AttentionSwap, fami
         # A plain generate() holds the live keys only and prefills in chunks (bounded swaps; module generation).
         set_generation_defaults(inner, swap, inner.__dict__.get(_STACK_ATTR, []))
         inner.__dict__[_STACK_ATTR] = [*inner.__dict__.get(_STACK_ATTR, []), changes]
-        bloom = family.name == "bloom"
-        if bloom:  # the stock model's ALiBi tensor, which the replacement forward does not read: a view of one zero
+        if family.name == "bloom":  # the stock model's ALiBi tensor (the replacement reads none): a view of one zero
             inner.base_model.__dict__["build_alibi_tensor"] = NoAlibi()
-        hook = StepHook(swap, family.registry, bloom)
+        hook = StepHook(swap, family.registry, family.name == "bloom")
         handle = inner.base_model.register_forward_pre_hook(hook, with_kwargs=True)
         changes.hook_module, changes.hook_id = inner.base_model, handle.id
         changes.entries = _diff(before)
