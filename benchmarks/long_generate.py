@@ -17,8 +17,10 @@ runs past ``--timeout`` seconds as stopped there.
 
 Every point runs in a fresh process (``--point``), so its peak RSS (``ru_maxrss``) is its own; a streamer timestamps the
 tokens: the prefill time is up to the first generated token, the time per token the median gap between the later
-ones. One torch thread. The largest prompts run last. Prints one JSON line per point and a markdown table; ``--plot``
-draws peak RSS and time per token against the prompt length (log x).
+ones. A point with a prompt longer than 8,192 tokens then generates again from the prompt's first 8,192 tokens, in
+the same process (its peak RSS taken before), so that its time per token has a reference measured under the same
+load of the machine (``ref_ms_per_token``). One torch thread. The largest prompts run last. Prints one JSON line per
+point and a markdown table; ``--plot`` draws peak RSS and time per token against the prompt length (log x).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import time
 import warnings
 
 MODES = ("plsh", "window", "stock")
+#: A point with a longer prompt also times its tokens after the first REFERENCE prompt tokens, in the same process.
+REFERENCE = 8192
 VOCAB = 1000
 
 
@@ -121,17 +125,27 @@ def run_point(name: str, mode: str, n: int, tokens: int, sigma: float) -> dict[s
             ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=clock, **kwargs
         )
     gaps = [b - a for a, b in zip(clock.times[2:], clock.times[3:], strict=False)]
+    peak = _rss_mib()
+    ref: dict[str, object] = {}
+    if n > REFERENCE:  # the same model on the first REFERENCE tokens, right after: a ratio the machine's load spares
+        ref_clock = _Clock()
+        with torch.no_grad():
+            model.generate(ids[:, :REFERENCE], max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                           streamer=ref_clock, **kwargs)  # fmt: skip
+        ref_gaps = [b - a for a, b in zip(ref_clock.times[2:], ref_clock.times[3:], strict=False)]
+        ref = {"ref_prompt": REFERENCE, "ref_ms_per_token": round(1e3 * statistics.median(ref_gaps), 3)}
     return {
         "model": name,
         "mode": mode,
         "prompt": n,
         "generated": int(out.shape[1] - n),
         "rss_before_mib": round(before, 1),
-        "peak_rss_mib": round(_rss_mib(), 1),
+        "peak_rss_mib": round(peak, 1),
         "prompt_ids_mib": round(ids.numel() * ids.element_size() / 2**20, 2),
         "prefill_s": round(clock.times[1] - t0, 3),
         "ms_per_token": round(1e3 * statistics.median(gaps), 3),
         "ms_per_token_mean": round(1e3 * (clock.times[-1] - clock.times[2]) / max(1, len(clock.times) - 3), 3),
+        **ref,
     }
 
 
@@ -166,18 +180,21 @@ def _plot(rows: list[dict[str, object]], path: str) -> None:
 
 def _table(rows: list[dict[str, object]]) -> str:
     lines = [
-        "| model | run | prompt | peak RSS MiB | prefill s | prefill s / 1k tokens | ms / generated token |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| model | run | prompt | peak RSS MiB | prefill s | prefill s / 1k tokens | ms / generated token | "
+        "vs 8k, same process |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         label = {"plsh": "plsh T=8", "window": "windowed ALiBi 12σ", "stock": "stock"}[str(r["mode"])]
         if "peak_rss_mib" not in r:
-            lines.append(f"| {r['model']} | {label} | {r['prompt']} | not run: {r['reason']} | | | |")
+            lines.append(f"| {r['model']} | {label} | {r['prompt']} | not run: {r['reason']} | | | | |")
             continue
         per_k = float(r["prefill_s"]) / (int(r["prompt"]) / 1000)
+        ref = r.get("ref_ms_per_token")
+        paired = f"{float(r['ms_per_token']) / float(ref):.2f}x ({ref:.2f} ms)" if ref else ""
         lines.append(
             f"| {r['model']} | {label} | {r['prompt']} | {r['peak_rss_mib']:.0f} | {r['prefill_s']:.2f} | "
-            f"{per_k:.3f} | {r['ms_per_token']:.2f} |"
+            f"{per_k:.3f} | {r['ms_per_token']:.2f} | {paired} |"
         )
     return "\n".join(lines)
 
@@ -195,7 +212,15 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
     ap.add_argument("--plot", default=None, help="draw the figure (from --out's rows when given) to this path")
     ap.add_argument("--point", default=None, help=argparse.SUPPRESS)  # "model,mode,n": one point in this process
+    ap.add_argument("--report", action="store_true", help="only print the table (and --plot) of --out's rows")
     args = ap.parse_args()
+    if args.report:
+        with open(args.out, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        print(_table(rows))
+        if args.plot:
+            _plot(rows, args.plot)
+        return
     if args.point:
         name, mode, n = args.point.split(",")
         print(json.dumps(run_point(name, mode, int(n), args.tokens, args.sigma)), flush=True)
