@@ -264,8 +264,8 @@ class StepHook:
     training-mode model call, except calls continuing a KV cache (they keep the step's partitions). Every input is
     checked here, before any layer runs (a refused call changes no KV cache). ``registry``: the swap goes through
     transformers' attention registry (the RoPE family), whose attention implementation is put back if it was changed
-    (``model.set_attn_implementation("eager")``), with a warning: the swap stays in force until it is restored.
-    ``bloom``: a BLOOM call without an attention mask gets the all-valid view (``bloom.all_valid_mask``)."""
+    (``model.set_attn_implementation("eager")``), with a warning: the swap stays in force until it is restored;
+    ``bloom``: a BLOOM call without a mask gets the all-valid view."""
 
     swap: AttentionSwap
     registry: bool = False
@@ -298,10 +298,9 @@ class StepHook:
         if module.training:
             if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
                 self.swap.advance_step()
-        if self.bloom:  # no (B H, 1, n) ALiBi tensor per call (bloom.NoAlibi)
+        if self.bloom:  # no (B H, 1, n) ALiBi tensor per call (bloom.NoAlibi, bloom.all_valid_mask)
             all_valid_mask(args, kwargs)
-            return args, kwargs
-        return None if packed is None else (args, kwargs)
+        return None if packed is None and not self.bloom else (args, kwargs)
 
 
 @dataclass(eq=False)
