@@ -101,9 +101,17 @@ class NoPositionIds:
     """A bounded swap's ``_prepare_position_ids_for_generation``: ``None``, where ``generate`` would build ``(B, n)``
     position ids for the prompt and grow them by one column per token (an ``O(n)`` buffer and copy per token). The
     swapped attention reads positions from the cache and the padding mask (the RoPE family's rotary embedding is
-    neutralized), so the model's own default (the new tokens' positions after the cached ones) serves."""
+    neutralized), so the model's own default (the new tokens' positions after the cached ones) serves. A generate
+    that continues a cache passed to it keeps transformers' position ids (the cache checks with them that the new
+    prompt continues its sequence)."""
 
-    def __call__(self, inputs_tensor: Any, model_kwargs: dict[str, Any]) -> None:
+    swap: AttentionSwap
+
+    def __call__(self, inputs_tensor: Any, model_kwargs: dict[str, Any]) -> Any:
+        cache = model_kwargs.get("cache")
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+            model: Any = self.swap.model  # a transformers GenerationMixin: the class's own method
+            return type(model)._prepare_position_ids_for_generation(model, inputs_tensor, model_kwargs)
         return None
 
 
@@ -117,7 +125,7 @@ def set_generation_defaults(model: PreTrainedModel, swap: AttentionSwap, below: 
         if isinstance(config, GenerationConfig) and config.prefill_chunk_size is None:
             config.prefill_chunk_size = chunk = PREFILL_CHUNK
         model.__dict__["_prepare_cache_for_generation"] = GenerationCacheFactory(swap, chunk)
-        model.__dict__["_prepare_position_ids_for_generation"] = NoPositionIds()
+        model.__dict__["_prepare_position_ids_for_generation"] = NoPositionIds(swap)
         return
     for name in ("_prepare_cache_for_generation", "_prepare_position_ids_for_generation"):
         model.__dict__.pop(name, None)  # (a bounded swap's below: back when this one goes)
