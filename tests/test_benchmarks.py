@@ -163,3 +163,30 @@ def test_short_step_calls_differentiate_both(short_step):
     for fn in fns.values():
         grads = fn()
         assert len(grads) == 3 and all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.fixture
+def long_generate(monkeypatch):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "long_generate.py"
+    spec = importlib.util.spec_from_file_location("long_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "long_generate", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_long_generate_point_and_table(long_generate):
+    # benchmarks/long_generate.py: one point in this process (a tiny prompt), the stock model's refusals, the table.
+    pytest.importorskip("transformers")
+    threads = torch.get_num_threads()
+    try:
+        row = long_generate.run_point("bloom", "plsh", 96, 5, 16.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert row["generated"] == 5 and row["prompt"] == 96 and row["peak_rss_mib"] >= row["rss_before_mib"] > 0
+    assert row["prefill_s"] > 0 and row["ms_per_token"] > 0
+    assert long_generate.stock_refusal("qwen3", 8192, 12.0, 262144) is None
+    assert "quadratic prefill" in long_generate.stock_refusal("qwen3", 1 << 20, 12.0, 262144)
+    assert "GiB" in long_generate.stock_refusal("bloom", 131072, 12.0, 262144)  # its (B H, chunk, n) scores
+    table = long_generate._table([row, {"model": "bloom", "mode": "stock", "prompt": 96, "reason": "why"}])
+    assert "| bloom | plsh T=8 | 96 |" in table and "not run: why" in table

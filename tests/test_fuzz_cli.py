@@ -31,6 +31,7 @@ COMMANDS = {
     "bench": (["--lengths", "64"], "positional_lsh.cli.bench", "run_bench_command"),
     "train": (["--out", "{tmp}/run"], "positional_lsh.cli.train", "train"),
     "eval": ([], "positional_lsh.cli.eval", "run_eval"),
+    "generate": (["--prompt-file", "{tmp}/prompt.txt"], "positional_lsh.cli.generate", "run_generate"),
     "validate": (["--out", "{tmp}/val"], "positional_lsh.cli.validate", "run_validation"),
     "train-hf": (["--out", "{tmp}/hf", "--preset", "tiny"], "positional_lsh.integrations.hf.train", "train_hf"),
 }

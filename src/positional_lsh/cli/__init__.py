@@ -28,6 +28,7 @@ _COMMAND_MODULES = (
     "positional_lsh.cli.train",
     "positional_lsh.cli.train_hf",
     "positional_lsh.cli.eval",
+    "positional_lsh.cli.generate",
     "positional_lsh.cli.validate",
 )
 

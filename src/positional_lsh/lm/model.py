@@ -48,8 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast, overload
 
 import torch
@@ -57,6 +56,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from positional_lsh.lm.config import ModelConfig, check_float
+from positional_lsh.lm.generation import PREFILL_CHUNK, LiveKV, sampling_generator
+from positional_lsh.lm.generation import generate as generate_tokens
 from positional_lsh.ops.checks import nonnegative_int, positive_int
 from positional_lsh.ops.exact.alibi import alibi_attention
 from positional_lsh.ops.exact.bias import alibi_bias
@@ -88,7 +89,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 """One layer's keys and values ``(B, H, L, head_dim)``: what a layer returns and takes back as its cache."""
-KVCache = Sequence["LayerKV | None"]
+KVCache = Sequence["LayerKV | LiveKV | None"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -231,9 +232,11 @@ class CausalSelfAttention(nn.Module):
         return alibi_attention(q, k, v, slopes, causal=True, window=window, backend=self.cfg.attn_backend)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ShardedAttention | None = None
-    ) -> torch.Tensor:
-        """Attention of ``q (B, H, Lq, d)`` to ``k, v (B, H, Lk, d)``; queries are the last ``Lq`` positions.
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ShardedAttention | None = None,
+        key_offset: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
+        """Attention of ``q (B, H, Lq, d)`` to ``k, v (B, H, Lk, d)``; queries are the last ``Lq`` positions, the
+        first key at position ``key_offset`` (a :class:`~positional_lsh.lm.generation.LiveKV` dropped those before).
 
         ``context``: this rank's shard of a context-parallel sequence (``plsh`` only; see
         :meth:`TransformerLM.forward`).
@@ -251,8 +254,8 @@ class CausalSelfAttention(nn.Module):
                     "learn_slopes=True with context parallelism: the sharded attention carries no gradient for "
                     "the slopes; train learned slopes without --context-parallel"
                 )
-            if lq < lk and context is None and not self.training and not torch.compiler.is_compiling():
-                return self._with_kvcache(q, k, v)
+            if (lq < lk or key_offset) and context is None and not self.training and not torch.compiler.is_compiling():
+                return self._with_kvcache(q, k, v, key_offset)
             # Learned slopes: the tensor carries plsh_attention's surrogate gradient; the partitions follow it.
             return self.plsh(q, k, v, self.learned_slopes(), context=context)
         # rope / nope: plain causal attention (rotation already applied for rope).
@@ -263,7 +266,7 @@ class CausalSelfAttention(nn.Module):
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    def _with_kvcache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _with_kvcache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_offset: int = 0) -> torch.Tensor:
         """Eval-mode ``plsh`` queries that continue a KV cache: the op layer's KV-cache entry point, with the
         partitions the module draws (eval mode: the same at every length, drawn here for a length that grows
         geometrically so that consecutive tokens pass the same draw) and the layer's decoding state. Learned slopes
@@ -272,34 +275,38 @@ class CausalSelfAttention(nn.Module):
         slopes = self.learned_slopes()
         if slopes is not None and slopes.requires_grad and torch.is_grad_enabled():
             return self.plsh(q, k, v, slopes)
-        parts = self.partitions(max(2 * k.shape[2], 1024))
+        parts = self.partitions(max(2 * (key_offset + k.shape[2]), 1024))
         return plsh_attention_with_kvcache(
-            q, k, v, parts, backend=self.cfg.attn_backend, method=self.cfg.plsh_method, state=self._decode_state
-        )
+            q, k, v, parts, key_offset=key_offset, backend=self.cfg.attn_backend, method=self.cfg.plsh_method,
+            state=self._decode_state,
+        )  # fmt: skip
 
     def forward(
-        self, x: torch.Tensor, cache: LayerKV | None = None, context: ShardedAttention | None = None
-    ) -> tuple[torch.Tensor, LayerKV]:
+        self, x: torch.Tensor, cache: LayerKV | LiveKV | None = None, context: ShardedAttention | None = None
+    ) -> tuple[torch.Tensor, LayerKV | LiveKV]:
         """``x (B, L, d_model)`` -> ``(y (B, L, d_model), (k, v))``; ``cache`` holds earlier keys/values,
         ``context`` a context-parallel shard (:meth:`attend`)."""
         b, l, c = x.shape
         q, k, v = self.qkv(x).view(b, l, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        past = 0 if cache is None else cache[0].shape[2]
+        past = 0 if cache is None else cache.seen if isinstance(cache, LiveKV) else cache[0].shape[2]
         if self.position == "rope":
             pos = torch.arange(past, past + l, device=x.device)
             cos, sin = rope_cos_sin(pos, self.head_dim, self.cfg.rope_base)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
+        offset = 0
+        if isinstance(cache, LiveKV):
+            k, v, offset = cache.update(k, v)
+        elif cache is not None:
             k = torch.cat((cache[0], k), dim=2)
             v = torch.cat((cache[1], v), dim=2)
         if self.cfg.attn_fp32 and q.dtype in (torch.float16, torch.bfloat16):
             with torch.autocast(x.device.type, enabled=False):
-                y = self.attend(q.float(), k.float(), v.float(), context).to(q.dtype)
+                y = self.attend(q.float(), k.float(), v.float(), context, offset).to(q.dtype)
         else:
-            y = self.attend(q, k, v, context)
+            y = self.attend(q, k, v, context, offset)
         y = y.transpose(1, 2).reshape(b, l, c)
         y = F.dropout(self.proj(y), self.dropout, self.training)
-        return y, (k, v)
+        return y, cache if isinstance(cache, LiveKV) else (k, v)
 
 
 class MLP(nn.Module):
@@ -326,8 +333,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cache: LayerKV | None = None, context: ShardedAttention | None = None
-    ) -> tuple[torch.Tensor, LayerKV]:
+        self, x: torch.Tensor, cache: LayerKV | LiveKV | None = None, context: ShardedAttention | None = None
+    ) -> tuple[torch.Tensor, LayerKV | LiveKV]:
         a, kv = self.attn(self.norm1(x), cache, context)
         x = x + a
         x = x + self.mlp(self.norm2(x))
@@ -465,17 +472,21 @@ class TransformerLM(nn.Module):
             raise ValueError(f"{name} holds ids outside [0, {self.cfg.vocab_size})")
         return idx.long()
 
-    def forward_with_cache(self, idx: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, list[LayerKV]]:
-        """Logits ``(B, L, V)`` float32 of ``idx (B, L)`` that follow the cached positions, and the new cache."""
+    def forward_with_cache(
+        self, idx: torch.Tensor, cache: KVCache | None = None, *, last: bool = False
+    ) -> tuple[torch.Tensor, list[LayerKV | LiveKV]]:
+        """Logits ``(B, L, V)`` float32 of ``idx (B, L)`` that follow the cached positions (``last``: of the last
+        position only, ``(B, 1, V)``), and the new cache (a layer's :class:`~positional_lsh.lm.generation.LiveKV` is
+        updated in place and returned)."""
         idx = self._check_idx(idx)
         if cache is not None and len(cache) != len(self.blocks):
             raise ValueError(f"cache must have one entry per layer ({len(self.blocks)}), got {len(cache)}")
         x = F.dropout(self.embed(idx), self.cfg.dropout, self.training)
-        new_cache = []
+        new_cache: list[LayerKV | LiveKV] = []
         for i, block in enumerate(self.blocks):
             x, kv = block(x, None if cache is None else cache[i])
             new_cache.append(kv)
-        logits = self.head(self.norm(x)).float()
+        logits = self.head(self.norm(x[:, -1:] if last else x)).float()
         return logits, new_cache
 
     @overload
@@ -524,59 +535,29 @@ class TransformerLM(nn.Module):
         generator: torch.Generator | int | None = None,
         use_cache: bool = True,
         stop_token: int | None = None,
+        prefill_chunk: int | None = PREFILL_CHUNK,
+        on_token: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Continue ``idx (B, L)`` by ``max_new_tokens`` sampled tokens; returns ``(B, L + new)`` int64.
 
         ``temperature = 0`` is greedy decoding. ``top_k`` keeps the ``k`` most likely tokens. ``generator``
         (CPU ``torch.Generator`` or int seed) makes sampling reproducible. With ``use_cache`` keys and values
         are cached (one forward per new token); without it every step recomputes the whole sequence — both
-        give the same tokens (for ``plsh``, eval-mode partitions are fixed, so this holds exactly). Generation
-        stops early when every row has produced ``stop_token``. The model is put in eval mode.
+        give the same tokens (for ``plsh``, eval-mode partitions are fixed, so this holds exactly). With a cache,
+        ``plsh`` and ``window-alibi`` generate bounded: each layer keeps only the keys a later query can reach and the
+        prompt goes in chunks of ``prefill_chunk`` tokens (``None``: at once), so memory and the cost of a token do
+        not grow with the prompt (:mod:`positional_lsh.lm.generation`); other modes keep every key. ``on_token``
+        gets each ``(B, 1)`` new token as it comes. Generation stops early when every row has produced
+        ``stop_token``. The model is put in eval mode.
         """
         idx = self._check_idx(idx)
         max_new_tokens = nonnegative_int("max_new_tokens", max_new_tokens)
         temperature = check_float("temperature", temperature, allow_zero=True)
         if top_k is not None:
             top_k = positive_int("top_k", top_k)
-        generator = _sampling_generator(generator)
         self.eval()
-        out = idx.to(self.device)
-        done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-        cache: list[LayerKV] | None = None
-        for _ in range(max_new_tokens):
-            if use_cache:
-                logits, cache = self.forward_with_cache(out if cache is None else out[:, -1:], cache)
-            else:
-                logits = self.forward(out)
-            nxt = _next_token(logits[:, -1, :], temperature, top_k, generator)
-            out = torch.cat((out, nxt), dim=1)
-            if stop_token is not None:
-                done |= nxt[:, 0] == stop_token
-                if bool(done.all()):
-                    break
-        return out
-
-
-def _sampling_generator(generator: object) -> torch.Generator | None:
-    """A CPU generator for token sampling from a ``torch.Generator``, an int seed or ``None``."""
-    if isinstance(generator, bool):
-        raise TypeError("generator must be a torch.Generator, an int seed or None")
-    if isinstance(generator, numbers.Integral):
-        return torch.Generator().manual_seed(int(generator))
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {type(generator)}")
-    return generator
-
-
-def _next_token(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-) -> torch.Tensor:
-    """``(B, 1)`` next token ids from last-position ``logits (B, V)``: greedy at temperature 0, else sampled."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).to(logits.device)
+        return generate_tokens(
+            self, idx.to(self.device), max_new_tokens, temperature=temperature, top_k=top_k,
+            generator=sampling_generator(generator), use_cache=use_cache, stop_token=stop_token,
+            prefill_chunk=prefill_chunk, on_token=on_token,
+        )  # fmt: skip

@@ -140,7 +140,7 @@ def test_live_key_cache_generates_as_the_default_cache(name, mode):
     else:
         swap = hf.use_alibi(model, window=5.0)
     with swap:
-        seq, scores = _generate(model, x, mask, None)
+        seq, scores = _generate(model, x, mask, transformers.DynamicCache(config=model.config))
         cache = swap.new_cache()
         assert type(cache).__name__ == "LiveKeyCache"
         live_seq, live_scores = _generate(model, x, mask, cache)
@@ -189,7 +189,7 @@ def test_the_decoding_plan_generates_as_the_default_cache(name, mode):
         else:
             swap = hf.use_alibi(model, slopes=0.1, window=6.0 if mode == "window" else None)
         with swap:
-            seq, scores = _generate(model, x, None, None, tokens=30)
+            seq, scores = _generate(model, x, None, transformers.DynamicCache(config=model.config), tokens=30)
             cache = swap.new_cache()
             live_seq, live_scores = _generate(model, x, None, cache, tokens=30)
         assert torch.equal(live_seq, seq)

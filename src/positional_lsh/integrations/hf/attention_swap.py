@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from positional_lsh.integrations.hf.masks import uniform
 from positional_lsh.ops import alibi_attention, plsh_attention
 from positional_lsh.ops.checks import nonnegative_int
 from positional_lsh.ops.exact.weights import alibi_attention_weights, plsh_attention_weights
@@ -325,6 +326,8 @@ class AttentionSwap:
         seen = self._valid_seen
         if seen is not None and seen[0] is key_valid and seen[1] == key_valid._version:
             return True
+        if uniform(key_valid):  # a view of one value (the all-valid mask): one element read, not n
+            return bool(key_valid[(0,) * key_valid.dim()])
         ok = bool(key_valid.all())
         self._valid_seen = (key_valid, key_valid._version) if ok else None
         return ok

@@ -2,10 +2,16 @@
 
 BLOOM adds ``m * j`` per key after scaling by ``1/sqrt(d)`` (equal to ``-m |i - j|`` up to a per-row constant), so
 its slopes are used as they are (:func:`positional_lsh.integrations.families.native_slopes`).
+
+The stock ``BloomModel`` builds a ``(B H, 1, n)`` ALiBi tensor for every call (``n`` the whole sequence, also for one
+decoded token), which the replacement forward does not read: the swap installs :class:`NoAlibi` as the model's
+``build_alibi_tensor`` (a zero-strided view: no ``O(n)`` buffer, no ``O(n)`` work per token) and hands the model an
+all-valid mask view when it gets none (:func:`all_valid_mask`), so that it calls it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,6 +19,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from positional_lsh.integrations.hf.forward import attend_native, check_dropout, native_weights, swap_of
+from positional_lsh.integrations.hf.masks import all_valid
+
+
+@dataclass(eq=False)
+class NoAlibi:
+    """A swapped ``BloomModel``'s ``build_alibi_tensor``: the ``(B H, 1, n)`` shape the model passes on, as a view of
+    one zero (the replacement attention computes its own positions)."""
+
+    def __call__(self, attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        batch, n = attention_mask.shape
+        return torch.zeros((), dtype=dtype, device=attention_mask.device).expand(batch * num_heads, 1, n)
+
+
+def all_valid_mask(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Give a ``BloomModel`` call (``args``, ``kwargs``: its arguments) without an ``attention_mask`` the all-valid
+    ``(B, past + L)`` mask as a view of one ``True`` (the stock model then calls :class:`NoAlibi` instead of building
+    its ALiBi tensor for every position); eager calls with ``input_ids`` (by name or first) or ``inputs_embeds``."""
+    if len(args) > 1 or kwargs.get("attention_mask") is not None or torch.compiler.is_compiling():
+        return
+    tokens = args[0] if args else kwargs.get("input_ids")
+    if not isinstance(tokens, torch.Tensor):
+        tokens = kwargs.get("inputs_embeds")
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+        return
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+    kwargs["attention_mask"] = all_valid(tokens.device).expand(tokens.shape[0], past + tokens.shape[1])
 
 
 def bloom_forward(

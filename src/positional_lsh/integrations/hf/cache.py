@@ -253,6 +253,9 @@ class LiveKeyCache(DynamicCache):
             first = int(positions.reshape(-1, positions.shape[-1])[:, 0].min())
             found = f"new tokens from position {first}"
             ok = first == seen
+        elif isinstance(positions, torch.Tensor) and new > 0:  # (a chunked prefill slices past the positions given)
+            found = f"no position ids for {new} new tokens"
+            ok = False
         else:
             return
         if not ok:

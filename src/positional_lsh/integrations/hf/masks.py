@@ -68,7 +68,7 @@ def padding_mask_interface(
             "static, sliding-window and other fixed-size caches are not supported: use the default DynamicCache"
         )
     if attention_mask is None:
-        return _true(device).expand(batch_size, kv_length)
+        return all_valid(device).expand(batch_size, kv_length)
     if attention_mask.dim() != 2 or attention_mask.shape[-1] < kv_length:
         raise ValueError(
             f"attention_mask must be a 2-D (batch, {kv_length}) padding mask, got shape {tuple(attention_mask.shape)}"
@@ -137,7 +137,7 @@ def segments_of_cu_seqlens(cu_seqlens: object, batch: int, n: int) -> torch.Tens
 _TRUE: dict[torch.device, torch.Tensor] = {}
 
 
-def _true(device: torch.device | str) -> torch.Tensor:
+def all_valid(device: torch.device | str) -> torch.Tensor:
     """A 0-dim ``True`` on ``device``, made once per device (the all-valid mask is an expanded view of it: decoding
     builds one per token), as a normal tensor even when first asked for in inference mode (an inference tensor could
     not be saved for a later backward). Under ``torch.compile`` a fresh one (no tensor held across graphs)."""
@@ -168,6 +168,12 @@ def _traced_causal(
         "in one row (or the model asked for another mask pattern)",
     )
     return None
+
+
+def uniform(mask: torch.Tensor) -> bool:
+    """Whether every element of ``mask`` is one element (a view of one value, e.g. :func:`all_valid` expanded): its
+    first element then says whether all are valid, without reading the ``n`` positions."""
+    return mask.numel() > 0 and all(st == 0 or sz == 1 for st, sz in zip(mask.stride(), mask.shape, strict=True))
 
 
 def key_validity(attention_mask: object, batch: int, k_len: int) -> torch.Tensor | None:

@@ -45,14 +45,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from positional_lsh.integrations.families import FAMILIES, Family, attention_modules, family_of, native_slopes
 from positional_lsh.integrations.hf import rope
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
+from positional_lsh.integrations.hf.bloom import NoAlibi, all_valid_mask
 from positional_lsh.integrations.hf.cache import LiveKeyCache
 from positional_lsh.integrations.hf.configs import own_config
 from positional_lsh.integrations.hf.forward import asks_for_attentions, check_model_inputs, packed_inputs
+from positional_lsh.integrations.hf.generation import set_generation_defaults
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION
 from positional_lsh.integrations.hf.saved import (
     CONFIG_KEY,
@@ -204,8 +206,9 @@ class SwapChanges:
                 obj.__dict__.pop(name, None)
 
     def config_entries(self) -> list[tuple[Any, str, bool, Any]]:
-        """The entries of config objects (what a save writes as it was before the swap)."""
-        return [e for e in self.entries if isinstance(e[0], PretrainedConfig)]
+        """The entries of config objects, the generation config's included (what a save writes as it was before the
+        swap)."""
+        return [e for e in self.entries if isinstance(e[0], (PretrainedConfig, GenerationConfig))]
 
 
 @dataclass(eq=False)
@@ -219,10 +222,16 @@ class _RestoreAbove:
 
 
 def _watched(outer: nn.Module) -> list[Any]:
-    """The modules of ``outer`` and every config they hold (the objects an install may change)."""
+    """The modules of ``outer`` and every config they hold, generation configs included (the objects an install may
+    change)."""
     objs: list[Any] = list(outer.modules())
     seen = {id(o) for o in objs}
-    configs = [getattr(m, "config", None) for m in objs if isinstance(m, PreTrainedModel)]
+    models = [m for m in objs if isinstance(m, PreTrainedModel)]
+    configs = [getattr(m, "config", None) for m in models]
+    for gen in (m.__dict__.get("generation_config") for m in models):
+        if isinstance(gen, GenerationConfig) and id(gen) not in seen:
+            seen.add(id(gen))
+            objs.append(gen)
     while configs:
         cfg = configs.pop()
         if isinstance(cfg, PretrainedConfig) and id(cfg) not in seen:
@@ -255,11 +264,12 @@ class StepHook:
     training-mode model call, except calls continuing a KV cache (they keep the step's partitions). Every input is
     checked here, before any layer runs (a refused call changes no KV cache). ``registry``: the swap goes through
     transformers' attention registry (the RoPE family), whose attention implementation is put back if it was changed
-    (``model.set_attn_implementation("eager")``), with a warning: the swap stays in force until it is restored.
-    """
+    (``model.set_attn_implementation("eager")``), with a warning: the swap stays in force until it is restored;
+    ``bloom``: a BLOOM call without a mask gets the all-valid view."""
 
     swap: AttentionSwap
     registry: bool = False
+    bloom: bool = False
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -288,7 +298,9 @@ class StepHook:
         if module.training:
             if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
                 self.swap.advance_step()
-        return None if packed is None else (args, kwargs)
+        if self.bloom:  # no (B H, 1, n) ALiBi tensor per call (bloom.NoAlibi, bloom.all_valid_mask)
+            all_valid_mask(args, kwargs)
+        return None if packed is None and not self.bloom else (args, kwargs)
 
 
 @dataclass(eq=False)
@@ -373,8 +385,13 @@ def _install(outer: nn.Module, inner: PreTrainedModel, swap: AttentionSwap, fami
             obj.__dict__[SWAP_ATTR] = swap
         # generate(cache_implementation="static") builds the swap's fixed-capacity cache instead of a StaticCache.
         inner.__dict__["_prepare_static_cache"] = StaticCacheFactory(swap)
+        # A plain generate() holds the live keys only and prefills in chunks (bounded swaps; module generation).
+        set_generation_defaults(inner, swap, inner.__dict__.get(_STACK_ATTR, []))
         inner.__dict__[_STACK_ATTR] = [*inner.__dict__.get(_STACK_ATTR, []), changes]
-        handle = inner.base_model.register_forward_pre_hook(StepHook(swap, family.registry), with_kwargs=True)
+        if family.name == "bloom":  # the stock model's ALiBi tensor (the replacement reads none): a view of one zero
+            inner.base_model.__dict__["build_alibi_tensor"] = NoAlibi()
+        hook = StepHook(swap, family.registry, family.name == "bloom")
+        handle = inner.base_model.register_forward_pre_hook(hook, with_kwargs=True)
         changes.hook_module, changes.hook_id = inner.base_model, handle.id
         changes.entries = _diff(before)
     except BaseException:

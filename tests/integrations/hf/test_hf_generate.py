@@ -1,0 +1,205 @@
+"""Bounded generation by default (issue 33): after a bounded swap (positional LSH, windowed ALiBi) a plain
+``generate`` holds the live keys only (LiveKeyCache) and prefills its prompt in chunks; restoring undoes it, the
+user's explicit choices are kept, exact ALiBi keeps transformers' full cache. The chunked, bounded generation gives
+the tokens (and scores) of the one-piece full-cache generation with the same partitions."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_tiny import tiny_model, token_ids  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+from positional_lsh.integrations import hf  # noqa: E402
+from positional_lsh.integrations.hf.cache import LiveKeyCache  # noqa: E402
+from positional_lsh.integrations.hf.generation import PREFILL_CHUNK  # noqa: E402
+
+
+class _Calls:
+    """Records the model calls of a generate: the query lengths they bring and the cache they get (a forward pre-hook
+    on the base model)."""
+
+    def __init__(self, model) -> None:
+        self.lengths: list[int] = []
+        self.cache = None
+        self.handle = model.base_model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.lengths.append(int(ids.shape[-1]))
+        self.cache = kwargs.get("cache")
+
+
+def _generate(model, x, tokens: int = 4, **kwargs):
+    """Greedy tokens, scores, and the cache the model calls got (``use_cache=True``: MPT's config turns it off)."""
+    kwargs.setdefault("use_cache", True)
+    calls = _Calls(model)
+    try:
+        out = model.generate(
+            x, max_new_tokens=tokens, do_sample=False, output_scores=True, return_dict_in_generate=True, **kwargs
+        )
+    finally:
+        calls.handle.remove()
+    return out.sequences, torch.stack(out.scores), calls.cache
+
+
+def _swap(model, mode: str):
+    if mode == "plsh":
+        return hf.use_positional_lsh(model, num_samples=4, seed=3, slopes=0.3)
+    if mode == "window":
+        return hf.use_alibi(model, window=6.0)
+    return hf.use_alibi(model)
+
+
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+def test_a_bounded_swap_sets_the_generation_defaults_and_restoring_undoes_them(mode):
+    model = tiny_model("bloom")
+    x = token_ids(batch=1, length=40)
+    assert model.generation_config.prefill_chunk_size is None
+    with _swap(model, mode):
+        assert model.generation_config.prefill_chunk_size == PREFILL_CHUNK
+        _, _, cache = _generate(model, x)
+        assert isinstance(cache, LiveKeyCache)
+        calls = _Calls(model)
+        _, _, cache = _generate(model, x, prefill_chunk_size=16)  # a generate argument wins
+        calls.handle.remove()
+        assert calls.lengths == [16, 16, 8, 1, 1, 1] and isinstance(cache, LiveKeyCache)
+        assert max(cache.cached_tokens()) < 40  # dead keys dropped
+        seq, _, used = _generate(model, x, use_cache=False)  # no cache: one piece (transformers chunks only a cache)
+        assert used is None and torch.equal(seq, _generate(model, x)[0])
+    assert model.generation_config.prefill_chunk_size is None
+    assert "_prepare_cache_for_generation" not in model.__dict__
+    _, _, cache = _generate(model, x)
+    assert type(cache) is transformers.DynamicCache
+
+
+def test_explicit_choices_are_kept():
+    model = tiny_model("qwen3")
+    x = token_ids(batch=1, length=40)
+    model.generation_config.prefill_chunk_size = 8
+    with _swap(model, "plsh"):
+        assert model.generation_config.prefill_chunk_size == 8  # the user's, before the swap
+        calls = _Calls(model)
+        _generate(model, x, tokens=2)
+        _generate(model, x, tokens=2, prefill_chunk_size=None)  # one piece, asked for
+        calls.handle.remove()
+        assert calls.lengths == [8] * 5 + [1] + [40, 1]
+        for cache in (transformers.DynamicCache(config=model.config), None):
+            kwargs = {"cache": cache} if cache is not None else {"cache_implementation": "dynamic"}
+            _, _, used = _generate(model, x, **kwargs)
+            assert type(used) is transformers.DynamicCache and (cache is None or used is cache)
+    assert model.generation_config.prefill_chunk_size == 8
+
+
+def test_exact_alibi_keeps_the_full_cache_also_stacked_on_a_bounded_swap():
+    model = tiny_model("mpt")
+    x = token_ids(batch=1, length=40)
+    with _swap(model, "exact"):
+        assert model.generation_config.prefill_chunk_size is None
+        assert type(_generate(model, x)[2]) is transformers.DynamicCache
+    with _swap(model, "plsh"):
+        with _swap(model, "exact"):
+            assert model.generation_config.prefill_chunk_size is None
+            assert type(_generate(model, x)[2]) is transformers.DynamicCache
+        assert model.generation_config.prefill_chunk_size == PREFILL_CHUNK  # the bounded swap's, back
+        assert isinstance(_generate(model, x)[2], LiveKeyCache)
+    assert model.generation_config.prefill_chunk_size is None
+
+
+def test_a_saved_swapped_model_writes_its_generation_config_as_before_and_copies_keep_the_defaults(tmp_path):
+    model = tiny_model("llama")
+    swap = _swap(model, "window")
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert "prefill_chunk_size" not in saved or saved["prefill_chunk_size"] is None
+    assert model.generation_config.prefill_chunk_size == PREFILL_CHUNK
+    twin = copy.deepcopy(model)
+    assert twin.generation_config.prefill_chunk_size == PREFILL_CHUNK
+    hf.restore(twin)
+    assert twin.generation_config.prefill_chunk_size is None
+    assert model.generation_config.prefill_chunk_size == PREFILL_CHUNK
+    swap.restore()
+    assert model.generation_config.prefill_chunk_size is None
+
+
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+@pytest.mark.parametrize("name", ["bloom", "falcon", "mpt", "llama", "qwen3"])
+def test_chunked_bounded_generation_is_the_one_piece_full_cache_generation(name, mode):
+    # float64; the prompt longer than the keys a query reaches (plsh: about 35, the window: 6), so dead keys are
+    # dropped between chunks; chunks of 24 (the first on the full op, the later ones on the decoding kernels over the
+    # live keys) and of 5. Row 1 left-padded.
+    model = tiny_model(name, dtype=torch.float64)
+    x = token_ids(batch=2, length=100)
+    mask = torch.ones_like(x)
+    x[1, :7], mask[1, :7] = 0, 0
+    with _swap(model, mode):
+        full = transformers.DynamicCache(config=model.config)
+        seq, scores, _ = _generate(model, x, 12, attention_mask=mask, cache=full, prefill_chunk_size=None)
+        assert full.get_seq_length() == 111 and full.layers[0].keys.shape[-2] == 111
+        for chunk in (24, 5):
+            b_seq, b_scores, cache = _generate(model, x, 12, attention_mask=mask, prefill_chunk_size=chunk)
+            assert isinstance(cache, LiveKeyCache) and max(cache.cached_tokens()) < 50
+            assert torch.equal(b_seq, seq)
+            torch.testing.assert_close(b_scores, scores, rtol=0, atol=1e-10)
+        b_seq, _, _ = _generate(model, x[:1], 12)  # the defaults: one chunk here, bounded cache
+        assert torch.equal(b_seq, seq[:1])
+
+
+class _Elements(TorchDispatchMode):
+    """The floating-point and bool elements the aten ops read and write (views excepted), and the largest tensor they
+    read or write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            read = () if func.__name__.startswith("new_") else (args, kwargs or {})  # (new_empty reads no element)
+            for x in tree_flatten((read, out))[0]:
+                if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.dtype == torch.bool):
+                    self.elements += x.numel()
+                    self.largest = max(self.largest, x.numel())
+        return out
+
+
+class _CountAfterPrefill:
+    """A generate streamer that counts the work of the generated tokens after the first (the prefill's is not)."""
+
+    def __init__(self) -> None:
+        self.work = _Elements()
+        self.puts = 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.work.__enter__()
+
+    def end(self) -> None:
+        self.work.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+@pytest.mark.parametrize("name", ["bloom", "qwen3"])
+def test_a_generated_token_reads_and_builds_nothing_of_the_prompt_length(name, mode):
+    # A plain generate after the swap: the work of the generated tokens (floating-point and bool elements read and
+    # written, the whole model) and its largest tensor do not grow with the prompt (before: BLOOM's (B H, 1, n) ALiBi
+    # tensor and (B, n) masks per token, Qwen3's (B, n) position ids grown per token).
+    model = tiny_model(name)
+    runs = {}
+    with _swap(model, mode):
+        for n in (256, 4096):
+            count = _CountAfterPrefill()
+            model.generate(token_ids(batch=1, length=n), max_new_tokens=6, do_sample=False, streamer=count)
+            runs[n] = count.work
+    assert runs[4096].elements < 1.25 * runs[256].elements, {n: w.elements for n, w in runs.items()}
+    assert runs[4096].largest <= max(runs[256].largest, 4096 // 4), {n: w.largest for n, w in runs.items()}
