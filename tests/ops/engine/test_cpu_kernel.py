@@ -93,6 +93,25 @@ def test_a_failed_build_is_reported_not_swallowed(clean_state):
         assert not build.kernel_state().loaded
 
 
+def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path):
+    # torch's O_EXCL lock file outlives a build killed midway; every later process then waited on it forever.
+    (tmp_path / "lock").write_text("")
+    with build.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_a_live_build_holds_the_directory(tmp_path, capfd):
+    fcntl = pytest.importorskip("fcntl")
+    with build.build_lock(tmp_path):
+        (tmp_path / "lock").write_text("")  # the live build's own torch lock
+        with open(tmp_path / "plsh.flock", "a+") as other:  # another process's attempt (a second open file)
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert (tmp_path / "lock").exists()  # not removed under a live holder
+    with open(tmp_path / "plsh.flock", "a+") as other:  # released on exit
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def test_a_bad_value_of_plsh_cpu_kernel_is_refused(monkeypatch):
     monkeypatch.setenv(build.ENV, "yes")
     with pytest.raises(ValueError, match="PLSH_CPU_KERNEL must be 0"):

@@ -17,20 +17,22 @@ flags and the torch version: a later process loads the cached library in well un
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 __all__ = [
-    "ENV", "SOURCE", "KernelState", "build_kernel", "cpu_flags", "kernel_state", "kernel_unavailable", "load_kernel",
-    "missing_tool", "reset",
+    "ENV", "SOURCE", "KernelState", "build_kernel", "build_lock", "cpu_flags", "kernel_state", "kernel_unavailable",
+    "load_kernel", "missing_tool", "reset",
 ]  # fmt: skip
 
 #: The environment variable that switches the kernel off (``0``) or requires it (``1``).
@@ -87,6 +89,37 @@ def missing_tool() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold the build directory against other processes while torch builds or loads there, and clear a lock that a
+    killed build left.
+
+    torch's own lock (``build_dir/lock``, created with ``O_EXCL``) stays behind when a build is interrupted (Ctrl-C,
+    a killed test run), and every later process then waits for it forever, silently. This lock is an ``flock`` on
+    ``build_dir/plsh.flock``, which the operating system releases when its holder exits: while it is held no other
+    process of this package is building here, so a ``lock`` file found then is stale and is removed. A process that
+    finds the directory held says so in one line and waits. Where ``fcntl`` does not exist (Windows) only torch's
+    lock applies.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "plsh.flock", "a+") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("positional_lsh: waiting for another process building the CPU kernel…", file=sys.stderr, flush=True)
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)  # stale: no live build of ours holds the directory
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 def build_kernel() -> None:
     """Compile (or load from the cache) and register the ops; prints one line to stderr when it compiles."""
     from torch.utils import cpp_extension
@@ -96,13 +129,13 @@ def build_kernel() -> None:
     name = f"plsh_cpu_{digest.hexdigest()[:12]}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     build_dir = root / name
-    if not (build_dir / f"{name}.so").exists():
-        print("positional_lsh: building the CPU kernel (once)…", file=sys.stderr, flush=True)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
-        is_python_module=False, verbose=False,
-    )  # fmt: skip
+    with build_lock(build_dir):
+        if not (build_dir / f"{name}.so").exists():
+            print("positional_lsh: building the CPU kernel (once)…", file=sys.stderr, flush=True)
+        cpp_extension.load(
+            name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
+            is_python_module=False, verbose=False,
+        )  # fmt: skip
 
 
 def load_kernel() -> KernelState:
