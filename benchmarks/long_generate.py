@@ -41,7 +41,7 @@ REFERENCE = 8192
 VOCAB = 1000
 
 
-def _config(name: str):
+def tiny_config(name: str):
     import transformers as tf
 
     if name == "bloom":
@@ -60,7 +60,7 @@ def _config(name: str):
     raise SystemExit(f"--models: unknown model {name!r} (bloom, qwen3)")
 
 
-class _Clock:
+class Clock:
     """A generate streamer that timestamps each put (the prompt first, then each generated token)."""
 
     def __init__(self) -> None:
@@ -107,7 +107,7 @@ def run_point(name: str, mode: str, n: int, tokens: int, sigma: float) -> dict[s
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = tf.AutoModelForCausalLM.from_config(_config(name)).eval()
+        model = tf.AutoModelForCausalLM.from_config(tiny_config(name)).eval()
     model.generation_config.pad_token_id = None
     kwargs: dict[str, object] = {}
     if mode == "plsh":
@@ -118,7 +118,7 @@ def run_point(name: str, mode: str, n: int, tokens: int, sigma: float) -> dict[s
         kwargs["prefill_chunk_size"] = 4096
     ids = torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
     before = _rss_mib()
-    clock = _Clock()
+    clock = Clock()
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -128,7 +128,7 @@ def run_point(name: str, mode: str, n: int, tokens: int, sigma: float) -> dict[s
     peak = _rss_mib()
     ref: dict[str, object] = {}
     if n > REFERENCE:  # the same model on the first REFERENCE tokens, right after: a ratio the machine's load spares
-        ref_clock = _Clock()
+        ref_clock = Clock()
         with torch.no_grad():
             model.generate(ids[:, :REFERENCE], max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                            streamer=ref_clock, **kwargs)  # fmt: skip

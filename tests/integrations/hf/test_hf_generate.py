@@ -76,6 +76,7 @@ def test_a_bounded_swap_sets_the_generation_defaults_and_restoring_undoes_them(m
         assert used is None and torch.equal(seq, _generate(model, x)[0])
     assert model.generation_config.prefill_chunk_size is None
     assert "_prepare_cache_for_generation" not in model.__dict__
+    assert "_update_model_kwargs_for_generation" not in model.__dict__
     _, _, cache = _generate(model, x)
     assert type(cache) is transformers.DynamicCache
 
@@ -203,3 +204,37 @@ def test_a_generated_token_reads_and_builds_nothing_of_the_prompt_length(name, m
             runs[n] = count.work
     assert runs[4096].elements < 1.25 * runs[256].elements, {n: w.elements for n, w in runs.items()}
     assert runs[4096].largest <= max(runs[256].largest, 4096 // 4), {n: w.largest for n, w in runs.items()}
+
+
+class _Positions:
+    """The ``position_ids`` each model call of a generate gets (a forward pre-hook on the base model)."""
+
+    def __init__(self, model) -> None:
+        self.seen: list[torch.Tensor | None] = []
+        self.handle = model.base_model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs) -> None:
+        self.seen.append(kwargs.get("position_ids"))
+
+
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+def test_a_generate_continuing_a_cache_grows_no_position_ids(mode):
+    # A generate that continues a LiveKeyCache passed to it gets transformers' (B, n) position ids for its prompt;
+    # the generated tokens get none (before: the ids grown by one column per token, an O(n) copy each), and decode
+    # the same tokens as one generate over the whole sequence with the full cache.
+    model = tiny_model("qwen3")
+    x = token_ids(batch=1, length=48)
+    with _swap(model, mode) as swap:
+        cache = swap.new_cache()
+        first = model.generate(x[:, :30], max_new_tokens=3, do_sample=False, cache=cache)
+        prompt = torch.cat([first, x[:, 33:]], dim=-1)
+        held = cache.get_seq_length()  # (the first generate's last token is not in it yet)
+        positions = _Positions(model)
+        try:
+            out = model.generate(prompt, max_new_tokens=5, do_sample=False, cache=cache, prefill_chunk_size=None)
+        finally:
+            positions.handle.remove()
+        assert positions.seen[0] is not None and positions.seen[0].shape[-1] == prompt.shape[1] - held
+        assert all(p is None for p in positions.seen[1:]), [None if p is None else p.shape for p in positions.seen]
+        full = model.generate(prompt, max_new_tokens=5, do_sample=False, cache_implementation="dynamic")
+    assert torch.equal(out, full)

@@ -32,6 +32,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
 from positional_lsh.integrations.hf.attention_swap import AttentionSwap
+from positional_lsh.integrations.hf.cache import LiveKeyCache
 
 #: Prompt tokens per chunk of a bounded swap's default chunked prefill (``generation_config.prefill_chunk_size``).
 PREFILL_CHUNK = 4096
@@ -115,6 +116,26 @@ class NoPositionIds:
         return None
 
 
+@dataclass(eq=False)
+class NoPositionGrowth:
+    """A bounded swap's ``_update_model_kwargs_for_generation``: transformers' own, except that once the model call
+    ran on a :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` of the swap in effect, the ``(B, n)``
+    position ids are dropped rather than grown by one column per generated token (an ``O(n)`` copy per token). The
+    swapped attention reads the positions from the cache (as with :class:`NoPositionIds`), so the decoded tokens
+    need none."""
+
+    swap: AttentionSwap
+
+    def __call__(self, outputs: Any, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        cache = outputs.get("cache") if hasattr(outputs, "get") else None
+        if cache is None:
+            cache = model_kwargs.get("cache")
+        if self.swap.active and isinstance(cache, LiveKeyCache) and cache.get_seq_length() > 0:
+            model_kwargs.pop("position_ids", None)
+        model: Any = self.swap.model  # a transformers GenerationMixin: the class's own method
+        return type(model)._update_model_kwargs_for_generation(model, outputs, model_kwargs, *args, **kwargs)
+
+
 def set_generation_defaults(model: PreTrainedModel, swap: AttentionSwap, below: list[Any]) -> None:
     """Install ``swap``'s generation defaults on ``model`` (module docstring); the caller records the changed instance
     attributes (the swap's undo). ``below``: the records of the swaps installed before (``SwapChanges``), whose
@@ -126,8 +147,10 @@ def set_generation_defaults(model: PreTrainedModel, swap: AttentionSwap, below: 
             config.prefill_chunk_size = chunk = PREFILL_CHUNK
         model.__dict__["_prepare_cache_for_generation"] = GenerationCacheFactory(swap, chunk)
         model.__dict__["_prepare_position_ids_for_generation"] = NoPositionIds(swap)
+        model.__dict__["_update_model_kwargs_for_generation"] = NoPositionGrowth(swap)
         return
-    for name in ("_prepare_cache_for_generation", "_prepare_position_ids_for_generation"):
+    for name in ("_prepare_cache_for_generation", "_prepare_position_ids_for_generation",
+                 "_update_model_kwargs_for_generation"):  # fmt: skip
         model.__dict__.pop(name, None)  # (a bounded swap's below: back when this one goes)
     if isinstance(config, GenerationConfig):
         set_below = any(
