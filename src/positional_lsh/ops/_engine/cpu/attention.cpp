@@ -7,8 +7,7 @@
 //     replaced by i + 1 when causal), log 0 = -inf. Per query tile every row's block starts (and ends) are kept
 //     sorted, built for the first row and carried down the rows (a row changes only the samples whose block begins
 //     there); per key block each row's counts are a running count of the starts (and ends) passed, filled segment
-//     by segment (causal, where a row's key block holds kHistogram starts or more: from a histogram of them, one
-//     running count per key): no (n, T) or (n, n) table, work per score entry independent of T.
+//     by segment: no (n, T) or (n, n) table, work per score entry independent of T.
 //   * TABLE, the exact biases: bias = table[h, |i - j|] (ALiBi's -m |i - j|, a decay's log k(|i - j|)), -inf
 //     beyond reach[h]: per row two contiguous slices of the table (one reversed), no gather.
 // Scores and P.V are batch-reduce GEMMs (at::native::cpublas::brgemm, float32), the softmax is online with
@@ -96,7 +95,6 @@ struct TileRows {
   std::vector<int32_t> ps, pe;  // running counts: #{S <= key}, #{E <= key} at the last key block visited
   std::vector<int64_t> cs, ce;  // per sample: the current row's block
   std::vector<int32_t> rem, fresh, tmp;
-  std::vector<int32_t> hist;    // COUNT, causal: the starts per key of a key block (bias_row)
   std::vector<int64_t> lo, hi;  // each row's kept keys [lo, hi)
 };
 
@@ -198,10 +196,6 @@ void build_rows(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRo
   }
 }
 
-// COUNT, causal: a row's starts inside a key block from which its bias is filled from a histogram of them rather
-// than segment by segment.
-constexpr int64_t kHistogram = 4;
-
 // The bias of row x of the tile over keys [j0, j0 + bn) into br[0, bn), -inf outside the row's keys.
 // Returns false when the row keeps no key of the block (br untouched).
 inline bool bias_row(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64_t j0, int64_t bn, float* br) {
@@ -230,23 +224,6 @@ inline bool bias_row(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64
   int64_t ps = tr.ps[x];
   const float* logc = bias.logc;
   if (bias.causal) {
-    while (ps < T && S[ps] <= a) ++ps;
-    int64_t pq = ps;  // the starts inside (a, b): S[ps, pq)
-    while (pq < T && S[pq] < b) ++pq;
-    if (pq - ps >= kHistogram) {
-      // Many short segments: a histogram of the starts, then one running count per key (no fill per segment).
-      if (static_cast<int64_t>(tr.hist.size()) < b - a) tr.hist.resize(b - a);
-      int32_t* cnt = tr.hist.data();
-      std::fill(cnt, cnt + (b - a), 0);
-      for (int64_t z = ps; z < pq; ++z) ++cnt[S[z] - a];
-      int64_t c = ps;
-      for (int64_t j = a; j < b; ++j) {
-        c += cnt[j - a];
-        br[j - j0] = logc[c];
-      }
-      tr.ps[x] = static_cast<int32_t>(pq);
-      return true;
-    }
     int64_t j = a;
     while (j < b) {
       while (ps < T && S[ps] <= j) ++ps;
