@@ -262,3 +262,13 @@ def test_two_threads_give_the_same_numbers(kernel):
     finally:
         torch.set_num_threads(prev)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])  # each tile is computed by one thread
+
+
+def test_the_kernel_runs_on_every_thread(kernel):
+    # at::parallel_for is compiled into the kernel: built without the parallel backend's flags it ran on one thread
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.ops.plsh_cpu.parallel_threads() == 2
+    finally:
+        torch.set_num_threads(prev)

@@ -706,7 +706,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
 
 }  // namespace
 
+// How many of at::parallel_for's threads take part in a loop of at::get_num_threads() items: the build's check that
+// the source was compiled with the parallel backend's flags (without -fopenmp every loop runs on one thread).
+int64_t parallel_threads() {
+  const int64_t n = at::get_num_threads();
+  std::vector<int64_t> seen(static_cast<size_t>(n), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen[static_cast<size_t>(at::get_thread_num())] = 1; });
+  return std::accumulate(seen.begin(), seen.end(), int64_t{0});
+}
+
 TORCH_LIBRARY(plsh_cpu, m) {
+  m.def("parallel_threads() -> int", &parallel_threads);
   m.def(
       "attention_forward(Tensor q, Tensor k, Tensor v, Tensor pitch, Tensor shift, Tensor table, Tensor rtable, "
       "Tensor reach, int kind, bool causal, float scale, int block_m, int block_n) -> (Tensor, Tensor)");

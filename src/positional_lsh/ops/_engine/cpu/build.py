@@ -59,9 +59,12 @@ class KernelState:
 
 def cpu_flags() -> list[str]:
     """The compiler flags for this machine's vector unit (``torch.backends.cpu.get_cpu_capability``): at::vec's
-    AVX-512 or AVX2 code where the CPU has it, its scalar fallback elsewhere."""
+    AVX-512 or AVX2 code where the CPU has it, its scalar fallback elsewhere; ``-fopenmp`` where torch's parallel
+    backend is OpenMP, whose ``at::parallel_for`` is compiled into the kernel."""
     cap = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-ffp-contract=off", "-DNDEBUG"]
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        flags.append("-fopenmp")  # at::parallel_for is inline OpenMP: without the flag it runs on one thread
     if cap.startswith("AVX512"):
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
         flags += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
