@@ -33,20 +33,13 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from positional_lsh.integrations.hf.attention_swap import AttentionSwap
 from positional_lsh.integrations.hf.cache import LiveKeyCache
+from positional_lsh.integrations.hf.generation_loop import BoundedGenerate, compiled
 
 #: Prompt tokens per chunk of a bounded swap's default chunked prefill (``generation_config.prefill_chunk_size``).
 PREFILL_CHUNK = 4096
 
 #: The generation modes whose default cache a bounded swap replaces (assisted decoding crops its cache: not these).
 BOUNDED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH)
-
-
-def compiled(model: Any) -> bool:
-    """Whether the model's forward is compiled (``model.forward = torch.compile(model.forward)`` or
-    ``model.compile()``): :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` is eager only, so ``generate``
-    then keeps transformers' default cache and prefill."""
-    forward = model.__dict__.get("forward")
-    return hasattr(forward, "_torchdynamo_orig_callable") or model.__dict__.get("_compiled_call_impl") is not None
 
 
 def is_bounded(swap: AttentionSwap) -> bool:
@@ -148,9 +141,10 @@ def set_generation_defaults(model: PreTrainedModel, swap: AttentionSwap, below: 
         model.__dict__["_prepare_cache_for_generation"] = GenerationCacheFactory(swap, chunk)
         model.__dict__["_prepare_position_ids_for_generation"] = NoPositionIds(swap)
         model.__dict__["_update_model_kwargs_for_generation"] = NoPositionGrowth(swap)
+        model.__dict__["generate"] = BoundedGenerate(swap)
         return
     for name in ("_prepare_cache_for_generation", "_prepare_position_ids_for_generation",
-                 "_update_model_kwargs_for_generation"):  # fmt: skip
+                 "_update_model_kwargs_for_generation", "generate"):  # fmt: skip
         model.__dict__.pop(name, None)  # (a bounded swap's below: back when this one goes)
     if isinstance(config, GenerationConfig):
         set_below = any(
