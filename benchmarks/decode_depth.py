@@ -12,14 +12,17 @@ thread. ``--loops``: ``plain`` is ``model.generate`` (after the swap: its own de
 ``integrations/hf/generation_loop.py``), ``stock`` transformers' ``generate`` and loop on the same model, swap and
 cache (``type(model).generate(model, ...)``: the loop that appends each token to the ``(1, n)`` ids). The depths and
 loops alternate within each repeat (machine load affects all alike); prints the median gap between generated tokens
-(ms) per depth and loop and the ratio to the first depth.
+(ms) per depth and loop, on the wall clock and on the thread's CPU clock (what a token costs, without the waits for a
+core of a loaded machine), and the ratio to the first depth.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,7 +31,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import long_generate as lg
 
 
-def _per_token_ms(model, swap, ids: torch.Tensor, n: int, tokens: int, loop: str) -> float:
+class Clocks:
+    """A generate streamer that timestamps each put on the wall clock and on this thread's CPU clock (user and
+    system time: the page faults of a fresh buffer count; the time the thread waits for a core on a loaded machine
+    does not)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def put(self, value: object) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.thread_time())
+
+    def end(self) -> None:
+        pass
+
+    @staticmethod
+    def median_gap_ms(times: list[float]) -> float:
+        """The median gap between the generated tokens after the first two (ms)."""
+        return 1e3 * statistics.median(b - a for a, b in itertools.pairwise(times[2:]))
+
+
+def _per_token_ms(model, swap, ids: torch.Tensor, n: int, tokens: int, loop: str) -> tuple[float, float]:
+    """The median wall and CPU time (ms) between generated tokens at depth ``n``, with loop ``loop``."""
     cache = swap.new_cache()
     with torch.no_grad():
         model(ids[:, :4096], cache=cache, use_cache=True)
@@ -38,15 +64,14 @@ def _per_token_ms(model, swap, ids: torch.Tensor, n: int, tokens: int, loop: str
         layer.offset += shift
         layer.nonfinite_end = 0
     swap.new_cache = lambda: cache  # the plain generate's default cache is this one
-    clock = lg.Clock()
+    clock = Clocks()
     generate = model.generate if loop == "plain" else lambda *a, **k: type(model).generate(model, *a, **k)
     try:
         with torch.no_grad():
             generate(ids[:, :n], max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=clock)
     finally:
         del swap.new_cache
-    gaps = [b - a for a, b in zip(clock.times[2:], clock.times[3:], strict=False)]
-    return 1e3 * statistics.median(gaps)
+    return Clocks.median_gap_ms(clock.wall), Clocks.median_gap_ms(clock.cpu)
 
 
 def main() -> None:
@@ -81,18 +106,19 @@ def main() -> None:
             else:
                 raise SystemExit(f"--modes: unknown mode {mode!r} (plsh, window)")
             ids = torch.randint(1, lg.VOCAB, (1, max(depths)), generator=torch.Generator().manual_seed(0))
-            runs: dict[tuple[str, int], list[float]] = {(lp, d): [] for lp in loops for d in depths}
+            runs: dict[tuple[str, int], list[tuple[float, float]]] = {(lp, d): [] for lp in loops for d in depths}
             for _ in range(args.repeats):
                 for d in depths:
                     for lp in loops:
                         runs[lp, d].append(_per_token_ms(model, swap, ids, d, args.tokens, lp))
             for lp in loops:
-                ref = statistics.median(runs[lp, depths[0]])
-                for d in depths:
-                    ms = statistics.median(runs[lp, d])
-                    shown = [round(x, 3) for x in runs[lp, d]]
-                    line = f"{name} {mode} {lp} depth {d}: {ms:.3f} ms/token (runs {shown}), {ms / ref:.2f}x"
-                    print(line, flush=True)
+                for clock, k in (("wall", 0), ("cpu", 1)):
+                    ref = statistics.median(r[k] for r in runs[lp, depths[0]])
+                    for d in depths:
+                        ms = statistics.median(r[k] for r in runs[lp, d])
+                        shown = [round(r[k], 3) for r in runs[lp, d]]
+                        what = f"{name} {mode} {lp} {clock} depth {d}"
+                        print(f"{what}: {ms:.3f} ms/token (runs {shown}), {ms / ref:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ two generation defaults on the model, recorded with the swap's other changes and
   prompt runs in chunks, each attending to its own keys and the live keys of the cache, the dead ones dropped chunk
   by chunk. A ``prefill_chunk_size`` passed to ``generate`` (``None``: one piece) wins, as any ``generate`` argument;
 * :class:`NoPositionIds` as the model's ``_prepare_position_ids_for_generation``: no ``(B, n)`` position ids grown
-  by a column per token (the swapped attention does not read them); position ids passed to ``generate`` are used.
+  by a column per token (the swapped attention does not read them); position ids passed to ``generate`` are used;
+* :class:`~positional_lsh.integrations.hf.generation_loop.BoundedGenerate` as the model's ``generate``:
+  transformers' ``generate`` whose greedy and sampling loop keeps the ids (and the mask) in buffers instead of
+  growing them by ``torch.cat`` per token (:mod:`~positional_lsh.integrations.hf.generation_loop`).
 
 Exact ALiBi (``use_alibi`` without a window) reaches every key: its swap sets neither, and a plain ``generate`` keeps
 transformers' full ``DynamicCache`` and one-piece prefill (stacked on a bounded swap, it takes the chunk size that swap
