@@ -131,6 +131,14 @@ def test_the_swap_installs_the_loop_and_restoring_undoes_it(loops):
     model.generate(x, max_new_tokens=3, do_sample=False)
     assert len(loops) == 1
 
+    def own(*args, **kwargs):  # a generate of the instance's own (a Hub repository's custom_generate) is kept
+        return "own"
+
+    model.__dict__["generate"] = own
+    with bounded_swap(model, "plsh"):
+        assert model.generate(x) == "own"
+    assert model.__dict__["generate"] is own
+
 
 def test_what_the_loop_does_not_take_goes_to_transformers_loop_unchanged(loops):
     model = tiny_model("llama")

@@ -18,7 +18,9 @@ two generation defaults on the model, recorded with the swap's other changes and
   by a column per token (the swapped attention does not read them); position ids passed to ``generate`` are used;
 * :class:`~positional_lsh.integrations.hf.generation_loop.BoundedGenerate` as the model's ``generate``:
   transformers' ``generate`` whose greedy and sampling loop keeps the ids (and the mask) in buffers instead of
-  growing them by ``torch.cat`` per token (:mod:`~positional_lsh.integrations.hf.generation_loop`).
+  growing them by ``torch.cat`` per token (:mod:`~positional_lsh.integrations.hf.generation_loop`), unless the model
+  instance has a ``generate`` of its own (e.g. a Hub repository's ``custom_generate`` that transformers installed):
+  that one is kept.
 
 Exact ALiBi (``use_alibi`` without a window) reaches every key: its swap sets neither, and a plain ``generate`` keeps
 transformers' full ``DynamicCache`` and one-piece prefill (stacked on a bounded swap, it takes the chunk size that swap
@@ -144,11 +146,14 @@ def set_generation_defaults(model: PreTrainedModel, swap: AttentionSwap, below: 
         model.__dict__["_prepare_cache_for_generation"] = GenerationCacheFactory(swap, chunk)
         model.__dict__["_prepare_position_ids_for_generation"] = NoPositionIds(swap)
         model.__dict__["_update_model_kwargs_for_generation"] = NoPositionGrowth(swap)
-        model.__dict__["generate"] = BoundedGenerate(swap)
+        if not callable(model.__dict__.get("generate")) or isinstance(model.__dict__["generate"], BoundedGenerate):
+            model.__dict__["generate"] = BoundedGenerate(swap)  # (a generate of the instance's own is kept)
         return
     for name in ("_prepare_cache_for_generation", "_prepare_position_ids_for_generation",
-                 "_update_model_kwargs_for_generation", "generate"):  # fmt: skip
+                 "_update_model_kwargs_for_generation"):  # fmt: skip
         model.__dict__.pop(name, None)  # (a bounded swap's below: back when this one goes)
+    if isinstance(model.__dict__.get("generate"), BoundedGenerate):
+        del model.__dict__["generate"]
     if isinstance(config, GenerationConfig):
         set_below = any(
             obj is config and name == "prefill_chunk_size" for changes in below for obj, name, _, _ in changes.entries
