@@ -19,13 +19,16 @@ Every point runs in a fresh process (``--point``), so its peak RSS (``ru_maxrss`
 tokens: the prefill time is up to the first generated token, the time per token the median gap between the later
 ones. A point with a prompt longer than 8,192 tokens then generates again from the prompt's first 8,192 tokens, in
 the same process (its peak RSS taken before), so that its time per token has a reference measured under the same
-load of the machine (``ref_ms_per_token``). One torch thread. The largest prompts run last. Prints one JSON line per
-point and a markdown table; ``--plot`` draws peak RSS and time per token against the prompt length (log x).
+load of the machine (``ref_ms_per_token``). The time per token is also taken on the thread's CPU clock
+(``cpu_ms_per_token``, ``ref_cpu_ms_per_token``): what a token costs, without the waits for a core. One torch
+thread. The largest prompts run last. Prints one JSON line per point and a markdown table; ``--plot`` draws peak RSS
+and time per token against the prompt length (log x).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -61,13 +64,22 @@ def tiny_config(name: str):
 
 
 class Clock:
-    """A generate streamer that timestamps each put (the prompt first, then each generated token)."""
+    """A generate streamer that timestamps each put (the prompt first, then each generated token), on the wall clock
+    (``times``) and on this thread's CPU clock (``cpu``: user and system time, page faults included, the waits for a
+    core of a loaded machine not)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu: list[float] = []
 
     def put(self, value: object) -> None:
         self.times.append(time.perf_counter())
+        self.cpu.append(time.thread_time())
+
+    @staticmethod
+    def median_gap_ms(times: list[float]) -> float:
+        """The median gap between the generated tokens after the first two (ms)."""
+        return round(1e3 * statistics.median(b - a for a, b in itertools.pairwise(times[2:])), 3)
 
     def end(self) -> None:
         pass
@@ -124,7 +136,6 @@ def run_point(name: str, mode: str, n: int, tokens: int, sigma: float) -> dict[s
         out = model.generate(
             ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=clock, **kwargs
         )
-    gaps = [b - a for a, b in zip(clock.times[2:], clock.times[3:], strict=False)]
     peak = _rss_mib()
     ref: dict[str, object] = {}
     if n > REFERENCE:  # the same model on the first REFERENCE tokens, right after: a ratio the machine's load spares
@@ -132,8 +143,11 @@ def run_point(name: str, mode: str, n: int, tokens: int, sigma: float) -> dict[s
         with torch.no_grad():
             model.generate(ids[:, :REFERENCE], max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                            streamer=ref_clock, **kwargs)  # fmt: skip
-        ref_gaps = [b - a for a, b in zip(ref_clock.times[2:], ref_clock.times[3:], strict=False)]
-        ref = {"ref_prompt": REFERENCE, "ref_ms_per_token": round(1e3 * statistics.median(ref_gaps), 3)}
+        ref = {
+            "ref_prompt": REFERENCE,
+            "ref_ms_per_token": Clock.median_gap_ms(ref_clock.times),
+            "ref_cpu_ms_per_token": Clock.median_gap_ms(ref_clock.cpu),
+        }
     return {
         "model": name,
         "mode": mode,
@@ -143,7 +157,8 @@ def run_point(name: str, mode: str, n: int, tokens: int, sigma: float) -> dict[s
         "peak_rss_mib": round(peak, 1),
         "prompt_ids_mib": round(ids.numel() * ids.element_size() / 2**20, 2),
         "prefill_s": round(clock.times[1] - t0, 3),
-        "ms_per_token": round(1e3 * statistics.median(gaps), 3),
+        "ms_per_token": Clock.median_gap_ms(clock.times),
+        "cpu_ms_per_token": Clock.median_gap_ms(clock.cpu),
         "ms_per_token_mean": round(1e3 * (clock.times[-1] - clock.times[2]) / max(1, len(clock.times) - 3), 3),
         **ref,
     }
@@ -181,20 +196,24 @@ def _plot(rows: list[dict[str, object]], path: str) -> None:
 def _table(rows: list[dict[str, object]]) -> str:
     lines = [
         "| model | run | prompt | peak RSS MiB | prefill s | prefill s / 1k tokens | ms / generated token | "
-        "vs 8k, same process |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "vs 8k, same process | CPU ms / generated token (vs 8k) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         label = {"plsh": "plsh T=8", "window": "windowed ALiBi 12σ", "stock": "stock"}[str(r["mode"])]
         if "peak_rss_mib" not in r:
-            lines.append(f"| {r['model']} | {label} | {r['prompt']} | not run: {r['reason']} | | | | |")
+            lines.append(f"| {r['model']} | {label} | {r['prompt']} | not run: {r['reason']} | | | | | |")
             continue
         per_k = float(r["prefill_s"]) / (int(r["prompt"]) / 1000)
         ref = r.get("ref_ms_per_token")
         paired = f"{float(r['ms_per_token']) / float(ref):.2f}x ({ref:.2f} ms)" if ref else ""
+        cpu, ref_cpu = r.get("cpu_ms_per_token"), r.get("ref_cpu_ms_per_token")
+        cpu_col = f"{cpu:.2f}" if cpu is not None else ""
+        if cpu is not None and ref_cpu:
+            cpu_col += f" ({float(cpu) / float(ref_cpu):.2f}x)"
         lines.append(
             f"| {r['model']} | {label} | {r['prompt']} | {r['peak_rss_mib']:.0f} | {r['prefill_s']:.2f} | "
-            f"{per_k:.3f} | {r['ms_per_token']:.2f} | {paired} |"
+            f"{per_k:.3f} | {r['ms_per_token']:.2f} | {paired} | {cpu_col} |"
         )
     return "\n".join(lines)
 

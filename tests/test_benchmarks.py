@@ -184,7 +184,7 @@ def test_long_generate_point_and_table(long_generate):
     finally:
         torch.set_num_threads(threads)
     assert row["generated"] == 5 and row["prompt"] == 96 and row["peak_rss_mib"] >= row["rss_before_mib"] > 0
-    assert row["prefill_s"] > 0 and row["ms_per_token"] > 0
+    assert row["prefill_s"] > 0 and row["ms_per_token"] > 0 and row["cpu_ms_per_token"] > 0
     assert long_generate.stock_refusal("qwen3", 8192, 12.0, 262144) is None
     assert "quadratic prefill" in long_generate.stock_refusal("qwen3", 1 << 20, 12.0, 262144)
     assert "GiB" in long_generate.stock_refusal("bloom", 131072, 12.0, 262144)  # its (B H, chunk, n) scores

@@ -1,7 +1,7 @@
 """Tiny random transformers models of the seven supported model types, built from their config classes (nothing is
 downloaded). Shared by tests/integrations/hf/test_hf_precision.py, tests/integrations/hf/test_hf_masks.py,
 tests/integrations/hf/test_hf_compile.py and
-tests/integrations/hf/test_hf_decode.py."""
+tests/integrations/hf/test_hf_decode.py (and the generation tests: `bounded_swap`)."""
 
 from __future__ import annotations
 
@@ -69,3 +69,15 @@ def tiny_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, 
 
 def token_ids(batch: int = 2, length: int = 32, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def bounded_swap(model, mode: str):
+    """The swap of ``mode`` on ``model``: ``"plsh"`` (positional LSH, T = 4, slope 0.3), ``"window"`` (windowed ALiBi,
+    window 6) or ``"exact"`` (exact ALiBi, unbounded)."""
+    from positional_lsh.integrations import hf
+
+    if mode == "plsh":
+        return hf.use_positional_lsh(model, num_samples=4, seed=3, slopes=0.3)
+    if mode == "window":
+        return hf.use_alibi(model, window=6.0)
+    return hf.use_alibi(model)

@@ -1,7 +1,9 @@
 """Bounded generation by default (issue 33): after a bounded swap (positional LSH, windowed ALiBi) a plain
 ``generate`` holds the live keys only (LiveKeyCache) and prefills its prompt in chunks; restoring undoes it, the
 user's explicit choices are kept, exact ALiBi keeps transformers' full cache. The chunked, bounded generation gives
-the tokens (and scores) of the one-piece full-cache generation with the same partitions."""
+the tokens (and scores) of the one-piece full-cache generation with the same partitions. A generated token reads,
+builds and allocates nothing of the prompt's length (the swap's decoding loop keeps the ids in one buffer:
+tests/integrations/hf/test_hf_generation_loop.py tests the loop itself)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import tiny_model, token_ids  # noqa: E402
+from hf_tiny import bounded_swap, tiny_model, token_ids  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from positional_lsh.integrations import hf  # noqa: E402
 from positional_lsh.integrations.hf.cache import LiveKeyCache  # noqa: E402
 from positional_lsh.integrations.hf.generation import PREFILL_CHUNK  # noqa: E402
+from positional_lsh.integrations.hf.generation_loop import GrowingColumns  # noqa: E402
 
 
 class _Calls:
@@ -50,20 +53,12 @@ def _generate(model, x, tokens: int = 4, **kwargs):
     return out.sequences, torch.stack(out.scores), calls.cache
 
 
-def _swap(model, mode: str):
-    if mode == "plsh":
-        return hf.use_positional_lsh(model, num_samples=4, seed=3, slopes=0.3)
-    if mode == "window":
-        return hf.use_alibi(model, window=6.0)
-    return hf.use_alibi(model)
-
-
 @pytest.mark.parametrize("mode", ["plsh", "window"])
 def test_a_bounded_swap_sets_the_generation_defaults_and_restoring_undoes_them(mode):
     model = tiny_model("bloom")
     x = token_ids(batch=1, length=40)
     assert model.generation_config.prefill_chunk_size is None
-    with _swap(model, mode):
+    with bounded_swap(model, mode):
         assert model.generation_config.prefill_chunk_size == PREFILL_CHUNK
         _, _, cache = _generate(model, x)
         assert isinstance(cache, LiveKeyCache)
@@ -85,7 +80,7 @@ def test_explicit_choices_are_kept():
     model = tiny_model("qwen3")
     x = token_ids(batch=1, length=40)
     model.generation_config.prefill_chunk_size = 8
-    with _swap(model, "plsh"):
+    with bounded_swap(model, "plsh"):
         assert model.generation_config.prefill_chunk_size == 8  # the user's, before the swap
         calls = _Calls(model)
         _generate(model, x, tokens=2)
@@ -102,11 +97,11 @@ def test_explicit_choices_are_kept():
 def test_exact_alibi_keeps_the_full_cache_also_stacked_on_a_bounded_swap():
     model = tiny_model("mpt")
     x = token_ids(batch=1, length=40)
-    with _swap(model, "exact"):
+    with bounded_swap(model, "exact"):
         assert model.generation_config.prefill_chunk_size is None
         assert type(_generate(model, x)[2]) is transformers.DynamicCache
-    with _swap(model, "plsh"):
-        with _swap(model, "exact"):
+    with bounded_swap(model, "plsh"):
+        with bounded_swap(model, "exact"):
             assert model.generation_config.prefill_chunk_size is None
             assert type(_generate(model, x)[2]) is transformers.DynamicCache
         assert model.generation_config.prefill_chunk_size == PREFILL_CHUNK  # the bounded swap's, back
@@ -116,7 +111,7 @@ def test_exact_alibi_keeps_the_full_cache_also_stacked_on_a_bounded_swap():
 
 def test_a_saved_swapped_model_writes_its_generation_config_as_before_and_copies_keep_the_defaults(tmp_path):
     model = tiny_model("llama")
-    swap = _swap(model, "window")
+    swap = bounded_swap(model, "window")
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "generation_config.json").read_text())
     assert "prefill_chunk_size" not in saved or saved["prefill_chunk_size"] is None
@@ -140,7 +135,7 @@ def test_chunked_bounded_generation_is_the_one_piece_full_cache_generation(name,
     x = token_ids(batch=2, length=100)
     mask = torch.ones_like(x)
     x[1, :7], mask[1, :7] = 0, 0
-    with _swap(model, mode):
+    with bounded_swap(model, mode):
         full = transformers.DynamicCache(config=model.config)
         seq, scores, _ = _generate(model, x, 12, attention_mask=mask, cache=full, prefill_chunk_size=None)
         assert full.get_seq_length() == 111 and full.layers[0].keys.shape[-2] == 111
@@ -174,10 +169,11 @@ class _Elements(TorchDispatchMode):
 
 
 class _CountAfterPrefill:
-    """A generate streamer that counts the work of the generated tokens after the first (the prefill's is not)."""
+    """A generate streamer that counts the work of the generated tokens after the first (the prefill's is not), with
+    ``work`` (a dispatch mode; default :class:`_Elements`)."""
 
-    def __init__(self) -> None:
-        self.work = _Elements()
+    def __init__(self, work: TorchDispatchMode | None = None) -> None:
+        self.work = work if work is not None else _Elements()
         self.puts = 0
 
     def put(self, value) -> None:
@@ -197,13 +193,56 @@ def test_a_generated_token_reads_and_builds_nothing_of_the_prompt_length(name, m
     # tensor and (B, n) masks per token, Qwen3's (B, n) position ids grown per token).
     model = tiny_model(name)
     runs = {}
-    with _swap(model, mode):
+    with bounded_swap(model, mode):
         for n in (256, 4096):
             count = _CountAfterPrefill()
             model.generate(token_ids(batch=1, length=n), max_new_tokens=6, do_sample=False, streamer=count)
             runs[n] = count.work
     assert runs[4096].elements < 1.25 * runs[256].elements, {n: w.elements for n, w in runs.items()}
     assert runs[4096].largest <= max(runs[256].largest, 4096 // 4), {n: w.largest for n, w in runs.items()}
+
+
+class _Allocations(TorchDispatchMode):
+    """The largest tensor any aten op creates (views excepted), every dtype: the int64 ids included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func.overloadpacket.__name__.endswith("_"):  # (in-place: into what exists)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("name", ["bloom", "qwen3"])
+def test_a_decoding_step_allocates_nothing_of_the_prompt_length(name, monkeypatch):
+    # Every tensor an aten op creates during the steps after the first token (ids, masks, logits, keys, the decode
+    # plan's rebuilds, any dtype) is smaller than the prompt (anything of the prompt's length has n elements or
+    # more); transformers' loop creates the (1, n + t) ids per token (torch.cat), which the same count sees. The ids
+    # buffer is allocated once: the sequences returned are it, at its capacity.
+    model = tiny_model(name)
+    buffers = []
+    init = GrowingColumns.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        buffers.append(self)
+
+    monkeypatch.setattr(GrowingColumns, "__init__", recorded)
+    n = 8192
+    x = token_ids(batch=1, length=n)
+    with bounded_swap(model, "plsh"):
+        ours, stock = _CountAfterPrefill(_Allocations()), _CountAfterPrefill(_Allocations())
+        out = model.generate(x, max_new_tokens=6, do_sample=False, streamer=ours)
+        type(model).generate(model, x, max_new_tokens=6, do_sample=False, streamer=stock)
+    assert ours.puts == stock.puts == 7
+    assert stock.work.largest >= n, stock.work.largest  # (the count sees the stock loop's O(n) ids)
+    assert ours.work.largest < n, ours.work.largest
+    assert len(buffers) == 1 and buffers[0].capacity == n + 6 and out.data_ptr() == buffers[0].buffer.data_ptr()
 
 
 class _Positions:
@@ -224,7 +263,7 @@ def test_a_generate_continuing_a_cache_grows_no_position_ids(mode):
     # the same tokens as one generate over the whole sequence with the full cache.
     model = tiny_model("qwen3")
     x = token_ids(batch=1, length=48)
-    with _swap(model, mode) as swap:
+    with bounded_swap(model, mode) as swap:
         cache = swap.new_cache()
         first = model.generate(x[:, :30], max_new_tokens=3, do_sample=False, cache=cache)
         prompt = torch.cat([first, x[:, 33:]], dim=-1)

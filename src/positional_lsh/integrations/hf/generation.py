@@ -15,7 +15,12 @@ two generation defaults on the model, recorded with the swap's other changes and
   prompt runs in chunks, each attending to its own keys and the live keys of the cache, the dead ones dropped chunk
   by chunk. A ``prefill_chunk_size`` passed to ``generate`` (``None``: one piece) wins, as any ``generate`` argument;
 * :class:`NoPositionIds` as the model's ``_prepare_position_ids_for_generation``: no ``(B, n)`` position ids grown
-  by a column per token (the swapped attention does not read them); position ids passed to ``generate`` are used.
+  by a column per token (the swapped attention does not read them); position ids passed to ``generate`` are used;
+* :class:`~positional_lsh.integrations.hf.generation_loop.BoundedGenerate` as the model's ``generate``:
+  transformers' ``generate`` whose greedy and sampling loop keeps the ids (and the mask) in buffers instead of
+  growing them by ``torch.cat`` per token (:mod:`~positional_lsh.integrations.hf.generation_loop`), unless the model
+  instance has a ``generate`` of its own (e.g. a Hub repository's ``custom_generate`` that transformers installed):
+  that one is kept.
 
 Exact ALiBi (``use_alibi`` without a window) reaches every key: its swap sets neither, and a plain ``generate`` keeps
 transformers' full ``DynamicCache`` and one-piece prefill (stacked on a bounded swap, it takes the chunk size that swap
@@ -33,20 +38,13 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from positional_lsh.integrations.hf.attention_swap import AttentionSwap
 from positional_lsh.integrations.hf.cache import LiveKeyCache
+from positional_lsh.integrations.hf.generation_loop import BoundedGenerate, compiled
 
 #: Prompt tokens per chunk of a bounded swap's default chunked prefill (``generation_config.prefill_chunk_size``).
 PREFILL_CHUNK = 4096
 
 #: The generation modes whose default cache a bounded swap replaces (assisted decoding crops its cache: not these).
 BOUNDED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH)
-
-
-def compiled(model: Any) -> bool:
-    """Whether the model's forward is compiled (``model.forward = torch.compile(model.forward)`` or
-    ``model.compile()``): :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` is eager only, so ``generate``
-    then keeps transformers' default cache and prefill."""
-    forward = model.__dict__.get("forward")
-    return hasattr(forward, "_torchdynamo_orig_callable") or model.__dict__.get("_compiled_call_impl") is not None
 
 
 def is_bounded(swap: AttentionSwap) -> bool:
@@ -148,10 +146,14 @@ def set_generation_defaults(model: PreTrainedModel, swap: AttentionSwap, below: 
         model.__dict__["_prepare_cache_for_generation"] = GenerationCacheFactory(swap, chunk)
         model.__dict__["_prepare_position_ids_for_generation"] = NoPositionIds(swap)
         model.__dict__["_update_model_kwargs_for_generation"] = NoPositionGrowth(swap)
+        if not callable(model.__dict__.get("generate")) or isinstance(model.__dict__["generate"], BoundedGenerate):
+            model.__dict__["generate"] = BoundedGenerate(swap)  # (a generate of the instance's own is kept)
         return
     for name in ("_prepare_cache_for_generation", "_prepare_position_ids_for_generation",
                  "_update_model_kwargs_for_generation"):  # fmt: skip
         model.__dict__.pop(name, None)  # (a bounded swap's below: back when this one goes)
+    if isinstance(model.__dict__.get("generate"), BoundedGenerate):
+        del model.__dict__["generate"]
     if isinstance(config, GenerationConfig):
         set_below = any(
             obj is config and name == "prefill_chunk_size" for changes in below for obj, name, _, _ in changes.entries
