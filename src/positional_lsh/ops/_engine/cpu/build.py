@@ -3,8 +3,8 @@
 
 The source is compiled by ``torch.utils.cpp_extension.load`` (ninja and a C++ compiler; ATen headers only, the ops
 registered with ``TORCH_LIBRARY`` as ``torch.ops.plsh_cpu.*``) into torch's extension cache
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that holds a hash of the source, the
-flags and the torch version: a later process loads the cached library in well under a second.
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that holds a hash of the source (its
+text and path), the flags and the torch version: a later process loads the cached library in well under a second.
 
 ``PLSH_CPU_KERNEL`` (environment variable, read at each call of :func:`kernel_state`):
 
@@ -128,7 +128,10 @@ def build_kernel() -> None:
     from torch.utils import cpp_extension
 
     flags = cpu_flags()
+    # the source's path too: ninja rebuilds when build.ninja names another path, so two checkouts of one source
+    # sharing a directory would rebuild each other's kernel at every switch
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode())
+    digest.update(str(SOURCE.resolve()).encode())
     name = f"plsh_cpu_{digest.hexdigest()[:12]}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     build_dir = root / name
