@@ -370,6 +370,74 @@ inline void scale_row(float* x, float a, int64_t n) {
   for (; j < n; ++j) x[j] *= a;
 }
 
+// The bias of row x over keys [j0, j0 + bn) as bias_row gives it, without a copy where it can: a row keeping every
+// key of the block reads a TABLE bias in place (one side of the row: a slice of the line or of its reverse), and a
+// causal COUNT bias without a block start inside the block is one value. Returns 0 (no key kept), 1 (*ptr: the
+// bias, bn values) or 2 (*cst: every key's bias).
+inline int bias_view(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64_t j0, int64_t bn, float* br,
+                     const float** ptr, float* cst) {
+  const int64_t i = tr.first + x;
+  if (tr.lo[x] <= j0 && j0 + bn <= tr.hi[x]) {
+    if (bias.kind == kTable) {
+      const int64_t L = bias.L;
+      if (j0 + bn <= i + 1) {  // every key at or left of the row
+        *ptr = bias.rtable + h * L + (L - 1 - i + j0);
+        return 1;
+      }
+      if (j0 > i) {
+        *ptr = bias.table + h * L + (j0 - i);
+        return 1;
+      }
+    } else if (bias.causal) {
+      const int64_t T = bias.T;
+      const int32_t* S = tr.S.data() + x * T;
+      int64_t ps = tr.ps[x];
+      while (ps < T && S[ps] <= j0) ++ps;
+      if (ps == T || S[ps] >= j0 + bn) {  // no start inside the block: one count
+        tr.ps[x] = static_cast<int32_t>(ps);
+        *cst = bias.logc[ps];
+        return 2;
+      }
+    }
+  }
+  if (!bias_row(bias, h, tr, x, j0, bn, br)) return 0;
+  *ptr = br;
+  return 1;
+}
+
+// One row of one key block: s[0, n) <- exp(scale s + bias - m_new) (bias: bp[0, n), or cst where bp is null);
+// m, l, acc (d values) updated online; a row without a finite score yet is zeroed (s).
+inline void row_softmax(float* s, int64_t n, float scale, const float* bp, float cst, float& m, float& l, float* acc,
+                        int64_t d) {
+  const Vec vs(scale), vc(cst);
+  Vec vmax(kNegInf);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec b = bp ? Vec::loadu(bp + j) : vc;
+    const Vec y = at::vec::fmadd(Vec::loadu(s + j), vs, b);
+    y.store(s + j);
+    vmax = at::vec::maximum(vmax, y);
+  }
+  if (j < n) {
+    const int64_t r = n - j;
+    const Vec b = bp ? Vec::loadu(bp + j, r) : vc;
+    const Vec y = at::vec::fmadd(Vec::loadu(s + j, r), vs, b);
+    y.store(s + j, r);
+    const Vec pad(kNegInf);
+    vmax = at::vec::maximum(vmax, Vec::set(pad, y, r));
+  }
+  const float mn = max_nan(m, hmax(vmax));  // a NaN score makes the row NaN
+  if (mn == kNegInf) {
+    std::fill(s, s + n, 0.f);
+    return;
+  }
+  const float sum = exp_sum(s, mn, n);
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - mn);
+  if (alpha != 1.f) scale_row(acc, alpha, d);
+  l = l * alpha + sum;
+  m = mn;
+}
+
 // Each key block of block_n keys (on the grid 0, block_n, ...) of x (B, H, L, d) laid out as a brgemm B matrix,
 // zero-padded past L: (B, H, nb, d * block_n).
 //   * Layout::kTransposed: x^T, the K x N matrix (d, block_n), row-major (float32 keys);
@@ -620,21 +688,14 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       kbuf.data() + kb * d * block_n, sc.data() + ra * block_n, kHalf);
           for (int64_t x = ra; x < rb; ++x) {
             float* s = sc.data() + x * block_n;
-            if (!bias_row(bias, h, tr, x, j0, bn, br.data())) {
+            const float* bp = nullptr;
+            float cst = 0.f;
+            const int kind = bias_view(bias, h, tr, x, j0, bn, br.data(), &bp, &cst);
+            if (kind == 0) {
               std::fill(s, s + bn, 0.f);
               continue;
             }
-            const float mb = scale_add_max(s, br.data(), scale, bn);
-            const float mn = max_nan(m[x], mb);  // a NaN score makes the row NaN
-            if (mn == kNegInf) {
-              std::fill(s, s + bn, 0.f);
-              continue;
-            }
-            const float sum = exp_sum(s, mn, bn);
-            const float alpha = m[x] == kNegInf ? 0.f : std::exp(m[x] - mn);
-            if (alpha != 1.f) scale_row(acc.data() + x * d, alpha, d);
-            l[x] = l[x] * alpha + sum;
-            m[x] = mn;
+            row_softmax(s, bn, scale, bp, cst, m[x], l[x], acc.data() + x * d, d);
           }
           if constexpr (kHalf) {
             const int64_t bn2 = bn + bn % 2;  // VNNI pairs of keys: a zero probability pads an odd block
