@@ -24,9 +24,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -331,20 +328,14 @@ inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
 }
 
-inline float scale_add_max(float* s, const float* br, float scale, int64_t n) {
-  Vec vmax(kNegInf), vs(scale);
+// s[0, n) = scale s + bias, the bias bp[0, n) or, where bp is null, cst (the backward's recomputed scores).
+inline void scale_add(float* s, const float* bp, float cst, float scale, int64_t n) {
+  const Vec vs(scale), vc(cst);
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size()) {
-    Vec x = at::vec::fmadd(Vec::loadu(s + j), vs, Vec::loadu(br + j));
-    x.store(s + j);
-    vmax = at::vec::maximum(vmax, x);
+    at::vec::fmadd(Vec::loadu(s + j), vs, bp ? Vec::loadu(bp + j) : vc).store(s + j);
   }
-  float m = hmax(vmax);
-  for (; j < n; ++j) {
-    s[j] = s[j] * scale + br[j];
-    m = max_nan(m, s[j]);
-  }
-  return m;
+  for (; j < n; ++j) s[j] = s[j] * scale + (bp ? bp[j] : cst);
 }
 
 inline float exp_sum(float* s, float m, int64_t n) {
@@ -500,22 +491,6 @@ at::Tensor pack_blocks(const at::Tensor& x, int64_t block_n, Layout layout) {
     for (int64_t bh = begin; bh < end; ++bh) pack_head<T>(src + bh * L * d, L, d, block_n, layout, dst + bh * nb * d * block_n);
   });
   return out;
-}
-
-// Asks the kernel for transparent huge pages on the 2 MiB-aligned interior of a fresh buffer of `bytes` (Linux,
-// where THP is in madvise mode): one page fault per 2 MiB instead of per 4 KiB on first touch, which on this
-// machine costs as much as a few % of a call writing a large `out`. A hint: nothing changes where it is refused.
-inline void advise_huge_pages(void* p, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
-  if (bytes < 2 * kHuge) return;
-  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-#else
-  (void)p;
-  (void)bytes;
-#endif
 }
 
 // Items 0 .. cost.size() - 1 split into `threads` contiguous ranges of about equal cost: [cut[t], cut[t + 1]).
@@ -741,7 +716,6 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   auto out = at::empty_like(q);
   auto lse = at::empty({B, Hq, Lq}, q.options().dtype(at::kFloat));
   if (B * Hq * Lq == 0) return {out, lse};
-  advise_huge_pages(out.data_ptr(), out.nbytes());
   const float scale = static_cast<float>(scale_d);
   if (q.scalar_type() == at::kFloat) {
     forward_impl<float>(q, k, v, bias, scale, block_m, block_n, out, lse);
@@ -848,14 +822,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
             for (int64_t x = ra; x < rb; ++x) {
               float* s = sc.data() + x * block_n;
               float* g = dp.data() + x * block_n;
-              live[x] = bias_row(bias, h, tr, x, j0, bn, br.data()) && lt[x] != kNegInf;
+              const float* bp = nullptr;
+              float cst = 0.f;
+              live[x] = bias_view(bias, h, tr, x, j0, bn, br.data(), &bp, &cst) != 0 && lt[x] != kNegInf;
               if (!live[x]) {
                 std::fill(s, s + bn, 0.f);
                 std::fill(g, g + bn, 0.f);
                 continue;
               }
               any = true;
-              scale_add_max(s, br.data(), scale, bn);
+              scale_add(s, bp, cst, scale, bn);
               const Vec vl(lt[x]), vd(dlt[x]);
               int64_t j = 0;
               for (; j + Vec::size() <= bn; j += Vec::size()) {
