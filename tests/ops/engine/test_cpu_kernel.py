@@ -189,6 +189,25 @@ def test_the_multiplicity_form_equals_the_oracle(kernel, hq, hkv, lq, lk, t, sch
     torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("scheme", ["discrete", "gamma"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_many_tiles_small_blocks_and_many_samples_equal_the_oracle(kernel, scheme, causal):
+    # Steep slopes (blocks of a few keys) and T = 40 over five query tiles: every row changes several samples'
+    # blocks, which the kernel finds by their ends (integer pitches without a division, real ones by the labels).
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 3, 300, 8, generator=g, dtype=F64) for _ in range(3))
+    parts = sample_partitions(300, [1.5, 0.4, 0.05], 40, scheme=scheme, generator=11)
+    plan = CPU_KERNEL.plan(parts, 3, 300, causal, q.device)
+    out, _ = CPU_KERNEL.forward(plan, q.float(), k.float(), v.float(), 0.5)
+    # Mbar from the definition (positions i, j share block floor((i - shift) / pitch)), vectorized over (T, H, n, n)
+    pos = torch.arange(300, dtype=F64)
+    lab = torch.floor((pos - parts.shift[:, :, None]) / parts.pitch[:, :, None])
+    lab = torch.where(torch.isinf(parts.pitch)[:, :, None], 0.0, lab)
+    mbar = (lab[:, :, :, None] == lab[:, :, None, :]).to(F64).mean(0)
+    oracle = naive_estimator(q, k, v, mbar, causal=causal, scale=0.5)
+    torch.testing.assert_close(out.double(), oracle, rtol=0, atol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs_equal_the_oracle_within_their_rounding(kernel, dtype):
     q, k, v, _, parts = _inputs(4, 2, 70, 70, 6, "discrete")

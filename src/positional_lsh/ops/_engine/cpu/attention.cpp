@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
@@ -85,7 +86,37 @@ struct Bias {
   const float* rtable = nullptr;  // TABLE: (H, L) reversed: rtable[h, L - 1 - x] = table[h, x]
   const int64_t* reach = nullptr; // TABLE: (H,) the largest kept distance
   int64_t L = 0;                  // keys (n)
+  // COUNT, (T, H): the integer pitch and shift where both are integers (1 <= pitch < 2**53, 0 <= shift < pitch),
+  // else pitch 0 (the float64 label formula). Integer blocks are [i - (i - s) mod b, that + b) clipped to [0, L):
+  // the same blocks as the label formula (exact below 2**53), without a division per block.
+  std::vector<int64_t> ipitch, ishift;
 };
+
+// The block [lo, hi) of sample t of head h that holds position i.
+inline void block_at(const Bias& bias, int64_t t, int64_t h, int64_t i, int64_t& lo, int64_t& hi) {
+  const int64_t th = t * bias.H + h;
+  const int64_t b = bias.ipitch[th];
+  if (b > 0) {
+    int64_t r = (i - bias.ishift[th]) % b;
+    if (r < 0) r += b;
+    lo = std::max<int64_t>(0, i - r);
+    hi = std::min<int64_t>(bias.L, i - r + b);
+    return;
+  }
+  block_of(bias.pitch[th], bias.shift[th], bias.L, i, lo, hi);
+}
+
+// The block of sample t of head h that begins at i (the block before it ends at i).
+inline void block_from(const Bias& bias, int64_t t, int64_t h, int64_t i, int64_t& lo, int64_t& hi) {
+  const int64_t th = t * bias.H + h;
+  const int64_t b = bias.ipitch[th];
+  if (b > 0) {
+    lo = i;
+    hi = std::min<int64_t>(bias.L, i + b);
+    return;
+  }
+  block_of(bias.pitch[th], bias.shift[th], bias.L, i, lo, hi);
+}
 
 // The rows of one query tile: for COUNT each row's sorted starts (and ends) and its running counts.
 struct TileRows {
@@ -95,6 +126,7 @@ struct TileRows {
   std::vector<int32_t> ps, pe;  // running counts: #{S <= key}, #{E <= key} at the last key block visited
   std::vector<int64_t> cs, ce;  // per sample: the current row's block
   std::vector<int32_t> rem, fresh, tmp;
+  std::vector<int32_t> bucket, link;  // the samples whose block ends at row x of the tile: a list from bucket[x]
   std::vector<int64_t> lo, hi;  // each row's kept keys [lo, hi)
 };
 
@@ -111,10 +143,10 @@ inline void tile_span(const Bias& bias, int64_t h, int64_t first, int64_t rows, 
   hi = bias.causal ? last + 1 : last + 1;
   for (int64_t t = 0; t < bias.T; ++t) {
     int64_t a, b;
-    block_of(bias.pitch[t * bias.H + h], bias.shift[t * bias.H + h], bias.L, first, a, b);
+    block_at(bias, t, h, first, a, b);
     lo = std::min(lo, a);
     if (!bias.causal) {
-      block_of(bias.pitch[t * bias.H + h], bias.shift[t * bias.H + h], bias.L, last, a, b);
+      block_at(bias, t, h, last, a, b);
       hi = std::max(hi, b);
     }
   }
@@ -140,16 +172,24 @@ void build_rows(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRo
   tr.ps.assign(rows, 0);
   tr.cs.resize(T);
   tr.ce.resize(T);
+  tr.bucket.assign(rows, -1);
+  tr.link.resize(T);
   if (ends) {
     tr.E.resize(rows * T);
     tr.pe.assign(rows, 0);
   }
-  const double* pitch = bias.pitch;
-  const double* shift = bias.shift;
+  const int64_t stop = first + rows;  // blocks ending at or after it change nothing in the tile
+  auto file = [&](int64_t t) {
+    if (tr.ce[t] < stop) {
+      tr.link[t] = tr.bucket[tr.ce[t] - first];
+      tr.bucket[tr.ce[t] - first] = static_cast<int32_t>(t);
+    }
+  };
   for (int64_t t = 0; t < T; ++t) {
-    block_of(pitch[t * bias.H + h], shift[t * bias.H + h], bias.L, first, tr.cs[t], tr.ce[t]);
+    block_at(bias, t, h, first, tr.cs[t], tr.ce[t]);
     tr.S[t] = static_cast<int32_t>(tr.cs[t]);
     if (ends) tr.E[t] = static_cast<int32_t>(tr.ce[t]);
+    file(t);
   }
   std::sort(tr.S.begin(), tr.S.begin() + T);
   if (ends) std::sort(tr.E.begin(), tr.E.begin() + T);
@@ -159,12 +199,13 @@ void build_rows(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRo
     const int32_t* Sp = S - T;
     tr.rem.clear();
     tr.fresh.clear();
-    for (int64_t t = 0; t < T; ++t) {
-      if (tr.ce[t] <= i) {  // the block of row i - 1 ends at i: sample t begins a block at i
-        tr.rem.push_back(static_cast<int32_t>(tr.cs[t]));
-        block_of(pitch[t * bias.H + h], shift[t * bias.H + h], bias.L, i, tr.cs[t], tr.ce[t]);
-        tr.fresh.push_back(static_cast<int32_t>(tr.ce[t]));
-      }
+    for (int32_t t = tr.bucket[x]; t >= 0;) {  // the samples whose block of row i - 1 ends at i
+      const int32_t next = tr.link[t];
+      tr.rem.push_back(static_cast<int32_t>(tr.cs[t]));
+      block_from(bias, t, h, i, tr.cs[t], tr.ce[t]);
+      tr.fresh.push_back(static_cast<int32_t>(tr.ce[t]));
+      file(t);
+      t = next;
     }
     const int64_t k = static_cast<int64_t>(tr.rem.size());
     if (k == 0) {
@@ -173,15 +214,28 @@ void build_rows(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRo
       continue;
     }
     std::sort(tr.rem.begin(), tr.rem.end());
-    int64_t w = 0, y = 0;
-    for (int64_t z = 0; z < T; ++z) {
-      if (y < k && Sp[z] == tr.rem[y]) {
-        ++y;
-        continue;
+    // S = Sp without the k old starts (one occurrence each), then k times i (every other start is at most i - 1).
+    int64_t w = 0, from = 0;
+    if (k * 16 <= T) {
+      for (int64_t y = 0; y < k; ++y) {
+        const int64_t at = std::lower_bound(Sp + from, Sp + T, tr.rem[y]) - Sp;
+        std::copy(Sp + from, Sp + at, S + w);
+        w += at - from;
+        from = at + 1;
       }
-      S[w++] = Sp[z];
+      std::copy(Sp + from, Sp + T, S + w);
+      w += T - from;
+    } else {
+      int64_t y = 0;
+      for (int64_t z = 0; z < T; ++z) {
+        if (y < k && Sp[z] == tr.rem[y]) {
+          ++y;
+          continue;
+        }
+        S[w++] = Sp[z];
+      }
     }
-    for (; w < T; ++w) S[w] = static_cast<int32_t>(i);  // every other start is at most i - 1
+    for (; w < T; ++w) S[w] = static_cast<int32_t>(i);
     if (ends) {
       // The k ends of row i - 1 that equal i are its k smallest: drop them, merge in the new ends.
       const int32_t* Ep = tr.E.data() + (x - 1) * T;
@@ -266,36 +320,22 @@ inline void live_rows(const TileRows& tr, int64_t j0, int64_t bn, int64_t& ra, i
 
 inline float max_nan(float a, float b) { return (a < b || std::isnan(b)) ? b : a; }  // NaN wins
 
-inline float hmax(const Vec& v) {
-  alignas(64) float buf[Vec::size()];
-  v.store(buf);
-  float m = buf[0];
-  for (int64_t j = 1; j < Vec::size(); ++j) m = max_nan(m, buf[j]);
-  return m;
+inline float hmax(const Vec& v) {  // at::vec::maximum: NaN wins
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
 }
 
 inline float hsum(const Vec& v) {
-  alignas(64) float buf[Vec::size()];
-  v.store(buf);
-  float total = 0.f;
-  for (int64_t j = 0; j < Vec::size(); ++j) total += buf[j];
-  return total;
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
 }
 
-inline float scale_add_max(float* s, const float* br, float scale, int64_t n) {
-  Vec vmax(kNegInf), vs(scale);
+// s[0, n) = scale s + bias, the bias bp[0, n) or, where bp is null, cst (the backward's recomputed scores).
+inline void scale_add(float* s, const float* bp, float cst, float scale, int64_t n) {
+  const Vec vs(scale), vc(cst);
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size()) {
-    Vec x = at::vec::fmadd(Vec::loadu(s + j), vs, Vec::loadu(br + j));
-    x.store(s + j);
-    vmax = at::vec::maximum(vmax, x);
+    at::vec::fmadd(Vec::loadu(s + j), vs, bp ? Vec::loadu(bp + j) : vc).store(s + j);
   }
-  float m = hmax(vmax);
-  for (; j < n; ++j) {
-    s[j] = s[j] * scale + br[j];
-    m = max_nan(m, s[j]);
-  }
-  return m;
+  for (; j < n; ++j) s[j] = s[j] * scale + (bp ? bp[j] : cst);
 }
 
 inline float exp_sum(float* s, float m, int64_t n) {
@@ -321,6 +361,74 @@ inline void scale_row(float* x, float a, int64_t n) {
   for (; j < n; ++j) x[j] *= a;
 }
 
+// The bias of row x over keys [j0, j0 + bn) as bias_row gives it, without a copy where it can: a row keeping every
+// key of the block reads a TABLE bias in place (one side of the row: a slice of the line or of its reverse), and a
+// causal COUNT bias without a block start inside the block is one value. Returns 0 (no key kept), 1 (*ptr: the
+// bias, bn values) or 2 (*cst: every key's bias).
+inline int bias_view(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64_t j0, int64_t bn, float* br,
+                     const float** ptr, float* cst) {
+  const int64_t i = tr.first + x;
+  if (tr.lo[x] <= j0 && j0 + bn <= tr.hi[x]) {
+    if (bias.kind == kTable) {
+      const int64_t L = bias.L;
+      if (j0 + bn <= i + 1) {  // every key at or left of the row
+        *ptr = bias.rtable + h * L + (L - 1 - i + j0);
+        return 1;
+      }
+      if (j0 > i) {
+        *ptr = bias.table + h * L + (j0 - i);
+        return 1;
+      }
+    } else if (bias.causal) {
+      const int64_t T = bias.T;
+      const int32_t* S = tr.S.data() + x * T;
+      int64_t ps = tr.ps[x];
+      while (ps < T && S[ps] <= j0) ++ps;
+      if (ps == T || S[ps] >= j0 + bn) {  // no start inside the block: one count
+        tr.ps[x] = static_cast<int32_t>(ps);
+        *cst = bias.logc[ps];
+        return 2;
+      }
+    }
+  }
+  if (!bias_row(bias, h, tr, x, j0, bn, br)) return 0;
+  *ptr = br;
+  return 1;
+}
+
+// One row of one key block: s[0, n) <- exp(scale s + bias - m_new) (bias: bp[0, n), or cst where bp is null);
+// m, l, acc (d values) updated online; a row without a finite score yet is zeroed (s).
+inline void row_softmax(float* s, int64_t n, float scale, const float* bp, float cst, float& m, float& l, float* acc,
+                        int64_t d) {
+  const Vec vs(scale), vc(cst);
+  Vec vmax(kNegInf);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec b = bp ? Vec::loadu(bp + j) : vc;
+    const Vec y = at::vec::fmadd(Vec::loadu(s + j), vs, b);
+    y.store(s + j);
+    vmax = at::vec::maximum(vmax, y);
+  }
+  if (j < n) {
+    const int64_t r = n - j;
+    const Vec b = bp ? Vec::loadu(bp + j, r) : vc;
+    const Vec y = at::vec::fmadd(Vec::loadu(s + j, r), vs, b);
+    y.store(s + j, r);
+    const Vec pad(kNegInf);
+    vmax = at::vec::maximum(vmax, Vec::set(pad, y, r));
+  }
+  const float mn = max_nan(m, hmax(vmax));  // a NaN score makes the row NaN
+  if (mn == kNegInf) {
+    std::fill(s, s + n, 0.f);
+    return;
+  }
+  const float sum = exp_sum(s, mn, n);
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - mn);
+  if (alpha != 1.f) scale_row(acc, alpha, d);
+  l = l * alpha + sum;
+  m = mn;
+}
+
 // Each key block of block_n keys (on the grid 0, block_n, ...) of x (B, H, L, d) laid out as a brgemm B matrix,
 // zero-padded past L: (B, H, nb, d * block_n).
 //   * Layout::kTransposed: x^T, the K x N matrix (d, block_n), row-major (float32 keys);
@@ -328,6 +436,50 @@ inline void scale_row(float* x, float a, int64_t n) {
 //     element (r, c) of a K x N matrix at ((r / 2) * N + c) * 2 + r % 2 (K even: zero rows pad it).
 enum class Layout { kTransposed, kKeysVnni, kValuesVnni };
 
+// The key blocks of one head's x (L, d) into dst (nb, d * block_n) in `layout`, zero-padded past L.
+template <typename T>
+void pack_head(const T* src, int64_t L, int64_t d, int64_t block_n, Layout layout, T* dst) {
+  const int64_t nb = (L + block_n - 1) / block_n;
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const int64_t j0 = kb * block_n, bn = std::min(block_n, L - j0);
+    const T* s = src + j0 * d;
+    T* o = dst + kb * d * block_n;
+    if (bn < block_n) std::fill(o, o + d * block_n, static_cast<T>(0.f));  // the zero padding of a last block
+    if (layout == Layout::kTransposed) {
+      if constexpr (std::is_same_v<T, float>) {
+        at::vec::transpose_mxn<float>(s, d, o, block_n, static_cast<int>(bn), static_cast<int>(d));
+      }
+    } else if (layout == Layout::kKeysVnni) {
+      // (bn, d) half values as (bn, d / 2) pairs, transposed: (d / 2, block_n) pairs, a 32-bit transpose.
+      static_assert(sizeof(T) == 2 || std::is_same_v<T, float>, "half types");
+      if constexpr (sizeof(T) == 2) {
+        at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(s), d / 2, reinterpret_cast<float*>(o), block_n,
+                                      static_cast<int>(bn), static_cast<int>(d / 2));
+      }
+    } else {
+      for (int64_t j = 0; j + 1 < bn; j += 2) {
+        const T* a = s + j * d;
+        const T* b = a + d;
+        T* w = o + j * d;
+        for (int64_t c = 0; c < d; ++c) {
+          w[2 * c] = a[c];
+          w[2 * c + 1] = b[c];
+        }
+      }
+      if (bn % 2) {
+        const T* a = s + (bn - 1) * d;
+        T* w = o + (bn - 1) * d;
+        for (int64_t c = 0; c < d; ++c) {
+          w[2 * c] = a[c];
+          w[2 * c + 1] = static_cast<T>(0.f);
+        }
+      }
+    }
+  }
+}
+
+// Each key block of block_n keys (on the grid 0, block_n, ...) of x (B, H, L, d) laid out as a brgemm B matrix
+// (pack_head), zero-padded past L: (B, H, nb, d * block_n).
 template <typename T>
 at::Tensor pack_blocks(const at::Tensor& x, int64_t block_n, Layout layout) {
   const int64_t B = x.size(0), H = x.size(1), L = x.size(2), d = x.size(3);
@@ -335,29 +487,28 @@ at::Tensor pack_blocks(const at::Tensor& x, int64_t block_n, Layout layout) {
   auto out = at::empty({B, H, nb, d * block_n}, x.options());
   const T* src = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
-  at::parallel_for(0, B * H * nb, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t bh = idx / nb, kb = idx % nb;
-      const int64_t j0 = kb * block_n, bn = std::min(block_n, L - j0);
-      const T* s = src + (bh * L + j0) * d;
-      T* o = dst + idx * d * block_n;
-      if (bn < block_n) std::fill(o, o + d * block_n, static_cast<T>(0.f));  // the zero padding of a last block
-      for (int64_t j = 0; j < bn; ++j) {
-        for (int64_t c = 0; c < d; ++c) {
-          int64_t at;
-          if (layout == Layout::kTransposed) {
-            at = c * block_n + j;
-          } else if (layout == Layout::kKeysVnni) {
-            at = ((c / 2) * block_n + j) * 2 + c % 2;
-          } else {
-            at = ((j / 2) * d + c) * 2 + j % 2;
-          }
-          o[at] = s[j * d + c];
-        }
-      }
-    }
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) pack_head<T>(src + bh * L * d, L, d, block_n, layout, dst + bh * nb * d * block_n);
   });
   return out;
+}
+
+// Items 0 .. cost.size() - 1 split into `threads` contiguous ranges of about equal cost: [cut[t], cut[t + 1]).
+std::vector<int64_t> contiguous_chunks(const std::vector<double>& cost, int64_t threads) {
+  double total = 0.0;
+  for (double c : cost) total += c;
+  std::vector<int64_t> cut(threads + 1, static_cast<int64_t>(cost.size()));
+  cut[0] = 0;
+  double run = 0.0;
+  int64_t t = 1;
+  for (int64_t i = 0; i < static_cast<int64_t>(cost.size()) && t < threads; ++i) {
+    // item i goes to the range whose share its middle falls in
+    while (t < threads && run + 0.5 * cost[i] >= total * static_cast<double>(t) / static_cast<double>(threads)) {
+      cut[t++] = i;
+    }
+    run += cost[i];
+  }
+  return cut;
 }
 
 // Greedy longest-first assignment of items with costs to threads: the items of each thread.
@@ -391,6 +542,16 @@ Bias make_bias(int64_t kind, bool causal, const at::Tensor& pitch, const at::Ten
     bias.pitch = pitch.data_ptr<double>();
     bias.shift = shift.data_ptr<double>();
     bias.logc = table.data_ptr<float>();
+    bias.ipitch.assign(bias.T * bias.H, 0);
+    bias.ishift.assign(bias.T * bias.H, 0);
+    for (int64_t th = 0; th < bias.T * bias.H; ++th) {
+      const double b = bias.pitch[th], s = bias.shift[th];
+      if (std::isfinite(b) && b >= 1.0 && b < 9007199254740992.0 && b == std::floor(b) && s >= 0.0 && s < b &&
+          s == std::floor(s)) {
+        bias.ipitch[th] = static_cast<int64_t>(b);
+        bias.ishift[th] = static_cast<int64_t>(s);
+      }
+    }
   } else {
     TORCH_CHECK(kind == kTable, "kind: 0 (counts) or 1 (table)");
     TORCH_CHECK(table.dim() == 2 && table.size(1) == L && rtable.sizes() == table.sizes(), "table: (H, Lk)");
@@ -447,33 +608,46 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   constexpr bool kHalf = !std::is_same_v<T, float>;  // bfloat16: VNNI-packed B, P rounded to T
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), d = q.size(3);
   const int64_t Hkv = k.size(1), Lk = k.size(2), group = Hq / Hkv;
-  const at::Tensor kt = pack_blocks<T>(k, block_n, kHalf ? Layout::kKeysVnni : Layout::kTransposed);
-  const at::Tensor vk = kHalf ? pack_blocks<T>(v, block_n, Layout::kValuesVnni) : v;
   const int64_t nb = (Lk + block_n - 1) / block_n;
   const Spans sp = spans(bias, Hq, Lq, Lk, block_m);
   const int64_t tiles = sp.tiles, q0 = Lk - Lq;
   const std::vector<int64_t>&span_lo = sp.lo, &span_hi = sp.hi;
+  // Items (batch, head, tile) in this order, split into contiguous ranges of about equal work (keys of the span,
+  // and the per-tile row bookkeeping): a thread packs each key head it meets once, into its own buffer.
   std::vector<double> cost(B * Hq * tiles);
   for (int64_t idx = 0; idx < B * Hq * tiles; ++idx) {
     const int64_t ht = idx % (Hq * tiles);
-    cost[idx] = static_cast<double>(span_hi[ht] - span_lo[ht]);
+    cost[idx] = static_cast<double>(span_hi[ht] - span_lo[ht]) + static_cast<double>(bias.T) + 16.0;
   }
-  const auto lists = balance(cost, at::get_num_threads());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B * Hq * tiles));
+  const std::vector<int64_t> cut = contiguous_chunks(cost, threads);
   const T* qp = q.data_ptr<T>();
-  const T* vp = vk.data_ptr<T>();
-  const T* ktp = kt.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vsrc = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t tb, int64_t te) {
+  at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> sc(block_m * block_n), br(block_n), acc(block_m * d), m(block_m), l(block_m);
     std::vector<T> pb(kHalf ? block_m * block_n : 0);
+    thread_local std::vector<T> kbuf, vbuf;  // kept across calls: no page faults after the first
+    int64_t packed = -1;  // the (batch, key head) in kbuf / vbuf
     TileRows tr;
     for (int64_t tid = tb; tid < te; ++tid) {
-      for (int64_t item : lists[tid]) {
+      for (int64_t item = cut[tid]; item < cut[tid + 1]; ++item) {
         const int64_t bh = item / tiles, tl = item % tiles;
         const int64_t b = bh / Hq, h = bh % Hq, hk = h / group;
         const int64_t r0 = tl * block_m, rows = std::min(block_m, Lq - r0);
         const int64_t ht = h * tiles + tl;
+        if (packed != b * Hkv + hk) {
+          packed = b * Hkv + hk;
+          kbuf.resize(nb * d * block_n);
+          pack_head<T>(kp + packed * Lk * d, Lk, d, block_n, kHalf ? Layout::kKeysVnni : Layout::kTransposed,
+                       kbuf.data());
+          if constexpr (kHalf) {
+            vbuf.resize(nb * d * block_n);
+            pack_head<T>(vsrc + packed * Lk * d, Lk, d, block_n, Layout::kValuesVnni, vbuf.data());
+          }
+        }
         build_rows(bias, h, q0 + r0, rows, tr);
         std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
         std::fill(m.begin(), m.end(), kNegInf);
@@ -486,25 +660,17 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           live_rows(tr, j0, bn, ra, rb);
           if (ra >= rb) continue;
           at::native::cpublas::brgemm(rb - ra, bn, d, d, block_n, block_n, false, qt + ra * d,
-                                      ktp + ((b * Hkv + hk) * nb + kb) * d * block_n, sc.data() + ra * block_n,
-                                      kHalf);
+                                      kbuf.data() + kb * d * block_n, sc.data() + ra * block_n, kHalf);
           for (int64_t x = ra; x < rb; ++x) {
             float* s = sc.data() + x * block_n;
-            if (!bias_row(bias, h, tr, x, j0, bn, br.data())) {
+            const float* bp = nullptr;
+            float cst = 0.f;
+            const int kind = bias_view(bias, h, tr, x, j0, bn, br.data(), &bp, &cst);
+            if (kind == 0) {
               std::fill(s, s + bn, 0.f);
               continue;
             }
-            const float mb = scale_add_max(s, br.data(), scale, bn);
-            const float mn = max_nan(m[x], mb);  // a NaN score makes the row NaN
-            if (mn == kNegInf) {
-              std::fill(s, s + bn, 0.f);
-              continue;
-            }
-            const float sum = exp_sum(s, mn, bn);
-            const float alpha = m[x] == kNegInf ? 0.f : std::exp(m[x] - mn);
-            if (alpha != 1.f) scale_row(acc.data() + x * d, alpha, d);
-            l[x] = l[x] * alpha + sum;
-            m[x] = mn;
+            row_softmax(s, bn, scale, bp, cst, m[x], l[x], acc.data() + x * d, d);
           }
           if constexpr (kHalf) {
             const int64_t bn2 = bn + bn % 2;  // VNNI pairs of keys: a zero probability pads an odd block
@@ -513,18 +679,18 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               if (bn2 > bn) pb[x * block_n + bn] = T(0.f);
             }
             at::native::cpublas::brgemm(rb - ra, d, bn2, block_n, d, d, true, pb.data() + ra * block_n,
-                                        vp + ((b * Hkv + hk) * nb + kb) * block_n * d, acc.data() + ra * d, true);
+                                        vbuf.data() + kb * block_n * d, acc.data() + ra * d, true);
           } else {
             at::native::cpublas::brgemm(rb - ra, d, bn, block_n, d, d, true, sc.data() + ra * block_n,
-                                        vp + ((b * Hkv + hk) * Lk + j0) * d, acc.data() + ra * d, false);
+                                        vsrc + ((b * Hkv + hk) * Lk + j0) * d, acc.data() + ra * d, false);
           }
         }
         T* ot = op + ((b * Hq + h) * Lq + r0) * d;
         float* lt = lp + (b * Hq + h) * Lq + r0;
         for (int64_t x = 0; x < rows; ++x) {
           if (l[x] > 0.f || std::isnan(l[x])) {  // NaN inputs: a NaN row
-            const float inv = 1.f / l[x];
-            for (int64_t c = 0; c < d; ++c) ot[x * d + c] = static_cast<T>(acc[x * d + c] * inv);
+            scale_row(acc.data() + x * d, 1.f / l[x], d);
+            at::vec::convert(acc.data() + x * d, ot + x * d, d);
             lt[x] = m[x] + std::log(l[x]);
           } else {
             std::fill(ot + x * d, ot + (x + 1) * d, static_cast<T>(0.f));
@@ -656,14 +822,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
             for (int64_t x = ra; x < rb; ++x) {
               float* s = sc.data() + x * block_n;
               float* g = dp.data() + x * block_n;
-              live[x] = bias_row(bias, h, tr, x, j0, bn, br.data()) && lt[x] != kNegInf;
+              const float* bp = nullptr;
+              float cst = 0.f;
+              live[x] = bias_view(bias, h, tr, x, j0, bn, br.data(), &bp, &cst) != 0 && lt[x] != kNegInf;
               if (!live[x]) {
                 std::fill(s, s + bn, 0.f);
                 std::fill(g, g + bn, 0.f);
                 continue;
               }
               any = true;
-              scale_add_max(s, br.data(), scale, bn);
+              scale_add(s, bp, cst, scale, bn);
               const Vec vl(lt[x]), vd(dlt[x]);
               int64_t j = 0;
               for (; j + Vec::size() <= bn; j += Vec::size()) {
