@@ -116,11 +116,24 @@ def packed_inputs(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any] |
     the documents (:func:`~positional_lsh.integrations.hf.masks.packed_segments`): ``use_cache=False`` (transformers
     looks for packing only without a cache); ``None`` when the call is not packed (or under ``torch.compile``, where
     the mask interface refuses packing). ``ValueError`` for packed sequences continuing a KV cache, or on a model
-    whose forward takes no position ids (BLOOM, MPT: their mask never sees the documents)."""
+    whose forward takes no position ids (BLOOM, MPT: their mask never sees the documents).
+
+    Under ``torch.compile`` packed sequences are refused when the graph runs (``RuntimeError``): the position ids
+    cannot be read while tracing, and with a cache (``use_cache`` left on) transformers would not look for the
+    documents, so that they would silently attend to each other."""
     pos = kwargs.get("position_ids")
-    if torch.compiler.is_compiling() or kwargs.get("attention_mask") is not None or not isinstance(pos, torch.Tensor):
+    if kwargs.get("attention_mask") is not None or not isinstance(pos, torch.Tensor):
         return None
-    if pos.dim() == 0 or pos.shape[-1] < 2 or not bool((pos[..., 1:] - pos[..., :-1] != 1).any()):
+    if pos.dim() == 0 or pos.shape[-1] < 2:
+        return None
+    if torch.compiler.is_compiling():
+        torch._assert_async(
+            (pos[..., 1:] - pos[..., :-1] == 1).all(),
+            "positional_lsh attention under torch.compile: these position ids restart (packed sequences), which "
+            "are supported in eager mode only; call the uncompiled model, or one sequence per row",
+        )
+        return None
+    if not bool((pos[..., 1:] - pos[..., :-1] != 1).any()):
         return None
     if "position_ids" not in inspect.signature(module.forward).parameters:
         raise ValueError(
