@@ -258,3 +258,29 @@ def test_returned_weights_are_on_the_outputs_path(family: str, mode: str) -> Non
     for w in attentions:
         assert w.grad is not None and w.grad.shape == w.shape
         assert bool(w.grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "bloom"])
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+@pytest.mark.parametrize("cache", ["static", None])
+def test_generate_with_weights_equals_generate_without(family: str, mode: str, cache: str | None) -> None:
+    """Decoding with the weights asked for (the output computed from them) gives the tokens and scores of decoding
+    without, with the swap's static cache and with its default ``LiveKeyCache`` (windowed ALiBi drops keys: the
+    weights cover the kept ones), on a left-padded batch."""
+    model = tiny_model(family)
+    _ = hf.use_positional_lsh(model, num_samples=4) if mode == "plsh" else hf.use_alibi(model, window=3.0)
+    x = token_ids(2, 10)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    kw: dict[str, Any] = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    if cache is not None:
+        kw["cache_implementation"] = cache
+    with torch.no_grad():
+        plain = model.generate(x, attention_mask=mask, **kw)
+        asked = model.generate(x, attention_mask=mask, output_attentions=True, **kw)
+    assert torch.equal(asked.sequences, plain.sequences)
+    for a, b in zip(asked.scores, plain.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    step = asked.attentions[-1][0]  # the last token's weights: (B, H, 1, keys held)
+    assert step.shape[:3] == (2, 4, 1)
+    torch.testing.assert_close(step.sum(-1), torch.ones(step.shape[:-1]))
