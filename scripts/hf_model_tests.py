@@ -33,10 +33,11 @@ Usage (slow tests are skipped as transformers does by default; one pytest proces
     python scripts/hf_model_tests.py --tests <unpacked>/tests --work /tmp/hft/run --markdown table.md
 
 Each failure is classified: ``fails on stock too`` (the same test fails without a swap), ``compares against stock
-numbers`` (the table ``STOCK_COMPARISONS`` below), the swap's refusal of masks with holes or packed sequences
-(``MASK_REFUSALS``, messages of the code before issue 34 items 24 and 25), or ``other``, printed with its first
-error line. ``--from-xml`` tabulates the junit files of earlier runs. The result and its triage: docs/reliability.md,
-"transformers' own model tests on swapped models: the sweep".
+numbers`` (the table ``STOCK_COMPARISONS`` below), ``checks the implementation name`` (``BY_DESIGN``: the configured
+attention implementation, which a swapped model reports as the one that runs), the swap's refusal of masks with
+holes or packed sequences (``MASK_REFUSALS``, messages of the code before issue 34 items 24 and 25), or ``other``,
+printed with its first error line. ``--from-xml`` tabulates the junit files of earlier runs. The result and its
+triage: docs/reliability.md, "transformers' own model tests on swapped models: the sweep".
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ STOCK_COMPARISONS: dict[str, str] = {
     "test_model_rope_scaling_from_config": "RoPE scaling changes nothing once the rotary embedding is neutralized",
     "test_model_rope_scaling_frequencies": "compares the rotary embedding's numbers, which the swap neutralizes",
     "test_model_rope_with_partial_rotation": "compares the rotary embedding's numbers, which the swap neutralizes",
+}
+
+# Tests whose failure on a swapped model is by design: they check that the model's configured attention
+# implementation is the one they asked for ("sdpa", "eager"), while the swap's model reports the implementation that
+# runs, "positional_lsh" (transformers dispatches the Llama family's attention by that name; a changed name is put
+# back at the next call with a warning, issue 34 item 20). Keyed like STOCK_COMPARISONS.
+BY_DESIGN: dict[str, str] = {
+    "test_sdpa_can_dispatch_non_composite_models": "expects config._attn_implementation == 'sdpa' after loading",
+    "test_can_set_attention_dynamically": "expects config._attn_implementation == 'eager' right after building",
 }
 
 # The swap's refusals of masks with holes and packed sequences (issue 34, items 24 and 25, being implemented):
@@ -424,20 +434,25 @@ def read_cell(xml: Path, family: str, swap: str) -> Cell:
 
 def base_name(test_id: str) -> str:
     """The test's name without a parameterization suffix (``test_x_0_fp32`` -> ``test_x``)."""
-    for name in STOCK_COMPARISONS:
+    for name in (*STOCK_COMPARISONS, *BY_DESIGN):
         if test_id == name or test_id.startswith(name + "_"):
             return name
     return test_id
 
 
 def classify(cell: Cell, stock: Cell | None) -> dict[str, list[str]]:
-    """Each failure of ``cell``: ``stock comparison``, ``fails on stock too``, ``masks`` or ``other``."""
-    out: dict[str, list[str]] = {"stock comparison": [], "fails on stock too": [], "masks": [], "other": []}
+    """Each failure of ``cell``: ``stock comparison``, ``by design``, ``fails on stock too``, ``masks`` or
+    ``other``."""
+    out: dict[str, list[str]] = {
+        "stock comparison": [], "by design": [], "fails on stock too": [], "masks": [], "other": []
+    }  # fmt: skip
     for test_id, message in cell.failures.items():
         if cell.swap == "stock" or (stock is not None and test_id in stock.failures):
             out["fails on stock too"].append(test_id)
         elif base_name(test_id) in STOCK_COMPARISONS:
             out["stock comparison"].append(test_id)
+        elif base_name(test_id) in BY_DESIGN:
+            out["by design"].append(test_id)
         elif any(m in message for m in MASK_REFUSALS):
             out["masks"].append(test_id)
         else:
@@ -449,19 +464,20 @@ def table(cells: list[Cell], stand_ins: dict[str, list[str]]) -> str:
     """The markdown table of the sweep and the list of the failures classified ``other``."""
     stock = {c.family: c for c in cells if c.swap == "stock"}
     lines = [
-        "| family | swap | passed | failed | compares against stock numbers | fails on stock too "
-        "| refuses masks with holes or packed sequences | other | skipped |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| family | swap | passed | failed | compares against stock numbers | checks the implementation name "
+        "(by design) | fails on stock too | refuses masks with holes or packed sequences | other | skipped |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     others: list[str] = []
     for c in cells:
         if not c.ran:
-            lines.append(f"| {c.family} | {c.swap} | no result (not run, crashed or timed out) | | | | | | |")
+            lines.append(f"| {c.family} | {c.swap} | no result (not run, crashed or timed out) | | | | | | | |")
             continue
         kinds = classify(c, stock.get(c.family))
         lines.append(
             f"| {c.family} | {c.swap} | {c.passed} | {len(c.failures)} | {len(kinds['stock comparison'])} | "
-            f"{len(kinds['fails on stock too'])} | {len(kinds['masks'])} | {len(kinds['other'])} | {c.skipped} |"
+            f"{len(kinds['by design'])} | {len(kinds['fails on stock too'])} | {len(kinds['masks'])} | "
+            f"{len(kinds['other'])} | {c.skipped} |"
         )
         others += [f"- {c.family} / {c.swap}: `{t}`: {c.failures[t]}" for t in kinds["other"]]
     used = sorted({s for v in stand_ins.values() for s in v})

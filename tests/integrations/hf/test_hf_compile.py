@@ -88,11 +88,14 @@ def test_no_graph_break_and_packed_sequences_refused_when_the_graph_runs():
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     # Without a mask, transformers cannot tell packed sequences apart under compile (it would read the position
-    # ids): the attention checks it when the graph runs. Eager mode takes them (issue 34 item 25): each document
-    # its own sequence.
+    # ids): the swap checks them when the graph runs. Eager mode takes them (issue 34 item 25): each document its
+    # own sequence. With use_cache left on (the default), transformers does not look for the documents at all: the
+    # compiled call used to let them attend to each other without a word (logits 0.22 off the documents' own).
     packed = torch.cat([torch.arange(16), torch.arange(16)])[None].expand(2, -1)
-    with pytest.raises(RuntimeError, match="pack several sequences"):
-        compiled(x, position_ids=packed, use_cache=False)
+    for use_cache in (False, None):
+        with pytest.raises(RuntimeError, match=r"position ids restart \(packed sequences\)"):
+            compiled(x, position_ids=packed, use_cache=use_cache)
+    assert torch.isfinite(compiled(x, position_ids=torch.arange(32)[None] + 3).logits).all()  # no restart: runs
     with torch.no_grad():
         eager = model(x, position_ids=packed, use_cache=False).logits
         alone = torch.cat([model(x[:, :16]).logits, model(x[:, 16:]).logits], dim=1)

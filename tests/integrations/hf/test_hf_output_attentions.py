@@ -1,7 +1,9 @@
 """``output_attentions=True`` on swapped models: the weights each layer's call used, checked against float64
 computations written here (exact ALiBi ``softmax(s - m |i - j|)``; positional LSH ``softmax(s + log Mbar)`` from the
-swap's partitions' ``mean_mask()``), against the call's own output (weights @ v), and against transformers' own
-eager weights where the stock model computes the same ALiBi (BLOOM, MPT)."""
+swap's partitions' ``mean_mask()``), against the call's own output (weights @ v, and the op's output for the same
+call), and against transformers' own eager weights where the stock model computes the same ALiBi (BLOOM, MPT). With
+the weights asked for, the output is computed from them: ``retain_grad()`` on them gets a gradient, and the
+model's outputs and gradients equal those of the call without the weights (float64)."""
 
 from __future__ import annotations
 
@@ -21,16 +23,24 @@ FAMILIES = ("bloom", "falcon", "mpt", "llama", "qwen3")
 
 
 def _record(swap: Any) -> list[dict[str, Any]]:
-    """Record every attention call of ``swap`` (its inputs and output) by wrapping the instance's ``attend``."""
+    """Record every attention call of ``swap`` (its inputs and output; with the weights asked for, also the op's
+    output for the same call, ``op``) by wrapping the instance's ``attend`` and ``attend_with_weights``."""
     calls: list[dict[str, Any]] = []
-    attend = swap.attend
+    attend, with_weights = swap.attend, swap.attend_with_weights
 
     def wrapped(layer_idx, training, q, k, v, key_valid, scale):  # type: ignore[no-untyped-def]
         out = attend(layer_idx, training, q, k, v, key_valid, scale)
-        calls.append(dict(layer=layer_idx, q=q, k=k, v=v, valid=key_valid, scale=scale, out=out))
+        calls.append(dict(layer=layer_idx, q=q, k=k, v=v, valid=key_valid, scale=scale, out=out, op=out))
         return out
 
-    swap.attend = wrapped
+    def wrapped_weights(layer_idx, training, q, k, v, key_valid, scale):  # type: ignore[no-untyped-def]
+        out, weights = with_weights(layer_idx, training, q, k, v, key_valid, scale)
+        with torch.no_grad():
+            op = attend(layer_idx, training, q, k, v, key_valid, scale)
+        calls.append(dict(layer=layer_idx, q=q, k=k, v=v, valid=key_valid, scale=scale, out=out, op=op))
+        return out, weights
+
+    swap.attend, swap.attend_with_weights = wrapped, wrapped_weights
     return calls
 
 
@@ -74,9 +84,10 @@ def _check_weights(attentions: tuple[torch.Tensor, ...], calls: list[dict[str, A
         torch.testing.assert_close(w.double(), want, atol=2e-6, rtol=1e-5)
         live = want.sum(-1) > 0  # valid query rows
         torch.testing.assert_close(w.double().sum(-1)[live], torch.ones(int(live.sum()), dtype=torch.float64))
-        # the weights are the call's: weights @ v is its output
+        # the weights are the call's: weights @ v is its output, which is the op's output for the call
         vv = v.double().repeat_interleave(hq // v.shape[1], dim=1)
         torch.testing.assert_close((w.double() @ vv).float(), call["out"], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(call["out"], call["op"], atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -92,7 +103,8 @@ def test_output_attentions_are_the_call_weights(family: str, mode: str) -> None:
         calls = _record(swap)
         out = model(x, attention_mask=mask, output_attentions=True)
     assert plain.attentions is None
-    assert torch.equal(out.logits, plain.logits)  # asking for the weights changes nothing else
+    # asking for the weights changes nothing else (the output from them: float32 rounding)
+    torch.testing.assert_close(out.logits, plain.logits, atol=1e-5, rtol=1e-5)
     _check_weights(out.attentions, calls, swap)
     assert bool((out.attentions[0][1, :, :, :4] == 0).all()) and bool((out.attentions[0][1, :, :4] == 0).all())
     with torch.no_grad():
@@ -149,6 +161,7 @@ def test_kv_cache_weights(family: str, mode: str) -> None:
         assert bool((w[:, :, 0, 10:] == 0).all()) and bool((w[:, :, 1, 11:] == 0).all())  # causal
         vv = call["v"].double().repeat_interleave(heads // call["v"].shape[1], dim=1)
         torch.testing.assert_close((w.double() @ vv).float(), call["out"], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(call["out"], call["op"], atol=2e-5, rtol=1e-4)
         if mode == "alibi":
             torch.testing.assert_close(w, f[:, :, 9:], atol=1e-5, rtol=1e-4)
 
@@ -208,3 +221,66 @@ def test_other_implementations_still_refuse_config_output_attentions() -> None:
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="output_attentions"):
         model.config.output_attentions = True
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["plsh", "alibi"])
+def test_returned_weights_are_on_the_outputs_path(family: str, mode: str) -> None:
+    """transformers' ``test_retain_grad_hidden_states_attentions``: ``retain_grad()`` on the returned weights gets a
+    gradient after the loss's backward, in every layer; the logits and every parameter's gradient equal those of the
+    call without the weights (which runs the op: an independent computation), float64 within 1e-10."""
+    model = tiny_model(family, dtype=torch.float64)
+    x = token_ids(2, 12)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    if family in ("bloom", "falcon", "mpt"):
+        mask[0, 6] = 0  # a hole (the Llama family's mask function takes it too; kept to the native ones here)
+    _ = hf.use_positional_lsh(model, num_samples=4) if mode == "plsh" else hf.use_alibi(model)
+    g = torch.randn(2, 12, 97, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def run(asked: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple[torch.Tensor, ...] | None]:
+        model.zero_grad(set_to_none=True)
+        out = model(x, attention_mask=mask, output_attentions=asked)
+        if asked:
+            for w in out.attentions:
+                w.retain_grad()
+        (out.logits * g).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.logits.detach(), grads, out.attentions
+
+    plain_logits, plain_grads, _ = run(False)
+    logits, grads, attentions = run(True)
+    assert attentions is not None and len(attentions) == model.config.num_hidden_layers
+    torch.testing.assert_close(logits, plain_logits, atol=1e-10, rtol=1e-10)
+    assert grads.keys() == plain_grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], atol=1e-10, rtol=1e-10, msg=name)
+    for w in attentions:
+        assert w.grad is not None and w.grad.shape == w.shape
+        assert bool(w.grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "bloom"])
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+@pytest.mark.parametrize("cache", ["static", None])
+def test_generate_with_weights_equals_generate_without(family: str, mode: str, cache: str | None) -> None:
+    """Decoding with the weights asked for (the output computed from them) gives the tokens and scores of decoding
+    without, with the swap's static cache and with its default ``LiveKeyCache`` (windowed ALiBi drops keys: the
+    weights cover the kept ones), on a left-padded batch."""
+    model = tiny_model(family)
+    _ = hf.use_positional_lsh(model, num_samples=4) if mode == "plsh" else hf.use_alibi(model, window=3.0)
+    x = token_ids(2, 10)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    kw: dict[str, Any] = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    if cache is not None:
+        kw["cache_implementation"] = cache
+    with torch.no_grad():
+        plain = model.generate(x, attention_mask=mask, **kw)
+        asked = model.generate(x, attention_mask=mask, output_attentions=True, **kw)
+    assert torch.equal(asked.sequences, plain.sequences)
+    for a, b in zip(asked.scores, plain.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    step = asked.attentions[-1][0]  # the last token's weights: (B, H, 1, keys held)
+    assert step.shape[:3] == (2, 4, 1)
+    torch.testing.assert_close(step.sum(-1), torch.ones(step.shape[:-1]))

@@ -49,7 +49,8 @@ custom masks, sliding windows, transformers' own static cache and attention drop
 Attention weights. ``output_attentions=True`` returns, per layer, the ``(B, Hq, Lq, Lk)`` weights the call used
 (:meth:`AttentionSwap.attention_weights`): positional LSH's ``softmax(s + log Mbar)`` with the call's partitions,
 or exact / windowed ALiBi's ``softmax(s - m |i - j|)``; computed only when asked, dense (refused up front above
-the dense oracles' size).
+the dense oracles' size). The layer's output is then computed from them (``weights @ v``:
+:meth:`AttentionSwap.attend_with_weights`), so they are on its path, as in eager attention.
 
 Modules, each importing only those listed before it (no import cycle, no private names across modules):
 

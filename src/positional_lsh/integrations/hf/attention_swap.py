@@ -42,7 +42,7 @@ from torch import nn
 from positional_lsh.integrations.hf.masks import uniform
 from positional_lsh.ops import alibi_attention, plsh_attention
 from positional_lsh.ops.checks import nonnegative_int
-from positional_lsh.ops.exact.weights import alibi_attention_weights, plsh_attention_weights
+from positional_lsh.ops.exact.weights import alibi_attention_weights, plsh_attention_weights, weighted_values
 from positional_lsh.ops.kvcache import DecodeState, key_reach, plsh_attention_with_kvcache
 from positional_lsh.ops.partitions.partition import Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
@@ -422,6 +422,20 @@ class AttentionSwap:
         return plsh_attention_weights(
             q, k, parts, causal=True, scale=scale, key_padding_mask=key_valid, key_offset=offset
         )
+
+    def attend_with_weights(
+        self, layer_idx: int, training: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        key_valid: torch.Tensor | None, scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The call of :meth:`attend` with its weights (``output_attentions=True``): ``(out, weights)``, the output
+        computed as ``weights @ v`` from the very weights returned (:meth:`attention_weights`,
+        :func:`~positional_lsh.ops.exact.weights.weighted_values`), as transformers' eager attention does, so that
+        the weights are on the output's path (``weights.retain_grad()`` gets a gradient). The estimator's output is
+        ``softmax(s + log Mbar) v`` for every method, so ``out`` and the gradients of ``q, k, v`` equal
+        :meth:`attend`'s up to float rounding (in the weights' dtype: under ``torch.autocast``, the autocast
+        dtype's rounding of the weights, as eager attention's). Dense and eager, as :meth:`attention_weights`."""
+        weights = self.attention_weights(layer_idx, training, q, k, key_valid, scale)
+        return weighted_values(weights, v), weights
 
     def restore(self) -> None:
         """Put the model's own attention back (idempotent)."""

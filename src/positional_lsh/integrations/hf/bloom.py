@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from positional_lsh.integrations.hf.forward import attend_native, check_dropout, native_weights, swap_of
+from positional_lsh.integrations.hf.forward import attend_native, check_dropout, swap_of
 from positional_lsh.integrations.hf.masks import all_valid
 
 
@@ -62,14 +62,14 @@ def bloom_forward(
     """The forward of a swapped ``BloomAttention`` (installed on the instance): the layer's own projections, then
     this library's attention (positional LSH or exact ALiBi, as the swap says), the output projection and the
     residual; the same arguments and return value as transformers' forward (the ``(B, H, Lq, Lk)`` attention
-    weights when asked: :func:`~positional_lsh.integrations.hf.forward.native_weights`)."""
+    weights when asked: :func:`~positional_lsh.integrations.hf.forward.attend_native`)."""
     layer: Any = self  # a transformers BloomAttention: its attributes are read by name, untyped
     swap = swap_of(self)
     check_dropout(self, layer.attention_dropout.p)
     q, k, v = layer._reshape(layer.query_key_value(hidden_states))  # (B, H, L, d) each
     if layer_past is not None:
         k, v = layer_past.update(k, v, layer.layer_idx)
-    ctx = attend_native(self, swap, q, k, v, attention_mask, layer.inv_norm_factor)  # (B, L, H * d)
+    ctx, weights = attend_native(self, swap, q, k, v, attention_mask, layer.inv_norm_factor, output_attentions)
     if layer.pretraining_tp > 1 and layer.slow_but_exact:
         slices = layer.hidden_size / layer.pretraining_tp
         out = torch.zeros_like(ctx)
@@ -79,4 +79,4 @@ def bloom_forward(
     else:
         out = layer.dense(ctx)
     out = residual + F.dropout(out, p=layer.hidden_dropout, training=layer.training)
-    return out, native_weights(self, swap, q, k, attention_mask, layer.inv_norm_factor, output_attentions)
+    return out, weights

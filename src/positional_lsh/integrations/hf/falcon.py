@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.forward import attend_native, check_dropout, native_weights, swap_of
+from positional_lsh.integrations.hf.forward import attend_native, check_dropout, swap_of
 
 
 def falcon_forward(
@@ -31,7 +31,7 @@ def falcon_forward(
     """The forward of a swapped ``FalconAttention`` (``alibi=True`` models; installed on the instance): the
     layer's own projections, then this library's attention (positional LSH or exact ALiBi, as the swap says) and
     the output projection; the same arguments and return value as transformers' forward (the ``(B, H, Lq, Lk)``
-    attention weights, per query head, when asked: :func:`~positional_lsh.integrations.hf.forward.native_weights`)."""
+    attention weights, per query head, when asked: :func:`~positional_lsh.integrations.hf.forward.attend_native`)."""
     layer: Any = self  # a transformers FalconAttention: its attributes are read by name, untyped
     swap = swap_of(self)
     check_dropout(self, layer.attention_dropout.p)
@@ -43,5 +43,5 @@ def falcon_forward(
     v = v.transpose(1, 2).reshape(b, num_kv_heads, lq, layer.head_dim)
     if layer_past is not None:
         k, v = layer_past.update(k, v, layer.layer_idx)
-    out = layer.dense(attend_native(self, swap, q, k, v, attention_mask, layer.inv_norm_factor))
-    return out, native_weights(self, swap, q, k, attention_mask, layer.inv_norm_factor, output_attentions)
+    ctx, weights = attend_native(self, swap, q, k, v, attention_mask, layer.inv_norm_factor, output_attentions)
+    return layer.dense(ctx), weights

@@ -44,8 +44,9 @@ def attend_native(
     v: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scale: float,
-) -> torch.Tensor:
-    """A native ALiBi forward's attention, heads merged.
+    asked: object = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A native ALiBi forward's attention, heads merged, and its weights when asked.
 
     Args:
         module: the attention module (its ``layer_idx`` and ``training`` choose the partitions).
@@ -54,15 +55,22 @@ def attend_native(
         k, v: ``(B, Hkv, Lk, d)`` keys and values after the KV cache update (queries aligned to the last keys).
         attention_mask: the mask handed to the module (the ``(B, Lk)`` padding mask or ``None``).
         scale: the module's score scale.
+        asked: the module's ``output_attentions`` argument; the weights are also returned when the model call
+            asked for them (``swap.output_attentions``).
 
     Returns:
-        ``(B, Lq, Hq * d)``.
+        ``(B, Lq, Hq * d)`` and ``None``, or with the weights the ``(B, Hq, Lq, Lk)`` weights and the output
+        computed from them (:meth:`AttentionSwap.attend_with_weights`: the weights are on the output's path).
     """
     b, lq = q.shape[0], q.shape[-2]
     valid = key_validity(attention_mask, b, k.shape[-2])
     layer: Any = module  # a transformers attention module: its layer_idx is read by name, untyped
-    ctx = swap.attend(layer.layer_idx, module.training, q, k, v, valid, scale)
-    return ctx.transpose(1, 2).reshape(b, lq, -1)
+    weights = None
+    if asked or swap.output_attentions:
+        ctx, weights = swap.attend_with_weights(layer.layer_idx, module.training, q, k, v, valid, scale)
+    else:
+        ctx = swap.attend(layer.layer_idx, module.training, q, k, v, valid, scale)
+    return ctx.transpose(1, 2).reshape(b, lq, -1), weights
 
 
 def check_dropout(module: nn.Module, p: float) -> None:
@@ -72,25 +80,6 @@ def check_dropout(module: nn.Module, p: float) -> None:
             f"attention dropout (p={p}) is not supported by positional_lsh attention; set the model's attention "
             "dropout to 0 for training, or call model.eval()"
         )
-
-
-def native_weights(
-    module: nn.Module,
-    swap: AttentionSwap,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-    asked: object = False,
-) -> torch.Tensor | None:
-    """The ``(B, Hq, Lq, Lk)`` attention weights of :func:`attend_native`'s call on the same arguments
-    (:meth:`AttentionSwap.attention_weights`) when ``asked`` or the model call asked for them
-    (``swap.output_attentions``), else ``None``."""
-    if not (asked or swap.output_attentions):
-        return None
-    layer: Any = module  # a transformers attention module: its layer_idx is read by name, untyped
-    valid = key_validity(attention_mask, q.shape[0], k.shape[-2])
-    return swap.attention_weights(layer.layer_idx, module.training, q, k, valid, scale)
 
 
 def asks_for_attentions(config: Any, kwargs: dict[str, object]) -> bool:
@@ -127,11 +116,24 @@ def packed_inputs(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any] |
     the documents (:func:`~positional_lsh.integrations.hf.masks.packed_segments`): ``use_cache=False`` (transformers
     looks for packing only without a cache); ``None`` when the call is not packed (or under ``torch.compile``, where
     the mask interface refuses packing). ``ValueError`` for packed sequences continuing a KV cache, or on a model
-    whose forward takes no position ids (BLOOM, MPT: their mask never sees the documents)."""
+    whose forward takes no position ids (BLOOM, MPT: their mask never sees the documents).
+
+    Under ``torch.compile`` packed sequences are refused when the graph runs (``RuntimeError``): the position ids
+    cannot be read while tracing, and with a cache (``use_cache`` left on) transformers would not look for the
+    documents, so that they would silently attend to each other."""
     pos = kwargs.get("position_ids")
-    if torch.compiler.is_compiling() or kwargs.get("attention_mask") is not None or not isinstance(pos, torch.Tensor):
+    if kwargs.get("attention_mask") is not None or not isinstance(pos, torch.Tensor):
         return None
-    if pos.dim() == 0 or pos.shape[-1] < 2 or not bool((pos[..., 1:] - pos[..., :-1] != 1).any()):
+    if pos.dim() == 0 or pos.shape[-1] < 2:
+        return None
+    if torch.compiler.is_compiling():
+        torch._assert_async(
+            (pos[..., 1:] - pos[..., :-1] == 1).all(),
+            "positional_lsh attention under torch.compile: these position ids restart (packed sequences), which "
+            "are supported in eager mode only; call the uncompiled model, or one sequence per row",
+        )
+        return None
+    if not bool((pos[..., 1:] - pos[..., :-1] != 1).any()):
         return None
     if "position_ids" not in inspect.signature(module.forward).parameters:
         raise ValueError(

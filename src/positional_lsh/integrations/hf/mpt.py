@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from positional_lsh.integrations.hf.forward import attend_native, check_dropout, native_weights, swap_of
+from positional_lsh.integrations.hf.forward import attend_native, check_dropout, swap_of
 
 
 def mpt_forward(
@@ -24,7 +24,7 @@ def mpt_forward(
     """The forward of a swapped ``MptAttention`` (installed on the instance): the layer's own projections, then
     this library's attention (positional LSH or exact ALiBi, as the swap says) and the output projection; the same
     arguments and return value as transformers' forward (the ``(B, H, Lq, Lk)`` attention weights when the model
-    call asked for them: :func:`~positional_lsh.integrations.hf.forward.native_weights`)."""
+    call asked for them: :func:`~positional_lsh.integrations.hf.forward.attend_native`)."""
     layer: Any = self  # a transformers MptAttention: its attributes are read by name, untyped
     swap = swap_of(self)
     check_dropout(self, layer.attn_dropout_p)
@@ -35,5 +35,5 @@ def mpt_forward(
     q, k, v = (x.reshape(b, lq, layer.n_heads, layer.head_dim).transpose(1, 2) for x in mixed.chunk(3, dim=2))
     if cache is not None:
         k, v = cache.update(k, v, layer.layer_idx, kwargs=kwargs)
-    out = layer.out_proj(attend_native(self, swap, q, k, v, attention_mask, layer.softmax_scale))
-    return out, native_weights(self, swap, q, k, attention_mask, layer.softmax_scale)
+    ctx, weights = attend_native(self, swap, q, k, v, attention_mask, layer.softmax_scale)
+    return layer.out_proj(ctx), weights

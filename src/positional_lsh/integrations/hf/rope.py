@@ -37,8 +37,9 @@ def attention_function(
 
     ``query (B, Hq, Lq, d)``, ``key, value (B, Hkv, Lk, d)`` (after the model's — neutralized — rotary
     embedding and KV cache); returns ``((B, Lq, Hq, d), weights)``: the ``(B, Hq, Lq, Lk)`` attention weights
-    (:meth:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap.attention_weights`) when the model call
-    asked for them (``output_attentions``), else ``None``. Packed sequences: the segment ids the mask interface
+    when the model call asked for them (``output_attentions``; the output is then ``weights @ v``:
+    :meth:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap.attend_with_weights`), else ``None``.
+    Packed sequences: the segment ids the mask interface
     hands down for position ids that restart, or flash-attention's ``cu_seq_lens_k`` keyword
     (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), which wins when given.
     """
@@ -60,10 +61,11 @@ def attention_function(
     cu = kwargs.get("cu_seq_lens_k")
     if cu is not None:  # DataCollatorWithFlattening(return_flash_attn_kwargs=True): one flattened row of documents
         valid = segments_of_cu_seqlens(cu, b, lk)
-    out = swap.attend(layer.layer_idx, module.training, query, key, value, valid, scale)
     weights = None
-    if kwargs.get("output_attentions") or swap.output_attentions:
-        weights = swap.attention_weights(layer.layer_idx, module.training, query, key, valid, scale)
+    if kwargs.get("output_attentions") or swap.output_attentions:  # the output from the weights returned
+        out, weights = swap.attend_with_weights(layer.layer_idx, module.training, query, key, value, valid, scale)
+    else:
+        out = swap.attend(layer.layer_idx, module.training, query, key, value, valid, scale)
     return out.transpose(1, 2).contiguous(), weights
 
 

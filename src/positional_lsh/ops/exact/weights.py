@@ -2,28 +2,47 @@
 
 * :func:`plsh_attention_weights` — positional LSH's dense weights ``softmax(s + log Mbar)`` (``Mbar`` the mean of the
   partitions' masks): the weights the estimator applies to the values (its oracle ``softmax(s + log Mbar) v``);
-* :func:`alibi_attention_weights` — exact (optionally windowed) ALiBi's ``softmax(s - m_h |i - j|)``.
+* :func:`alibi_attention_weights` — exact (optionally windowed) ALiBi's ``softmax(s - m_h |i - j|)``;
+* :func:`weighted_values` — the output ``weights @ v`` of such weights (grouped key heads shared by their query
+  heads), NaN kept to the rows that weigh it: what ``output_attentions=True`` computes the output from, so
+  that the weights returned are on the output's path (their ``retain_grad()`` gets a gradient).
 
-Both take the arguments of the ops' calls (``q (B, Hq, Lq, d)``, ``k (B, Hkv, Lk, d)`` with queries aligned to the
-last keys, grouped key heads shared by their query heads; ``key_padding_mask`` and ``key_offset`` as
-:func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache`: any pattern of valid keys, positions counted from
-each row's first valid key, masked keys after it included), and return ``(B, Hq, Lq, Lk)`` weights in ``q``'s dtype
-(computed in float32, float64 for float64 inputs). Masked keys (after the query, outside the window, padded, or
-never in the query's block) get weight 0; query rows at padded positions are all zeros. Dense: a call whose
-``B Hq Lq Lk`` weights (or positional LSH's ``H n^2`` mean mask) exceed ``MAX_DENSE_ELEMENTS`` entries, or this
-machine's memory, is refused up front.
+The estimator's output *is* ``softmax(s + log Mbar) v`` whichever way it is computed (the multiplicity form's
+``softmax(s + log c)``, ``c = T Mbar``, and the per-sample form's merge by log-sum-exp are that ratio:
+docs/design.md, "The estimator"), so ``weighted_values(plsh_attention_weights(...), v)`` equals the op's output and
+its gradients with respect to ``q``, ``k`` and ``v`` up to float rounding, for every ``method``. Slopes that
+require grad get the exact ALiBi gradient from :func:`alibi_attention_weights` and the op's surrogate gradient
+(``slope_grad="surrogate"``) from :func:`plsh_attention_weights`'s ``slopes=``.
+
+The two weights functions take the arguments of the ops' calls (``q (B, Hq, Lq, d)``, ``k (B, Hkv, Lk, d)`` with
+queries aligned to the last keys, grouped key heads shared by their query heads; ``key_padding_mask`` and
+``key_offset`` as :func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache`: any pattern of valid keys,
+positions counted from each row's first valid key, masked keys after it included), and return ``(B, Hq, Lq, Lk)``
+weights in ``q``'s dtype (computed in float32, float64 for float64 inputs). Masked keys (after the query, outside
+the window, padded, or never in the query's block) get weight 0; query rows at padded positions are all zeros.
+Dense: a call whose ``B Hq Lq Lk`` weights (or positional LSH's ``H n^2`` mean mask) exceed ``MAX_DENSE_ELEMENTS``
+entries, or this machine's memory, is refused up front.
 """
 
 from __future__ import annotations
 
 import torch
 
-from positional_lsh.ops.checks import SlopesLike, as_scale, as_slopes, as_window, check_bool, check_int, check_qkv
+from positional_lsh.ops.checks import (
+    SlopesLike,
+    as_scale,
+    as_slopes,
+    as_window,
+    check_bool,
+    check_int,
+    check_qkv,
+    grad_slopes,
+)
 from positional_lsh.ops.errors import check_memory
 from positional_lsh.ops.padding import check_key_padding_mask, valid_runs
-from positional_lsh.ops.partitions.partition import MAX_DENSE_ELEMENTS, Partitions
+from positional_lsh.ops.partitions.partition import MAX_DENSE_ELEMENTS, Partitions, check_slopes_match
 
-__all__ = ["alibi_attention_weights", "plsh_attention_weights"]
+__all__ = ["alibi_attention_weights", "plsh_attention_weights", "weighted_values"]
 
 
 def _check_size(what: str, elements: int, itemsize: int) -> None:
@@ -77,6 +96,7 @@ def plsh_attention_weights(
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
     key_offset: int = 0,
+    slopes: SlopesLike = None,
 ) -> torch.Tensor:
     """Positional LSH's attention weights ``softmax(scale q k^T + log Mbar)``: ``(B, Hq, Lq, Lk)``.
 
@@ -84,6 +104,10 @@ def plsh_attention_weights(
     their :meth:`~positional_lsh.ops.partitions.partition.Partitions.mean_mask`, read at the positions counted
     from each row's first valid key. ``key_offset``: position of ``k``'s first key (a KV cache that dropped the
     keys before it); ``key_padding_mask``: ``None`` or the ``(B, key_offset + Lk)`` validity of every position.
+    ``slopes``: ``None``, or the partitions' slopes (``ValueError`` when they differ, as
+    :func:`~positional_lsh.plsh_attention`); a tensor that requires grad gets the op's surrogate gradient
+    (``slope_grad="surrogate"``): the weights are ``softmax(s + log Mbar - (m - m.detach()) |i - j|)``, the same
+    values.
     """
     b, hq, _, lq, lk, d = check_qkv(q, k, k)
     check_bool("causal", causal)
@@ -96,6 +120,8 @@ def plsh_attention_weights(
             f"partitions are for {partitions.num_heads} heads and seq_len={partitions.seq_len}; q has {hq} heads "
             f"and the keys cover positions {key_offset}..{n - 1} (at least seq_len={n})"
         )
+    check_slopes_match(slopes, partitions, hq)
+    learned = grad_slopes(slopes, hq)
     mask = check_key_padding_mask(key_padding_mask, q, n)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     item = torch.empty((), dtype=acc).element_size()
@@ -108,7 +134,11 @@ def plsh_attention_weights(
     keep = (qok[:, :, None] & kok[:, None, :])[:, None] & (mb > 0)
     if causal:
         keep = keep & (kj[:, None, :] <= qi[:, :, None])[:, None]
-    return _softmax(_scores(q, k, sc, acc) + torch.log(mb), keep, q.dtype)
+    z = _scores(q, k, sc, acc) + torch.log(mb)
+    if learned is not None:  # the surrogate: zero in value, -|i - j| per head in gradient
+        m = learned.to(device=q.device, dtype=acc)
+        z = z - (m - m.detach())[None, :, None, None] * (qi[:, :, None] - kj[:, None, :]).abs().to(acc)[:, None]
+    return _softmax(z, keep, q.dtype)
 
 
 def alibi_attention_weights(
@@ -124,14 +154,16 @@ def alibi_attention_weights(
 ) -> torch.Tensor:
     """Exact (windowed) ALiBi's attention weights ``softmax(scale q k^T - m_h |i - j|)``: ``(B, Hq, Lq, Lk)``.
 
-    ``slopes`` ``(Hq,)``, one number or ``None`` (the standard schedule); ``window`` the largest kept distance
-    ``|i - j|`` (one number or one per head); ``key_offset`` and ``key_padding_mask`` as
-    :func:`plsh_attention_weights`.
+    ``slopes`` ``(Hq,)``, one number or ``None`` (the standard schedule); a tensor that requires grad gets the
+    exact gradient through the bias (as :func:`~positional_lsh.alibi_attention`'s); ``window`` the largest kept
+    distance ``|i - j|`` (one number or one per head: a hard mask, no gradient); ``key_offset`` and
+    ``key_padding_mask`` as :func:`plsh_attention_weights`.
     """
     b, hq, _, lq, lk, d = check_qkv(q, k, k)
     check_bool("causal", causal)
     key_offset = check_int("key_offset", key_offset, minimum=0)
     m = as_slopes(slopes, hq)
+    learned = grad_slopes(slopes, hq)
     win = as_window(window, hq)
     mask = check_key_padding_mask(key_padding_mask, q, key_offset + lk)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -145,5 +177,35 @@ def alibi_attention_weights(
         keep = keep & (rel >= 0)[:, None]
     if win is not None:
         keep = keep & (dist <= win.to(device=q.device, dtype=acc)[None, :, None, None])
-    bias = -m.to(device=q.device, dtype=acc)[None, :, None, None] * dist
+    bias = -(m if learned is None else learned).to(device=q.device, dtype=acc)[None, :, None, None] * dist
     return _softmax(_scores(q, k, sc, acc) + bias, keep, q.dtype)
+
+
+def weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention output ``weights @ v``: ``(B, Hq, Lq, d)`` from ``weights (B, Hq, Lq, Lk)`` (those of
+    :func:`plsh_attention_weights` or :func:`alibi_attention_weights`) and ``v (B, Hkv, Lk, d)`` (``Hq % Hkv == 0``:
+    grouped value heads shared by their query heads), in the weights' dtype (``v`` is cast to it), differentiable
+    with respect to both (the weights stay on the output's path).
+
+    Non-finite values: a row that gives a NaN or infinite value a nonzero weight is NaN; the other rows are computed
+    without them (``0 * inf`` does not leak into them), as the ops keep NaN to the rows that reach it.
+    """
+    if not isinstance(weights, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise TypeError("weights and v must be tensors")
+    if weights.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"weights must be (B, Hq, Lq, Lk) and v (B, Hkv, Lk, d), got {tuple(weights.shape)} and {tuple(v.shape)}"
+        )
+    b, hq, _, lk = weights.shape
+    if v.shape[0] != b or v.shape[2] != lk or v.shape[1] == 0 or hq % v.shape[1] != 0:
+        raise ValueError(
+            f"v {tuple(v.shape)} does not fit weights {tuple(weights.shape)}: v must be (B, Hkv, Lk, d) with the "
+            "weights' B and Lk and Hq a multiple of Hkv"
+        )
+    vv = v.to(weights.dtype).repeat_interleave(hq // v.shape[1], dim=1)
+    bad = ~torch.isfinite(vv).all(-1)  # (B, Hq, Lk)
+    if not bool(bad.any()):
+        return torch.matmul(weights, vv)
+    out = torch.matmul(weights, vv.masked_fill(bad[..., None], 0))
+    poisoned = ((weights != 0) & bad[:, :, None, :]).any(-1, keepdim=True)
+    return out.masked_fill(poisoned, float("nan"))
