@@ -391,14 +391,14 @@ def prepare(tests: Path | None, work: Path, family: str, real: Path | None = Non
     stand_ins: list[str] = []
     if real is not None:
         tests_given = tests
-        tests = work / "merged-tests"  # the installed version's files, then the real ones over them
-        if not tests.exists():
-            if tests_given is not None:
-                shutil.copytree(tests_given, tests, ignore=shutil.ignore_patterns("__pycache__"))
-            for src in sorted(real.rglob("*.py")):
-                dest = tests / src.relative_to(real)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(src, dest)
+        tests = work / "merged-tests"  # the installed version's files, then the real ones over them (made afresh)
+        shutil.rmtree(tests, ignore_errors=True)
+        if tests_given is not None:
+            shutil.copytree(tests_given, tests, ignore=shutil.ignore_patterns("__pycache__"))
+        for src in sorted(real.rglob("*.py")):
+            dest = tests / src.relative_to(real)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dest)
     if not pkg.exists():
         pkg.mkdir(parents=True)
         (pkg / "__init__.py").write_text("")
