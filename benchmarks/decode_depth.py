@@ -19,38 +19,14 @@ core of a loaded machine), and the ratio to the first depth.
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import long_generate as lg
-
-
-class Clocks:
-    """A generate streamer that timestamps each put on the wall clock and on this thread's CPU clock (user and
-    system time: the page faults of a fresh buffer count; the time the thread waits for a core on a loaded machine
-    does not)."""
-
-    def __init__(self) -> None:
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
-
-    def put(self, value: object) -> None:
-        self.wall.append(time.perf_counter())
-        self.cpu.append(time.thread_time())
-
-    def end(self) -> None:
-        pass
-
-    @staticmethod
-    def median_gap_ms(times: list[float]) -> float:
-        """The median gap between the generated tokens after the first two (ms)."""
-        return 1e3 * statistics.median(b - a for a, b in itertools.pairwise(times[2:]))
 
 
 def _per_token_ms(model, swap, ids: torch.Tensor, n: int, tokens: int, loop: str) -> tuple[float, float]:
@@ -64,14 +40,14 @@ def _per_token_ms(model, swap, ids: torch.Tensor, n: int, tokens: int, loop: str
         layer.offset += shift
         layer.nonfinite_end = 0
     swap.new_cache = lambda: cache  # the plain generate's default cache is this one
-    clock = Clocks()
+    clock = lg.Clock()  # timestamps on the wall clock (times) and this thread's CPU clock (cpu)
     generate = model.generate if loop == "plain" else lambda *a, **k: type(model).generate(model, *a, **k)
     try:
         with torch.no_grad():
             generate(ids[:, :n], max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=clock)
     finally:
         del swap.new_cache
-    return Clocks.median_gap_ms(clock.wall), Clocks.median_gap_ms(clock.cpu)
+    return lg.Clock.median_gap_ms(clock.times), lg.Clock.median_gap_ms(clock.cpu)
 
 
 def main() -> None:
