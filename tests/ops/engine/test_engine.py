@@ -354,3 +354,20 @@ def test_the_engine_adds_the_nonfinite_key_rule_and_the_same_numbers(method):
     out, _, _ = engine.forward(p, q, k, v)
     rows = engine.rows_reaching(torch.isnan(k).any(-1), parts, 24, True)
     assert bool(rows.any()) and torch.equal(out.isnan().any(-1), rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nonfinite_keys_found_in_every_dtype_and_not_in_large_finite_ones(dtype):
+    from positional_lsh.ops._engine.torch_attention import nonfinite_keys
+
+    big = torch.finfo(dtype).max / 2  # the sum of a few overflows: the exact check must clear them
+    k = torch.full((1, 2, 6, 4), big, dtype=dtype)
+    v = torch.ones(1, 2, 6, 4, dtype=dtype)
+    assert nonfinite_keys(k, v) is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        kk, vv = k.clone(), v.clone()
+        vv[0, 1, 4, 2] = bad
+        kk[0, 0, 1, 3] = bad
+        expect = torch.zeros(1, 2, 6, dtype=torch.bool)
+        expect[0, 1, 4] = expect[0, 0, 1] = True
+        assert torch.equal(nonfinite_keys(kk, vv), expect)

@@ -146,7 +146,8 @@ def nonfinite_keys(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     set the rows that do keep one of them to NaN.
     """
     # Fast path: a NaN or inf anywhere makes the total non-finite (a finite overflow only costs the exact check).
-    acc = acc_dtype(k.dtype)
+    # bfloat16 has float32's range: its own sum (accumulated in float32 by torch) needs no float32 copy of k and v.
+    acc = k.dtype if k.dtype == torch.bfloat16 else acc_dtype(k.dtype)
     if bool(torch.isfinite(k.sum(dtype=acc) + v.sum(dtype=acc))):
         return None
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
