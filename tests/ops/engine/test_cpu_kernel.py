@@ -14,6 +14,7 @@ float64 oracles.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -206,6 +207,43 @@ def test_many_tiles_small_blocks_and_many_samples_equal_the_oracle(kernel, schem
     mbar = (lab[:, :, :, None] == lab[:, :, None, :]).to(F64).mean(0)
     oracle = naive_estimator(q, k, v, mbar, causal=causal, scale=0.5)
     torch.testing.assert_close(out.double(), oracle, rtol=0, atol=2e-5)
+
+
+def _label_mean_mask(parts, n):
+    """Mbar from the definition (i, j share block floor((i - shift) / pitch)), one sample at a time."""
+    pos = torch.arange(n, dtype=F64)
+    mbar = torch.zeros(parts.num_heads, n, n, dtype=F64)
+    for t in range(parts.num_samples):
+        lab = torch.floor((pos - parts.shift[t][:, None]) / parts.pitch[t][:, None])
+        lab = torch.where(torch.isinf(parts.pitch[t])[:, None], 0.0, lab)
+        mbar += (lab[:, :, None] == lab[:, None, :]).to(F64)
+    return mbar / parts.num_samples
+
+
+@pytest.mark.parametrize(("t", "scheme"), [(48, "discrete"), (48, "gamma"), (2, "gamma"), (2, "far")])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_rows_bookkeeping_over_short_and_long_blocks_equals_the_oracle(kernel, t, scheme, causal):
+    # A causal row's block starts are kept run-length encoded and updated row by row: many samples ending at once
+    # (blocks of a few keys), a few among many distinct starts (long blocks, T = 48), and two long blocks far apart
+    # (T = 2, "far": the starts 0 and 300 when the block [300, 600) ends) each take their own update; eleven query
+    # tiles carry the counts over many key blocks. Forward and gradients against the float64 oracle.
+    n = 700
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(1, 3, n, 8, generator=g, dtype=F64) for _ in range(4))
+    parts = sample_partitions(n, [1.5, 0.02, 0.002], t, scheme="discrete" if scheme == "far" else scheme, generator=13)
+    if scheme == "far":
+        pitch = torch.tensor([[2.0, 150.0, 1000.0], [1.0, 37.0, 300.0]], dtype=F64)
+        parts = dataclasses.replace(parts, pitch=pitch, shift=torch.tensor([[1.0, 3.0, 0.0], [0.0, 5.0, 0.0]]))
+    plan = CPU_KERNEL.plan(parts, 3, n, causal, q.device)
+    qf, kf, vf = (x.float() for x in (q, k, v))
+    out, lse = CPU_KERNEL.forward(plan, qf, kf, vf, 0.5)
+    dq, dk, dv, dist = CPU_KERNEL.backward(plan, Saved(qf, kf, vf, out, lse), dout.float(), 0.5, True)
+    mbar = _label_mean_mask(parts, n)
+    want = dense_surrogate(q, k, v, dout, mbar, causal=causal, scale=0.5)
+    oracle = naive_estimator(q, k, v, mbar, causal=causal, scale=0.5)
+    torch.testing.assert_close(out.double(), oracle, rtol=0, atol=2e-5)
+    for got, ref in zip((dq, dk, dv, dist), want[1:], strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-5 * max(1.0, float(ref.abs().max())))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -6,8 +6,11 @@
 //   * COUNT, the multiplicity form: bias = log c[i, j], c[i, j] = #{t : start_t(i) <= j < end_t(i)} (end_t(i)
 //     replaced by i + 1 when causal), log 0 = -inf. Per query tile every row's block starts (and ends) are kept
 //     sorted, built for the first row and carried down the rows (a row changes only the samples whose block begins
-//     there); per key block each row's counts are a running count of the starts (and ends) passed, filled segment
-//     by segment: no (n, T) or (n, n) table, work per score entry independent of T.
+//     there): no (n, T) or (n, n) table, work per score entry independent of T. Causal rows keep their starts
+//     run-length encoded (distinct starts and running counts: short blocks put many samples on few starts), and
+//     their counts c multiply exp(scale s - max) instead of adding log c, computed 16 keys at a time from the
+//     starts inside the block; bidirectional rows keep sorted starts and ends, their log c filled segment by
+//     segment.
 //   * TABLE, the exact biases: bias = table[h, |i - j|] (ALiBi's -m |i - j|, a decay's log k(|i - j|)), -inf
 //     beyond reach[h]: per row two contiguous slices of the table (one reversed), no gather.
 // Scores and P.V are batch-reduce GEMMs (at::native::cpublas::brgemm, float32), the softmax is online with
@@ -128,6 +131,9 @@ struct TileRows {
   std::vector<int32_t> rem, fresh, tmp;
   std::vector<int32_t> bucket, link;  // the samples whose block ends at row x of the tile: a list from bucket[x]
   std::vector<int64_t> lo, hi;  // each row's kept keys [lo, hi)
+  // causal COUNT: each row's block starts run-length encoded, (rows, T): the distinct starts pos[0, D) in increasing
+  // order and cum, the number of starts up to and including each; the count of key j is cum at the last pos <= j
+  std::vector<int32_t> pos, cum, D, mult, at;
 };
 
 // [lo, hi) of the keys kept by query tile rows [first, first + rows): one call's span.
@@ -152,6 +158,100 @@ inline void tile_span(const Bias& bias, int64_t h, int64_t first, int64_t rows, 
   }
 }
 
+// The causal COUNT rows of a tile (TileRows::pos, cum, D): row 0's starts sorted and run-length encoded; row x from
+// row x - 1 by removing one start of each sample whose block ends at row x (a binary search among the row's distinct
+// starts: few for the short blocks where many end at once) and adding those samples' new start, the row itself.
+void build_runs(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRows& tr) {
+  const int64_t T = bias.T;
+  tr.pos.resize(rows * T);
+  tr.cum.resize(rows * T);
+  tr.D.resize(rows);
+  tr.ps.assign(rows, 0);
+  tr.cs.resize(T);
+  tr.ce.resize(T);
+  tr.bucket.assign(rows, -1);
+  tr.link.resize(T);
+  tr.mult.resize(T);
+  const int64_t stop = first + rows;
+  auto file = [&](int64_t t) {
+    if (tr.ce[t] < stop) {
+      tr.link[t] = tr.bucket[tr.ce[t] - first];
+      tr.bucket[tr.ce[t] - first] = static_cast<int32_t>(t);
+    }
+  };
+  tr.tmp.resize(T);
+  for (int64_t t = 0; t < T; ++t) {
+    block_at(bias, t, h, first, tr.cs[t], tr.ce[t]);
+    tr.tmp[t] = static_cast<int32_t>(tr.cs[t]);
+    file(t);
+  }
+  std::sort(tr.tmp.begin(), tr.tmp.end());
+  int32_t D = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (D == 0 || tr.pos[D - 1] != tr.tmp[t]) tr.pos[++D - 1] = tr.tmp[t];
+    tr.cum[D - 1] = static_cast<int32_t>(t + 1);
+  }
+  tr.D[0] = D;
+  for (int64_t x = 1; x < rows; ++x) {
+    const int64_t i = first + x;
+    const int32_t* pp = tr.pos.data() + (x - 1) * T;
+    const int32_t* cp = tr.cum.data() + (x - 1) * T;
+    int32_t* pn = tr.pos.data() + x * T;
+    int32_t* cn = tr.cum.data() + x * T;
+    const int32_t Dp = tr.D[x - 1];
+    tr.rem.clear();
+    for (int32_t t = tr.bucket[x]; t >= 0;) {  // the samples whose block of row i - 1 ends at i
+      const int32_t next = tr.link[t];
+      tr.rem.push_back(static_cast<int32_t>(tr.cs[t]));
+      block_from(bias, t, h, i, tr.cs[t], tr.ce[t]);
+      file(t);
+      t = next;
+    }
+    const int32_t k = static_cast<int32_t>(tr.rem.size());
+    int32_t w = Dp;
+    std::copy(pp, pp + Dp, pn);
+    std::copy(cp, cp + Dp, cn);
+    if (k > 0 && k * 8 < Dp) {  // a few starts among many: each one found, the counts after it lowered
+      for (const int32_t a : tr.rem) {
+        const int32_t e = static_cast<int32_t>(std::lower_bound(pn, pn + w, a) - pn);
+        for (int32_t f = e; f < w; ++f) --cn[f];
+        if (cn[e] == (e ? cn[e - 1] : 0)) {  // the last start at a: the entry goes
+          std::copy(pn + e + 1, pn + w, pn + e);
+          std::copy(cn + e + 1, cn + w, cn + e);
+          --w;
+        }
+      }
+    } else if (k > 0) {  // many: multiplicities lowered, the runs written again
+      for (int32_t e = 0; e < Dp; ++e) tr.mult[e] = cp[e] - (e ? cp[e - 1] : 0);
+      const int64_t range = static_cast<int64_t>(pp[Dp - 1]) - pp[0] + 1;
+      if (range <= 4 * static_cast<int64_t>(Dp) + 256) {  // each start's entry by a table: no search
+        tr.at.resize(range);
+        for (int32_t e = 0; e < Dp; ++e) tr.at[pp[e] - pp[0]] = e;
+        for (const int32_t a : tr.rem) --tr.mult[tr.at[a - pp[0]]];
+      } else {
+        for (const int32_t a : tr.rem) --tr.mult[std::lower_bound(pp, pp + Dp, a) - pp];
+      }
+      int32_t run = 0;
+      w = 0;
+      for (int32_t e = 0; e < Dp; ++e) {
+        if (tr.mult[e] == 0) continue;
+        run += tr.mult[e];
+        pn[w] = pp[e];
+        cn[w++] = run;
+      }
+    }
+    if (k > 0) {
+      pn[w] = static_cast<int32_t>(i);  // every start of row i - 1 is at most i - 1
+      cn[w++] = static_cast<int32_t>(T);
+    }
+    tr.D[x] = w;
+  }
+  for (int64_t x = 0; x < rows; ++x) {
+    tr.lo[x] = tr.pos[x * T];
+    tr.hi[x] = first + x + 1;
+  }
+}
+
 void build_rows(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRows& tr) {
   tr.rows = rows;
   tr.first = first;
@@ -164,6 +264,10 @@ void build_rows(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRo
       tr.lo[x] = std::max<int64_t>(0, i - r);
       tr.hi[x] = bias.causal ? i + 1 : std::min<int64_t>(bias.L, i + r + 1);
     }
+    return;
+  }
+  if (bias.causal) {
+    build_runs(bias, h, first, rows, tr);
     return;
   }
   const int64_t T = bias.T;
@@ -273,22 +377,11 @@ inline bool bias_row(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64
     }
     return true;
   }
+  // bidirectional COUNT (a causal row's counts: count_row)
   const int64_t T = bias.T;
   const int32_t* S = tr.S.data() + x * T;
   int64_t ps = tr.ps[x];
   const float* logc = bias.logc;
-  if (bias.causal) {
-    int64_t j = a;
-    while (j < b) {
-      while (ps < T && S[ps] <= j) ++ps;
-      int64_t next = b;
-      if (ps < T) next = std::min<int64_t>(next, S[ps]);
-      std::fill(br + (j - j0), br + (next - j0), logc[ps]);
-      j = next;
-    }
-    tr.ps[x] = static_cast<int32_t>(ps);
-    return true;
-  }
   const int32_t* E = tr.E.data() + x * T;
   int64_t pe = tr.pe[x];
   int64_t j = a;
@@ -338,22 +431,6 @@ inline void scale_add(float* s, const float* bp, float cst, float scale, int64_t
   for (; j < n; ++j) s[j] = s[j] * scale + (bp ? bp[j] : cst);
 }
 
-inline float exp_sum(float* s, float m, int64_t n) {
-  Vec vm(m), acc(0.f);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    Vec p = (Vec::loadu(s + j) - vm).exp_u20();
-    p.store(s + j);
-    acc = acc + p;
-  }
-  float total = hsum(acc);
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] - m);
-    total += s[j];
-  }
-  return total;
-}
-
 inline void scale_row(float* x, float a, int64_t n) {
   Vec va(a);
   int64_t j = 0;
@@ -361,57 +438,116 @@ inline void scale_row(float* x, float a, int64_t n) {
   for (; j < n; ++j) x[j] *= a;
 }
 
-// The bias of row x over keys [j0, j0 + bn) as bias_row gives it, without a copy where it can: a row keeping every
-// key of the block reads a TABLE bias in place (one side of the row: a slice of the line or of its reverse), and a
-// causal COUNT bias without a block start inside the block is one value. Returns 0 (no key kept), 1 (*ptr: the
-// bias, bn values) or 2 (*cst: every key's bias).
-inline int bias_view(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64_t j0, int64_t bn, float* br,
-                     const float** ptr, float* cst) {
-  const int64_t i = tr.first + x;
-  if (tr.lo[x] <= j0 && j0 + bn <= tr.hi[x]) {
-    if (bias.kind == kTable) {
-      const int64_t L = bias.L;
-      if (j0 + bn <= i + 1) {  // every key at or left of the row
-        *ptr = bias.rtable + h * L + (L - 1 - i + j0);
-        return 1;
-      }
-      if (j0 > i) {
-        *ptr = bias.table + h * L + (j0 - i);
-        return 1;
-      }
-    } else if (bias.causal) {
-      const int64_t T = bias.T;
-      const int32_t* S = tr.S.data() + x * T;
-      int64_t ps = tr.ps[x];
-      while (ps < T && S[ps] <= j0) ++ps;
-      if (ps == T || S[ps] >= j0 + bn) {  // no start inside the block: one count
-        tr.ps[x] = static_cast<int32_t>(ps);
-        *cst = bias.logc[ps];
-        return 2;
-      }
+// A causal COUNT row's counts over keys [j0, j0 + bn) (TileRows::pos, cum): *cst where the block holds no start of
+// the row (returns false), else cnt[0, bn) (returns true; keys before the row's first start get 0), 16 keys at a
+// time: the count of the starts before the chunk plus, per start inside it, its multiplicity where key >= start.
+inline bool count_row(const Bias& bias, TileRows& tr, int64_t x, int64_t j0, int64_t bn, float* cnt, float* cst) {
+  const int64_t T = bias.T;
+  const int32_t* pos = tr.pos.data() + x * T;
+  const int32_t* cum = tr.cum.data() + x * T;
+  const int32_t D = tr.D[x];
+  int32_t q = tr.ps[x];
+  while (q < D && pos[q] <= j0) ++q;
+  tr.ps[x] = q;
+  float run = q ? static_cast<float>(cum[q - 1]) : 0.f;
+  if (q == D || pos[q] >= j0 + bn) {
+    *cst = run;
+    return false;
+  }
+  const Vec lane = Vec::arange(0.f, 1.f);
+  for (int64_t o = 0; o < bn; o += Vec::size()) {
+    Vec c(run);
+    const Vec key = lane + Vec(static_cast<float>(o));
+    const int64_t end = j0 + o + Vec::size();
+    for (; q < D && pos[q] < end; ++q) {
+      const float now = static_cast<float>(cum[q]);
+      c = c + (Vec(now - run) & (key >= Vec(static_cast<float>(pos[q] - j0))));
+      run = now;
+    }
+    if (o + Vec::size() <= bn) {
+      c.store(cnt + o);
+    } else {
+      c.store(cnt + o, static_cast<int>(bn - o));
     }
   }
-  if (!bias_row(bias, h, tr, x, j0, bn, br)) return 0;
+  return true;
+}
+
+// The bias of row x over keys [j0, j0 + bn), without a copy where it can. A causal COUNT row gives its counts c,
+// which multiply exp(scale s - max) (the same softmax as adding log c, without log c's table; *mul set): cnt[0, bn)
+// or one count *cst (no start of the row inside the block). Otherwise the added bias as bias_row gives it, except
+// that a row keeping every key of the block reads a TABLE bias in place (one side of the row: a slice of the line
+// or of its reverse). Returns 0 (no key kept), 1 (*ptr: bn values) or 2 (*cst: every key's); [*ka, *kb) are the
+// row's kept keys in the block (from j0): the others' probabilities are 0.
+inline int bias_view(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64_t j0, int64_t bn, float* br,
+                     const float** ptr, float* cst, bool* mul, int64_t* ka, int64_t* kb) {
+  const int64_t i = tr.first + x;
+  *ka = std::max<int64_t>(0, tr.lo[x] - j0);
+  *kb = std::min<int64_t>(bn, tr.hi[x] - j0);
+  *mul = false;
+  if (*ka >= *kb) return 0;
+  if (bias.kind == kCount && bias.causal) {
+    *mul = true;
+    if (!count_row(bias, tr, x, j0, bn, br, cst)) return 2;
+    *ptr = br;
+    return 1;
+  }
+  if (bias.kind == kTable && *ka == 0 && *kb == bn) {
+    const int64_t L = bias.L;
+    if (j0 + bn <= i + 1) {  // every key at or left of the row
+      *ptr = bias.rtable + h * L + (L - 1 - i + j0);
+      return 1;
+    }
+    if (j0 > i) {
+      *ptr = bias.table + h * L + (j0 - i);
+      return 1;
+    }
+  }
+  bias_row(bias, h, tr, x, j0, bn, br);
   *ptr = br;
   return 1;
 }
 
-// One row of one key block: s[0, n) <- exp(scale s + bias - m_new) (bias: bp[0, n), or cst where bp is null);
-// m, l, acc (d values) updated online; a row without a finite score yet is zeroed (s).
-inline void row_softmax(float* s, int64_t n, float scale, const float* bp, float cst, float& m, float& l, float* acc,
-                        int64_t d) {
-  const Vec vs(scale), vc(cst);
+// s[0, n) <- exp(s - m) (times the count, bp[0, n) or cst where bp is null, when mul); returns the sum.
+inline float exp_sum(float* s, float m, int64_t n, bool mul, const float* bp, float cst) {
+  const Vec vm(m), vc(cst);
+  Vec acc(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    Vec p = (Vec::loadu(s + j) - vm).exp_u20();
+    if (mul) p = p * (bp ? Vec::loadu(bp + j) : vc);
+    p.store(s + j);
+    acc = acc + p;
+  }
+  if (j < n) {
+    const int r = static_cast<int>(n - j);
+    Vec p = (Vec::loadu(s + j, r) - vm).exp_u20();
+    if (mul) p = p * (bp ? Vec::loadu(bp + j, r) : vc);
+    p = Vec::set(Vec(0.f), p, r);
+    p.store(s + j, r);
+    acc = acc + p;
+  }
+  return hsum(acc);
+}
+
+// One row of one key block's kept keys: s[0, n) <- exp(scale s + bias - m_new), the bias bp[0, n) or cst where bp is
+// null (with mul: exp(scale s - m_new) times the count bp / cst, m the running max of scale s); m, l, acc (d values)
+// updated online; a row without a finite score yet is zeroed (s).
+inline void row_softmax(float* s, int64_t n, float scale, const float* bp, float cst, bool mul, float& m, float& l,
+                        float* acc, int64_t d) {
+  const Vec vs(scale), vc(mul ? 0.f : cst);
+  const float* add = mul ? nullptr : bp;
   Vec vmax(kNegInf);
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size()) {
-    const Vec b = bp ? Vec::loadu(bp + j) : vc;
+    const Vec b = add ? Vec::loadu(add + j) : vc;
     const Vec y = at::vec::fmadd(Vec::loadu(s + j), vs, b);
     y.store(s + j);
     vmax = at::vec::maximum(vmax, y);
   }
   if (j < n) {
     const int64_t r = n - j;
-    const Vec b = bp ? Vec::loadu(bp + j, r) : vc;
+    const Vec b = add ? Vec::loadu(add + j, r) : vc;
     const Vec y = at::vec::fmadd(Vec::loadu(s + j, r), vs, b);
     y.store(s + j, r);
     const Vec pad(kNegInf);
@@ -422,7 +558,7 @@ inline void row_softmax(float* s, int64_t n, float scale, const float* bp, float
     std::fill(s, s + n, 0.f);
     return;
   }
-  const float sum = exp_sum(s, mn, n);
+  const float sum = exp_sum(s, mn, n, mul, bp, cst);
   const float alpha = m == kNegInf ? 0.f : std::exp(m - mn);
   if (alpha != 1.f) scale_row(acc, alpha, d);
   l = l * alpha + sum;
@@ -665,12 +801,16 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             float* s = sc.data() + x * block_n;
             const float* bp = nullptr;
             float cst = 0.f;
-            const int kind = bias_view(bias, h, tr, x, j0, bn, br.data(), &bp, &cst);
+            bool mul;
+            int64_t ka, kb;
+            const int kind = bias_view(bias, h, tr, x, j0, bn, br.data(), &bp, &cst, &mul, &ka, &kb);
             if (kind == 0) {
               std::fill(s, s + bn, 0.f);
               continue;
             }
-            row_softmax(s, bn, scale, bp, cst, m[x], l[x], acc.data() + x * d, d);
+            std::fill(s, s + ka, 0.f);
+            std::fill(s + kb, s + bn, 0.f);
+            row_softmax(s + ka, kb - ka, scale, bp ? bp + ka : nullptr, cst, mul, m[x], l[x], acc.data() + x * d, d);
           }
           if constexpr (kHalf) {
             const int64_t bn2 = bn + bn % 2;  // VNNI pairs of keys: a zero probability pads an odd block
@@ -824,23 +964,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
               float* g = dp.data() + x * block_n;
               const float* bp = nullptr;
               float cst = 0.f;
-              live[x] = bias_view(bias, h, tr, x, j0, bn, br.data(), &bp, &cst) != 0 && lt[x] != kNegInf;
+              bool mul;
+              int64_t ka, kb;
+              live[x] = bias_view(bias, h, tr, x, j0, bn, br.data(), &bp, &cst, &mul, &ka, &kb) != 0 &&
+                        lt[x] != kNegInf;
               if (!live[x]) {
                 std::fill(s, s + bn, 0.f);
                 std::fill(g, g + bn, 0.f);
                 continue;
               }
               any = true;
-              scale_add(s, bp, cst, scale, bn);
-              const Vec vl(lt[x]), vd(dlt[x]);
-              int64_t j = 0;
-              for (; j + Vec::size() <= bn; j += Vec::size()) {
+              // the kept keys [ka, kb) only: the others' P and dS are 0
+              std::fill(s, s + ka, 0.f);
+              std::fill(s + kb, s + bn, 0.f);
+              std::fill(g, g + ka, 0.f);
+              std::fill(g + kb, g + bn, 0.f);
+              scale_add(s + ka, (mul || !bp) ? nullptr : bp + ka, mul ? 0.f : cst, scale, kb - ka);
+              const Vec vl(lt[x]), vd(dlt[x]), vc(cst);
+              int64_t j = ka;
+              for (; j + Vec::size() <= kb; j += Vec::size()) {
                 Vec p = (Vec::loadu(s + j) - vl).exp_u20();
+                if (mul) p = p * (bp ? Vec::loadu(bp + j) : vc);
                 p.store(s + j);
                 (p * (Vec::loadu(g + j) - vd)).store(g + j);  // dS
               }
-              for (; j < bn; ++j) {
-                s[j] = std::exp(s[j] - lt[x]);
+              for (; j < kb; ++j) {
+                s[j] = std::exp(s[j] - lt[x]) * (mul ? (bp ? bp[j] : cst) : 1.f);
                 g[j] = s[j] * (g[j] - dlt[x]);
               }
               if (dist) {
