@@ -134,6 +134,10 @@ struct TileRows {
   // causal COUNT: each row's block starts run-length encoded, (rows, T): the distinct starts pos[0, D) in increasing
   // order and cum, the number of starts up to and including each; the count of key j is cum at the last pos <= j
   std::vector<int32_t> pos, cum, D, mult, at;
+  // the last row built (causal COUNT), for the tile of head carry_h that begins at carry_first
+  std::vector<int32_t> last_pos, last_cum;
+  int32_t last_D = 0;
+  int64_t carry_h = -1, carry_first = -1;
 };
 
 // [lo, hi) of the keys kept by query tile rows [first, first + rows): one call's span.
@@ -179,26 +183,35 @@ void build_runs(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRo
       tr.bucket[tr.ce[t] - first] = static_cast<int32_t>(t);
     }
   };
-  tr.tmp.resize(T);
-  for (int64_t t = 0; t < T; ++t) {
-    block_at(bias, t, h, first, tr.cs[t], tr.ce[t]);
-    tr.tmp[t] = static_cast<int32_t>(tr.cs[t]);
-    file(t);
+  // A thread's next tile of the same head continues from the last row of the one before (its samples' blocks and
+  // that row kept): no block bounds to compute and no sort for its first row.
+  const bool carry = tr.carry_h == h && tr.carry_first == first;
+  int64_t x0 = 0;
+  if (carry) {
+    for (int64_t t = 0; t < T; ++t) file(t);  // every block of the row before ends at first or later
+  } else {
+    tr.tmp.resize(T);
+    for (int64_t t = 0; t < T; ++t) {
+      block_at(bias, t, h, first, tr.cs[t], tr.ce[t]);
+      tr.tmp[t] = static_cast<int32_t>(tr.cs[t]);
+      file(t);
+    }
+    std::sort(tr.tmp.begin(), tr.tmp.end());
+    int32_t D = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      if (D == 0 || tr.pos[D - 1] != tr.tmp[t]) tr.pos[++D - 1] = tr.tmp[t];
+      tr.cum[D - 1] = static_cast<int32_t>(t + 1);
+    }
+    tr.D[0] = D;
+    x0 = 1;
   }
-  std::sort(tr.tmp.begin(), tr.tmp.end());
-  int32_t D = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    if (D == 0 || tr.pos[D - 1] != tr.tmp[t]) tr.pos[++D - 1] = tr.tmp[t];
-    tr.cum[D - 1] = static_cast<int32_t>(t + 1);
-  }
-  tr.D[0] = D;
-  for (int64_t x = 1; x < rows; ++x) {
+  for (int64_t x = x0; x < rows; ++x) {
     const int64_t i = first + x;
-    const int32_t* pp = tr.pos.data() + (x - 1) * T;
-    const int32_t* cp = tr.cum.data() + (x - 1) * T;
+    const int32_t* pp = x ? tr.pos.data() + (x - 1) * T : tr.last_pos.data();
+    const int32_t* cp = x ? tr.cum.data() + (x - 1) * T : tr.last_cum.data();
     int32_t* pn = tr.pos.data() + x * T;
     int32_t* cn = tr.cum.data() + x * T;
-    const int32_t Dp = tr.D[x - 1];
+    const int32_t Dp = x ? tr.D[x - 1] : tr.last_D;
     tr.rem.clear();
     for (int32_t t = tr.bucket[x]; t >= 0;) {  // the samples whose block of row i - 1 ends at i
       const int32_t next = tr.link[t];
@@ -250,6 +263,11 @@ void build_runs(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRo
     tr.lo[x] = tr.pos[x * T];
     tr.hi[x] = first + x + 1;
   }
+  tr.last_D = tr.D[rows - 1];
+  tr.last_pos.assign(tr.pos.begin() + (rows - 1) * T, tr.pos.begin() + (rows - 1) * T + tr.last_D);
+  tr.last_cum.assign(tr.cum.begin() + (rows - 1) * T, tr.cum.begin() + (rows - 1) * T + tr.last_D);
+  tr.carry_h = h;
+  tr.carry_first = first + rows;
 }
 
 void build_rows(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRows& tr) {
