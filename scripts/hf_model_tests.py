@@ -32,8 +32,13 @@ files, ``generation/test_utils.py``, helpers such as ``causal_lm_tester.py`` or 
 and copies them over the installed version's, in place of the stand-ins. They may come from another commit than the
 installed version: the few names they import that the installed version dropped are shimmed (``BloomTokenizerFast``
 and ``LlamaTokenizerFast`` as ``PreTrainedTokenizerFast``, used by slow tests only; ``require_torch_sdpa`` and
-``require_read_token`` leave their test as it is), and ``test_pipeline_mixin.py``, which needs the repository's
-layout, is replaced by an empty ``PipelineTesterMixin`` (no pipeline tests).
+``require_read_token`` leave their test as it is; ``is_ipex_available`` is ``False``; ``StaticCache``'s
+``get_max_cache_shape`` is the installed ``get_max_length``; ``generate(cache_implementation="dynamic_full")``, which
+the assisted-decoding tests ask for, is the installed version's ``"dynamic"``), ``test_pipeline_mixin.py``, which
+needs the repository's layout, is replaced by an empty ``PipelineTesterMixin`` (no pipeline tests), and the
+distributed mixins of ``causal_lm_tester.py`` (``TensorParallelTesterMixin``, ``FSDPTesterMixin``: several processes)
+by empty ones. transformers' Falcon tester builds rotary Falcons (``alibi=False``), which the swap refuses: under
+``--real-tests`` every ``FalconConfig`` defaults to ``alibi=True``, in the stock runs too.
 
 Usage (slow tests are skipped as transformers does by default; one pytest process per family and swap, ``-n 0``)::
 
@@ -150,6 +155,7 @@ if os.environ.get("PLSH_SWEEP_SHIMS") == "1":
     # names, the decorators leave their test as it is (SDPA is always available in the torch the package needs)
     import transformers
     import transformers.testing_utils
+    import transformers.utils
 
     def _keep(test):
         return test
@@ -160,6 +166,40 @@ if os.environ.get("PLSH_SWEEP_SHIMS") == "1":
     for _name in ("require_torch_sdpa", "require_read_token"):
         if not hasattr(transformers.testing_utils, _name):
             setattr(transformers.testing_utils, _name, _keep)
+    if not hasattr(transformers.utils, "is_ipex_available"):  # Intel's extension: absent here, as the name said
+        transformers.utils.is_ipex_available = lambda: False
+    from transformers import GenerationMixin, StaticCache
+
+    if not hasattr(StaticCache, "get_max_cache_shape"):  # the installed version's name of the same method
+        StaticCache.get_max_cache_shape = StaticCache.get_max_length
+    _generate = GenerationMixin.generate
+
+    @functools.wraps(_generate)
+    def _generate_dynamic_full(self, *args, **kwargs):
+        # transformers' assisted-decoding tests ask for cache_implementation="dynamic_full" (a DynamicCache that
+        # ignores sliding windows), a name the installed version dropped: its "dynamic" (none of these families
+        # has a sliding window)
+        if kwargs.get("cache_implementation") == "dynamic_full":
+            kwargs["cache_implementation"] = "dynamic"
+        return _generate(self, *args, **kwargs)
+
+    GenerationMixin.generate = _generate_dynamic_full
+
+
+if FAMILY == "falcon" and os.environ.get("PLSH_SWEEP_FALCON_ALIBI") == "1":
+    # --real-tests: transformers' Falcon tester builds rotary Falcons (FalconConfig's default, alibi=False), which the
+    # swap refuses (only Falcon with alibi=True has ALiBi to replace); every config the tests make defaults to ALiBi
+    # instead, in the stock runs too, so that stock and swapped runs test the same models
+    import transformers
+
+    _falcon_init = transformers.FalconConfig.__init__
+
+    @functools.wraps(_falcon_init)
+    def _alibi_init(self, *args, **kwargs):
+        kwargs.setdefault("alibi", True)
+        _falcon_init(self, *args, **kwargs)
+
+    transformers.FalconConfig.__init__ = _alibi_init
 
 
 _module = importlib.import_module(f"transformers.models.{FAMILY}.modeling_{FAMILY}")
@@ -182,6 +222,23 @@ PIPELINE_STAND_IN = '''\
 
 
 class PipelineTesterMixin:
+    pass
+'''
+
+# --real-tests: the distributed mixins that transformers' CausalLMModelTest inherits (tensor parallelism, FSDP) run
+# several processes and import ``tests/distributed_testing_utils.py``, which the source distribution does not ship;
+# they are replaced by empty classes (no distributed tests), as the pipeline mixin is.
+DISTRIBUTED_STAND_INS = {
+    "test_tensor_parallel_mixin.py": "TensorParallelTesterMixin",
+    "test_fsdp_mixin.py": "FSDPTesterMixin",
+}
+
+DISTRIBUTED_STAND_IN = '''\
+"""Stand-in (hf_model_tests.py): transformers' tests/{name} runs several processes and needs
+tests/distributed_testing_utils.py, which the source distribution does not ship; its tests are not run."""
+
+
+class {cls}:
     pass
 '''
 
@@ -404,9 +461,8 @@ def prepare(tests: Path | None, work: Path, family: str, real: Path | None = Non
         (pkg / "__init__.py").write_text("")
         if tests is None or not (tests / "test_modeling_common.py").exists():
             raise SystemExit("--tests: a transformers tests/ folder with test_modeling_common.py is needed")
-        for name in ("test_modeling_common.py", "test_configuration_common.py", "test_pipeline_mixin.py"):
-            if (tests / name).exists():
-                shutil.copy(tests / name, pkg / name)
+        for src in sorted(tests.glob("*.py")):  # test_modeling_common.py and the helpers beside it (mixins, ...)
+            shutil.copy(src, pkg / src.name)
         for sub in ("utils", "exporters", "generation", "models"):
             (pkg / sub).mkdir()
             (pkg / sub / "__init__.py").write_text("")
@@ -420,6 +476,10 @@ def prepare(tests: Path | None, work: Path, family: str, real: Path | None = Non
     if real is not None and not (real / "test_pipeline_mixin.py").exists():  # imported by the real per-model files
         (pkg / "test_pipeline_mixin.py").write_text(PIPELINE_STAND_IN)
         stand_ins.append("PipelineTesterMixin")
+    if real is not None:  # imported by transformers' causal_lm_tester.py
+        for name, cls in DISTRIBUTED_STAND_INS.items():
+            (pkg / name).write_text(DISTRIBUTED_STAND_IN.format(name=name, cls=cls))
+            stand_ins.append(cls)
     for rel, stand_in, label in (
         ("exporters/test_export.py", EXPORT_STAND_IN, "ExportTesterMixin"),
         ("generation/test_utils.py", GENERATION_STAND_IN, "GenerationTesterMixin"),
@@ -458,6 +518,7 @@ def run_cell(
     xml.unlink(missing_ok=True)
     env = dict(os.environ, PLSH_SWEEP_SWAP=swap, PLSH_SWEEP_FAMILY=family, PLSH_SWEEP_MASKS=masks)
     env["PLSH_SWEEP_SHIMS"] = "1" if shims else "0"
+    env["PLSH_SWEEP_FALCON_ALIBI"] = "1" if shims else "0"  # the real Falcon tester's configs: ALiBi (see CONFTEST)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(work), env.get("PYTHONPATH", "")) if p)
     env.pop("RUN_SLOW", None)
     cmd = [
