@@ -168,22 +168,22 @@ if os.environ.get("PLSH_SWEEP_SHIMS") == "1":
             setattr(transformers.testing_utils, _name, _keep)
     if not hasattr(transformers.utils, "is_ipex_available"):  # Intel's extension: absent here, as the name said
         transformers.utils.is_ipex_available = lambda: False
-    from transformers import GenerationMixin, StaticCache
+    from transformers import GenerationConfig, StaticCache
 
     if not hasattr(StaticCache, "get_max_cache_shape"):  # the installed version's name of the same method
         StaticCache.get_max_cache_shape = StaticCache.get_max_length
-    _generate = GenerationMixin.generate
+    _validate = GenerationConfig.validate
 
-    @functools.wraps(_generate)
-    def _generate_dynamic_full(self, *args, **kwargs):
+    @functools.wraps(_validate)
+    def _validate_dynamic_full(self, *args, **kwargs):
         # transformers' assisted-decoding tests ask for cache_implementation="dynamic_full" (a DynamicCache that
         # ignores sliding windows), a name the installed version dropped: its "dynamic" (none of these families
-        # has a sliding window)
-        if kwargs.get("cache_implementation") == "dynamic_full":
-            kwargs["cache_implementation"] = "dynamic"
-        return _generate(self, *args, **kwargs)
+        # has a sliding window); every generate checks its config here
+        if self.cache_implementation == "dynamic_full":
+            self.cache_implementation = "dynamic"
+        return _validate(self, *args, **kwargs)
 
-    GenerationMixin.generate = _generate_dynamic_full
+    GenerationConfig.validate = _validate_dynamic_full
 
 
 if FAMILY == "falcon" and os.environ.get("PLSH_SWEEP_FALCON_ALIBI") == "1":
