@@ -277,3 +277,40 @@ def test_a_generate_continuing_a_cache_grows_no_position_ids(mode):
         assert all(p is None for p in positions.seen[1:]), [None if p is None else p.shape for p in positions.seen]
         full = model.generate(prompt, max_new_tokens=5, do_sample=False, cache_implementation="dynamic")
     assert torch.equal(out, full)
+
+
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+@pytest.mark.parametrize("name", ["bloom", "llama"])
+def test_generate_from_inputs_embeds_is_the_generate_from_ids(name, mode):
+    """A prompt given as ``inputs_embeds`` (found by transformers' ``test_generate_from_inputs_embeds`` and
+    ``test_generate_continue_from_inputs_embeds``): transformers' chunked prefill splits the ids only, so the swap's
+    default chunk size cut a padded prompt's mask to no column (``ValueError``), and a generate continuing a cache
+    from ``inputs_embeds`` fed its whole prompt again (19 keys for 10). The default is taken off for such a call:
+    the tokens and scores of the same generate from the ids (greedy and beam search, a right-padded row), and a
+    continued generate gives the tokens and the cache of one generate."""
+    model = tiny_model(name, dtype=torch.float64)
+    bounded_swap(model, mode)
+    ids = token_ids(length=7)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    embeds = model.get_input_embeddings()(ids)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    for beams in (1, 2):
+        with torch.no_grad():
+            from_ids = model.generate(input_ids=ids, attention_mask=mask, num_beams=beams, **kwargs)
+            from_embeds = model.generate(inputs_embeds=embeds, attention_mask=mask, num_beams=beams, **kwargs)
+        assert torch.equal(from_embeds.sequences, from_ids.sequences[:, ids.shape[1] :])
+        for a, b in zip(from_ids.scores, from_embeds.scores, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = -1
+    greedy = dict(do_sample=False, return_dict_in_generate=True)
+    with torch.no_grad():
+        whole = model.generate(inputs_embeds=embeds, max_new_tokens=4, **greedy)
+        first = model.generate(inputs_embeds=embeds, max_new_tokens=3, **greedy)
+        more = torch.cat([embeds, model.get_input_embeddings()(first.sequences)], dim=1)
+        rest = model.generate(inputs_embeds=more, max_new_tokens=1, cache=first.past_key_values, **greedy)
+    assert torch.equal(whole.sequences, torch.cat([first.sequences, rest.sequences], dim=1))
+    assert whole.past_key_values.get_seq_length() == rest.past_key_values.get_seq_length() == 10
+    for a, b in zip(whole.past_key_values.layers, rest.past_key_values.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-12)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-12)

@@ -284,3 +284,35 @@ def test_generate_with_weights_equals_generate_without(family: str, mode: str, c
     step = asked.attentions[-1][0]  # the last token's weights: (B, H, 1, keys held)
     assert step.shape[:3] == (2, 4, 1)
     torch.testing.assert_close(step.sum(-1), torch.ones(step.shape[:-1]))
+
+
+@pytest.mark.parametrize("mode", ["plsh", "alibi"])
+@pytest.mark.parametrize("family", ["bloom", "llama"])
+def test_output_attentions_under_torch_compile_with_dynamic_shapes(family, mode):
+    """Found by transformers' ``test_generate_compilation_all_outputs``: under ``torch.compile`` with dynamic shapes,
+    dynamo traced the dense weights and failed inside their size check (``InternalTorchDynamoError: Cannot specify
+    ',' with 's'``). The weights are an eager computation at a graph break: the compiled call returns the eager
+    call's weights and logits (which the tests above check against float64); ``fullgraph=True`` refuses the break."""
+    model = tiny_model(family, dtype=torch.float64)
+    if mode == "plsh":
+        hf.use_positional_lsh(model, num_samples=3, seed=2, slopes=0.5)
+    else:
+        hf.use_alibi(model)
+    ids = token_ids(batch=2, length=9)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        eager = model(ids, attention_mask=mask, output_attentions=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, backend="eager", dynamic=True)(
+            ids, attention_mask=mask, output_attentions=True
+        )
+        torch.testing.assert_close(compiled.logits, eager.logits, rtol=0, atol=1e-12)
+        for a, b in zip(compiled.attentions, eager.attentions, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="disable"):
+            torch.compile(model.forward, backend="eager", dynamic=True, fullgraph=True)(
+                ids, attention_mask=mask, output_attentions=True
+            )
+    torch._dynamo.reset()

@@ -374,6 +374,7 @@ class AttentionSwap:
         assert out is not None
         return out
 
+    @torch.compiler.disable
     def attention_weights(
         self,
         layer_idx: int,
@@ -387,13 +388,8 @@ class AttentionSwap:
         (``output_attentions=True``): positional LSH's ``softmax(s + log Mbar)`` with the call's partitions (those
         of a prompt, or the decoding ones when the call continues a cache), or exact / windowed ALiBi's weights;
         causal, queries aligned to the last keys, padded keys weight 0, padded query rows zeros. Dense: refused up
-        front above the dense oracles' size (:mod:`positional_lsh.ops.exact.weights`); eager only (``ValueError``
-        under ``torch.compile``)."""
-        if torch.compiler.is_compiling():
-            raise ValueError(
-                "output_attentions=True is not supported under torch.compile (the weights are a dense eager "
-                "computation): call the uncompiled model for attention weights"
-            )
+        front above the dense oracles' size (:mod:`positional_lsh.ops.exact.weights`). Eager: under
+        ``torch.compile`` the call is a graph break (``torch.compiler.disable``; ``fullgraph=True`` refuses it)."""
         device = q.device.type
         if torch.is_autocast_enabled(device):
             low = torch.get_autocast_dtype(device)

@@ -62,7 +62,8 @@ class GenerationCacheFactory:
     build its default ``DynamicCache``, the swap's :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`
     (module docstring); every other case goes to transformers' own. ``chunk``: the ``prefill_chunk_size`` the swap
     set as the default (``None``: the user's was kept), taken back off for a call without a cache (``use_cache=False``,
-    which transformers refuses to chunk) and for a compiled forward."""
+    which transformers refuses to chunk), for a compiled forward and for a prompt given as ``inputs_embeds``
+    (transformers' chunked prefill splits the ids only, and would cut the attention mask to no column)."""
 
     swap: AttentionSwap
     chunk: int | None = None
@@ -76,8 +77,14 @@ class GenerationCacheFactory:
         max_cache_length: int,
     ) -> Any:
         if self.chunk is not None and generation_config.prefill_chunk_size == self.chunk:
-            if generation_config.use_cache is False or compiled(self.swap.model):
-                generation_config.prefill_chunk_size = None  # (our default: transformers refuses it without a cache)
+            # our default, taken off where transformers cannot chunk: no cache (refused), a compiled forward, or a
+            # prompt given as inputs_embeds (transformers' chunks split the ids only: the mask would be cut to none)
+            if (
+                generation_config.use_cache is False
+                or compiled(self.swap.model)
+                or model_kwargs.get("inputs_embeds") is not None
+            ):
+                generation_config.prefill_chunk_size = None
         default = (
             not compiled(self.swap.model)
             and model_kwargs.get("cache") is None
