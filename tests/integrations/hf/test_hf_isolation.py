@@ -327,3 +327,24 @@ def test_a_live_key_cache_that_dropped_keys_is_not_croppable():
     assert not cache.is_croppable
     with pytest.raises(ValueError, match="cannot be cropped after it dropped"):
         cache.crop(-1)
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon"])
+def test_a_changed_attention_implementation_keeps_a_native_swap_in_force(name):
+    """The native families (found by transformers' assisted-decoding tests, which set ``config._attn_implementation
+    = "eager"`` on the model; their ``set_attn_implementation`` changes nothing): the name selected transformers'
+    eager 4-D mask, which the swap's forward refused ("unsupported attention mask (1, 1, 7, 7)"). It is put back at
+    the next call, with a warning, as for the RoPE family: a padded batch gives the swapped model's logits."""
+    model = tiny_model(name)
+    swap = hf.use_alibi(model)
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        swapped = model(ids, attention_mask=mask).logits
+    with pytest.warns(UserWarning, match="stays in force"):
+        model.config._attn_implementation = "eager"
+        with torch.no_grad():
+            assert torch.equal(model(ids, attention_mask=mask).logits, swapped)
+    assert model.config._attn_implementation == "positional_lsh"
+    assert hf.current_swap(model) is swap

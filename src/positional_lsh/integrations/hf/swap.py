@@ -262,9 +262,10 @@ class StepHook:
 
     It acts only while its swap is the one in effect (not shadowed by a swap stacked on top). A new step per
     training-mode model call, except calls continuing a KV cache (they keep the step's partitions). Every input is
-    checked here, before any layer runs (a refused call changes no KV cache). ``registry``: the swap goes through
-    transformers' attention registry (the RoPE family), whose attention implementation is put back if it was changed
-    (``model.set_attn_implementation("eager")``), with a warning: the swap stays in force until it is restored;
+    checked here, before any layer runs (a refused call changes no KV cache). A changed attention implementation
+    (``model.set_attn_implementation("eager")``) is put back, with a warning: the swap stays in force until it is
+    restored. ``registry``: the swap goes through transformers' attention registry (the RoPE family; a native
+    family's name selects only the mask function of its replacement forward);
     ``bloom``: a BLOOM call without a mask gets the all-valid view."""
 
     swap: AttentionSwap
@@ -277,13 +278,17 @@ class StepHook:
         if module.__dict__.get(SWAP_ATTR) is not self.swap:
             return None
         config: Any = module.config  # a transformers PretrainedConfig: read by name
-        if self.registry and config._attn_implementation != ATTN_IMPLEMENTATION:
+        if config._attn_implementation != ATTN_IMPLEMENTATION:
             changed = config._attn_implementation
-            self.swap.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            if self.registry:
+                self.swap.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+                why = "its rotary embedding is neutralized, so no other attention can run on it"
+            else:  # the native families: the name selects the mask function only (the (B, n) padding mask)
+                config._attn_implementation_internal = ATTN_IMPLEMENTATION
+                why = "its attention modules run the swap's forward, which takes the registered name's mask"
             warnings.warn(
                 f"the attention implementation of this swapped model was changed to {changed!r}; the positional-LSH "
-                "swap stays in force (its rotary embedding is neutralized, so no other attention can run on it): "
-                "hf.restore(model) first for the model's own attention",
+                f"swap stays in force ({why}): hf.restore(model) first for the model's own attention",
                 UserWarning,
                 stacklevel=2,
             )
