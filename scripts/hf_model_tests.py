@@ -102,6 +102,8 @@ DOCUMENTED: dict[str, str] = {
     "test_greedy_generate_dict_outputs_use_cache": "expects a decoding step's attention weights over every key: a "
     "LiveKeyCache holds (and weighs) the live keys only (docs/hf.md, 'Attention weights')",
     "test_beam_search_generate_dict_outputs_use_cache": "the same, with beam search",
+    "test_generate_compilation_all_outputs": "expects a static cache's attention weights over its max_cache_len "
+    "slots: the swap's static cache's span the sequence (get_max_length() -1; docs/hf.md, 'Attention weights')",
     "test_generate_compile_model_forward_fullgraph": "expects no recompile of the compiled forward: the swap's static "
     "cache returns its filled part, which grows (docs/hf.md, 'Static cache and a compiled generate')",
 }
