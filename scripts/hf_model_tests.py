@@ -108,8 +108,9 @@ DOCUMENTED: dict[str, str] = {
     "cache returns its filled part, which grows (docs/hf.md, 'Static cache and a compiled generate')",
 }
 
-# A failure whose message holds this is the swap's documented refusal of custom 4-D masks (docs/hf.md, "Limitations").
-CUSTOM_MASK_REFUSAL = "4-D and custom masks are not supported"
+# A failure whose message holds this is the swap's documented refusal of custom 4-D masks (docs/hf.md, "Limitations":
+# "unsupported attention mask (1, 1, 6, 6): ... 4-D and custom masks are not supported", cut at 200 characters).
+CUSTOM_MASK_REFUSAL = "unsupported attention mask ("
 
 # The swap's refusals of masks with holes and packed sequences (issue 34, items 24 and 25, being implemented):
 # a failure whose message holds one of these is counted apart.
