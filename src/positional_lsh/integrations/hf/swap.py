@@ -278,20 +278,15 @@ class StepHook:
         if module.__dict__.get(SWAP_ATTR) is not self.swap:
             return None
         config: Any = module.config  # a transformers PretrainedConfig: read by name
-        if config._attn_implementation != ATTN_IMPLEMENTATION:
-            changed = config._attn_implementation
+        if (changed := config._attn_implementation) != ATTN_IMPLEMENTATION:
             if self.registry:
                 self.swap.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-                why = "its rotary embedding is neutralized, so no other attention can run on it"
-            else:  # the native families: the name selects the mask function only (the (B, n) padding mask)
+            else:  # a native family: the name selects only the mask function (the (B, n) padding mask)
                 config._attn_implementation_internal = ATTN_IMPLEMENTATION
-                why = "its attention modules run the swap's forward, which takes the registered name's mask"
-            warnings.warn(
-                f"the attention implementation of this swapped model was changed to {changed!r}; the positional-LSH "
-                f"swap stays in force ({why}): hf.restore(model) first for the model's own attention",
-                UserWarning,
-                stacklevel=2,
-            )
+            why = "the rotary embedding is neutralized" if self.registry else "the attention runs the swap's forward"
+            msg = f"the attention implementation of this swapped model was changed to {changed!r}; the positional-LSH"
+            msg += f" swap stays in force ({why}): hf.restore(model) first for the model's own attention"
+            warnings.warn(msg, UserWarning, stacklevel=2)
         self.swap.output_attentions = asks_for_attentions(config, kwargs)
         check_model_inputs(args, kwargs)
         packed = packed_inputs(module, kwargs)  # packed sequences: no cache, so that transformers finds the documents
