@@ -162,9 +162,12 @@ inline void tile_span(const Bias& bias, int64_t h, int64_t first, int64_t rows, 
   }
 }
 
-// The causal COUNT rows of a tile (TileRows::pos, cum, D): row 0's starts sorted and run-length encoded; row x from
-// row x - 1 by removing one start of each sample whose block ends at row x (a binary search among the row's distinct
-// starts: few for the short blocks where many end at once) and adding those samples' new start, the row itself.
+// The causal COUNT rows of a tile (TileRows::pos, cum, D): row 0's starts sorted and run-length encoded (or, for a
+// thread's next tile of the head, carried from the previous tile's last row); row x from row x - 1 by removing one
+// start of each sample whose block ends at row x and adding those samples' new start, the row itself. A few
+// removals among many distinct starts: each found by a binary search, the counts after it lowered; many: the
+// multiplicities lowered (each start's entry by a table over the row's starts, or a binary search where they spread
+// far) and the runs written again.
 void build_runs(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRows& tr) {
   const int64_t T = bias.T;
   tr.pos.resize(rows * T);
