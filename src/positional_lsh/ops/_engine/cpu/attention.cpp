@@ -375,15 +375,12 @@ void build_rows(const Bias& bias, int64_t h, int64_t first, int64_t rows, TileRo
   }
 }
 
-// The bias of row x of the tile over keys [j0, j0 + bn) into br[0, bn), -inf outside the row's keys.
-// Returns false when the row keeps no key of the block (br untouched).
-inline bool bias_row(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64_t j0, int64_t bn, float* br) {
+// The added bias of row x of the tile over its kept keys of [j0, j0 + bn), [a, b) (not empty: bias_view checks),
+// into br[a - j0, b - j0); the rest of br is not written (the softmax reads the kept keys only).
+inline void bias_row(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64_t j0, int64_t bn, float* br) {
   const int64_t i = tr.first + x;
   const int64_t a = std::max(j0, tr.lo[x]);
   const int64_t b = std::min(j0 + bn, tr.hi[x]);
-  if (a >= b) return false;
-  std::fill(br, br + (a - j0), kNegInf);
-  std::fill(br + (b - j0), br + bn, kNegInf);
   if (bias.kind == kTable) {
     const int64_t L = bias.L;
     const int64_t mid = std::min(b, i + 1);  // keys [a, mid) are at or left of the row: distance i - j
@@ -396,7 +393,7 @@ inline bool bias_row(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64
       const float* src = bias.table + h * L + (right - i);
       std::copy(src, src + (b - right), br + (right - j0));
     }
-    return true;
+    return;
   }
   // bidirectional COUNT (a causal row's counts: count_row)
   const int64_t T = bias.T;
@@ -417,7 +414,6 @@ inline bool bias_row(const Bias& bias, int64_t h, TileRows& tr, int64_t x, int64
   }
   tr.ps[x] = static_cast<int32_t>(ps);
   tr.pe[x] = static_cast<int32_t>(pe);
-  return true;
 }
 
 // The tile's rows that keep a key of [j0, j0 + bn): [ra, rb), contiguous since every row's kept keys [lo, hi) are
