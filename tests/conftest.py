@@ -5,6 +5,9 @@ from __future__ import annotations
 import csv
 import math
 import os
+import signal
+import subprocess
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -114,6 +117,63 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from ``/proc``; none where it does not exist)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def run_torchrun(
+    cmd: list[str], env: dict[str, str], done: str | None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run a ``torch.distributed.run`` command line, its output captured.
+
+    A run still alive after ``timeout`` seconds gets ``SIGABRT``, the agent and every process below it, with
+    Python's ``faulthandler`` on, so that each prints the stack of each of its threads to the captured stderr.
+    If ``done`` is given and its stdout already holds it (the line a run prints after its last checkpoint is
+    written), the work is complete and only the exit hung: the stacks are reported as a warning and the run is
+    returned as finished (exit 0), for the test to check what it wrote. Otherwise the test fails, with the stacks.
+    """
+    env = {**env, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        pids = [proc.pid, *_descendants(proc.pid)]  # the ranks run in sessions of their own: found before any dies
+        _signal_all(pids, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            _signal_all(pids, signal.SIGKILL)
+            out, err = proc.communicate()
+    if done is not None and done in out:
+        warnings.warn(f"torchrun finished its work but did not exit within {timeout:.0f} s; the stacks at SIGABRT:\n"
+                      f"{err[-8000:]}", stacklevel=2)  # fmt: skip
+        return subprocess.CompletedProcess(cmd, 0, out, err)
+    pytest.fail(f"torchrun did not finish within {timeout:.0f} s\n{out[-3000:]}\n{err[-8000:]}")
 
 
 def read_csv(path: str | Path) -> list[dict[str, str]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -30,6 +29,8 @@ from positional_lsh.distributed import (
     halo_plan,
     reset_comm_stats,
 )
+
+from conftest import run_torchrun
 
 TOL = 1e-10
 JOIN_TIMEOUT_S = 150.0
@@ -640,7 +641,7 @@ def test_plsh_train_context_parallel_cli(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += ["-m", "positional_lsh.cli", "train", "--out", str(tmp_path / "cp"), "--context-parallel", "2", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_torchrun(cmd, env, done="checkpoint in")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cpu x 2 (data 1 x context 2)" in proc.stdout
     assert cli_train.main(["--out", str(tmp_path / "1"), *args]) == 0

@@ -166,6 +166,25 @@ def test_kv_cache_weights(family: str, mode: str) -> None:
             torch.testing.assert_close(w, f[:, :, 9:], atol=1e-5, rtol=1e-4)
 
 
+def test_decoding_weights_span_the_sequence_after_the_cache_dropped_keys() -> None:
+    """Found by transformers' greedy and beam-search dict-output tests: with windowed ALiBi (window 3) the default
+    ``LiveKeyCache`` drops the keys no later query sees; each decoding step's weights still span every position so
+    far (the dropped keys weigh 0), and equal the last row of the weights of a call on the whole sequence so far."""
+    model = tiny_model("bloom")
+    hf.use_alibi(model, window=3.0)
+    x = token_ids(1, 8)
+    kw: dict[str, Any] = dict(max_new_tokens=4, do_sample=False, output_attentions=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(x, **kw)
+        assert [tuple(step[0].shape) for step in out.attentions] == [(1, 4, 8, 8), (1, 4, 1, 9), (1, 4, 1, 10),
+                                                                     (1, 4, 1, 11)]  # fmt: skip
+        for n, step in enumerate(out.attentions[1:], start=9):
+            full = model(out.sequences[:, :n], output_attentions=True).attentions
+            for w, f in zip(step, full, strict=True):
+                assert bool((w[..., : n - 4] == 0).all())  # beyond the window: dropped, weight 0
+                torch.testing.assert_close(w, f[:, :, -1:], atol=1e-6, rtol=1e-5)
+
+
 def test_too_large_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_model("llama")
     x = token_ids(1, 12)
@@ -265,8 +284,8 @@ def test_returned_weights_are_on_the_outputs_path(family: str, mode: str) -> Non
 @pytest.mark.parametrize("cache", ["static", None])
 def test_generate_with_weights_equals_generate_without(family: str, mode: str, cache: str | None) -> None:
     """Decoding with the weights asked for (the output computed from them) gives the tokens and scores of decoding
-    without, with the swap's static cache and with its default ``LiveKeyCache`` (windowed ALiBi drops keys: the
-    weights cover the kept ones), on a left-padded batch."""
+    without, with the swap's static cache and with its default ``LiveKeyCache`` (windowed ALiBi drops keys), on a
+    left-padded batch."""
     model = tiny_model(family)
     _ = hf.use_positional_lsh(model, num_samples=4) if mode == "plsh" else hf.use_alibi(model, window=3.0)
     x = token_ids(2, 10)

@@ -24,6 +24,8 @@ from positional_lsh.integrations.hf import train_data as TD  # noqa: E402
 from positional_lsh.integrations.hf_train_config import HF_POSITIONS, PRESETS, HFTrainConfig  # noqa: E402
 from positional_lsh.lm.checkpoint import checkpoint_dir  # noqa: E402
 
+from conftest import run_torchrun  # noqa: E402
+
 
 def flags(data: Path, tok: Path | None = None) -> list[str]:
     out = ["--preset", "tiny", "--data", str(data), "--cache-dir", "", "--seq-len", "32", "--steps", "4",
@@ -212,7 +214,7 @@ def test_two_process_ddp_equals_one_process_with_double_batch(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
            "positional_lsh.cli", "train-hf", "--out", str(tmp_path / "ddp"), *args, "--batch-size", "2"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, env, done="checkpoint in")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cpu x 2" in proc.stdout
     assert cli.main(["--out", str(tmp_path / "one"), *args, "--batch-size", "4"]) == 0

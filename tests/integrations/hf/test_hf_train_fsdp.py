@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,8 @@ from positional_lsh.integrations import hf
 from positional_lsh.integrations.hf import train_model as TM
 from positional_lsh.integrations.hf_train_config import BUILTIN_CONFIGS, PRESETS, HFTrainConfig
 from positional_lsh.lm.checkpoint import checkpoint_dir
+
+from conftest import run_torchrun
 
 # Under torchrun: one process group for three jobs: stopped after step 2, resumed to step 3, then a LoRA fine-tune of
 # the result on a bfloat16 base (float32 adapters: FSDP2 units of one dtype each) with the arguments in $LORA_ARGS.
@@ -63,7 +64,7 @@ def test_fsdp_on_two_processes_equals_one_process_resumes_and_evaluates(hf_text_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(tmp_path / "driver.py"), "--out", str(tmp_path / "fsdp"), *args, "--batch-size", "2", "--fsdp",
            "--gradient-checkpointing"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, env, done=None)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cpu x 2 (FSDP)" in proc.stdout and "FSDP over 2 processes" in proc.stdout
     assert cli.main(["--out", str(tmp_path / "one"), *args, "--batch-size", "4"]) == 0

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from positional_lsh.integrations.hf.masks import uniform
 from positional_lsh.ops import alibi_attention, plsh_attention
@@ -429,8 +430,17 @@ class AttentionSwap:
         the weights are on the output's path (``weights.retain_grad()`` gets a gradient). The estimator's output is
         ``softmax(s + log Mbar) v`` for every method, so ``out`` and the gradients of ``q, k, v`` equal
         :meth:`attend`'s up to float rounding (in the weights' dtype: under ``torch.autocast``, the autocast
-        dtype's rounding of the weights, as eager attention's). Dense and eager, as :meth:`attention_weights`."""
+        dtype's rounding of the weights, as eager attention's). Dense and eager, as :meth:`attention_weights`.
+
+        After a :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` dropped keys (``key_valid`` covers
+        ``m > Lk`` positions), the weights returned span the whole sequence, ``(B, Hq, Lq, m)``, as transformers'
+        eager attention's do: the dropped keys weigh 0, exactly (a key is dropped once it is beyond every later
+        query's reach or window, where the weight is 0)."""
         weights = self.attention_weights(layer_idx, training, q, k, key_valid, scale)
+        dropped = 0 if key_valid is None or key_valid.dtype == torch.int64 else key_valid.shape[-1] - k.shape[-2]
+        if dropped > 0:
+            weights = F.pad(weights, (dropped, 0))
+            return weighted_values(weights[..., dropped:], v), weights
         return weighted_values(weights, v), weights
 
     def restore(self) -> None:
