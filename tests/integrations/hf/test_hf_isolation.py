@@ -154,7 +154,7 @@ def test_a_refused_call_leaves_the_cache_as_it_was(live):
         lengths = [layer.keys.shape[-2] for layer in cache.layers]
         seen = cache.get_seq_length()
         four_d = torch.ones(1, 1, 1, 13, dtype=torch.bool)  # (a mask with holes is taken since item 24: a 4-D one)
-        with pytest.raises(ValueError, match="unsupported attention mask"):
+        with pytest.raises(ValueError, match="custom 4-D attention_mask cannot continue a KV cache"):
             model(token_ids(batch=1, length=1, seed=5), attention_mask=four_d, past_key_values=cache, use_cache=True)
         assert [layer.keys.shape[-2] for layer in cache.layers] == lengths
         assert cache.get_seq_length() == seen

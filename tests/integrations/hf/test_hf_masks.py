@@ -1,6 +1,7 @@
-"""4-D attention masks (issue 19, #13): every swapped family refuses them with the same clear message. Before, BLOOM
-and Falcon failed inside the stock model code ("too many values to unpack", building their ALiBi tensor from the
-mask) while MPT and the Llama family named the problem."""
+"""Attention masks on swapped models. 4-D masks (issue 19, #13): BLOOM, MPT and Falcon refuse them with one clear
+message (before, BLOOM and Falcon failed inside the stock model code, "too many values to unpack", building their
+ALiBi tensor from the mask); the RoPE family takes custom 4-D masks without a KV cache (issue 34, transformers'
+``test_custom_4d_attention_mask``), computed densely with positions from the position ids."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ from positional_lsh.integrations import hf  # noqa: E402
 MESSAGE = r"unsupported attention mask \(2, 1, 10, 10\).*only a 2-D \(batch, seq_len\) padding mask"
 
 
+NATIVE = ("bloom", "mpt", "falcon")  # the families whose stock forward builds its own mask / ALiBi tensor
+ROPE = tuple(t for t in MODEL_TYPES if t not in NATIVE)
+
+
 @pytest.mark.parametrize("mode", ["plsh", "alibi"])
-@pytest.mark.parametrize("name", MODEL_TYPES)
+@pytest.mark.parametrize("name", NATIVE)
 def test_4d_mask_refused_with_one_message(name, mode):
     model = tiny_model(name)
     x = token_ids(length=10)
@@ -35,6 +40,85 @@ def test_4d_mask_refused_with_one_message(name, mode):
             base(*args)
         ok = model(x, attention_mask=torch.ones(2, 10, dtype=torch.long)).logits  # a 2-D padding mask is accepted
     assert torch.isfinite(ok).all()
+
+
+def _swap_mode(model, mode):
+    if mode == "plsh":
+        return hf.use_positional_lsh(model, num_samples=4, seed=3)
+    return hf.use_alibi(model) if mode == "alibi" else hf.use_alibi(model, window=2.0)
+
+
+def _shared_prefix() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' custom-4-D-mask case: three sequences sharing 3 tokens, as one row of 6 whose last 3 tokens sit
+    at position 3 each and see the prefix and themselves only. Returns (ids, shared ids, mask, shared positions)."""
+    ids = torch.tensor([[10, 11, 12, 13], [10, 11, 12, 14], [10, 11, 12, 15]])
+    shared = torch.cat([ids[0, :-1], ids[:, -1]])[None]
+    mask = torch.tril(torch.ones(6, 6, dtype=torch.bool))
+    mask[4:, 3:] = torch.eye(3, dtype=torch.bool)[1:]
+    return ids, shared, mask[None, None], torch.tensor([[0, 1, 2, 3, 3, 3]])
+
+
+@pytest.mark.parametrize("mode", ["plsh", "alibi", "window"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_custom_4d_mask_with_a_shared_prefix_equals_the_sequences_one_by_one(name, mode):
+    """Each branch's last token gets the logits of its own sequence run alone (the ops' path, no mask), with the mask
+    bool or in transformers' float form (0 / finfo.min); the weights returned are the mask's pattern."""
+    model = tiny_model(name)
+    _swap_mode(model, mode)
+    ids, shared, mask, pos = _shared_prefix()
+    additive = (~mask).float() * torch.finfo(torch.float32).min
+    with torch.no_grad():
+        alone = model(ids).logits[:, -1]
+        for m in (mask, additive):
+            out = model(shared, attention_mask=m, position_ids=pos, output_attentions=True)
+            torch.testing.assert_close(out.logits[0, 3:], alone, rtol=1e-5, atol=1e-5)
+            for w in out.attentions:
+                assert w.shape == (1, 4, 6, 6)
+                assert bool((w[0][:, ~mask[0, 0]] == 0).all())
+                torch.testing.assert_close(w.sum(-1), torch.ones(1, 4, 6))
+
+
+@pytest.mark.parametrize("mode", ["plsh", "alibi", "window"])
+def test_custom_4d_mask_of_a_padded_batch_equals_its_2d_mask(mode):
+    """A 4-D mask that is the causal mask with holes (random padding) gives the valid positions of the 2-D mask's
+    call (the ops' path with holes): positions are the position ids, here 0 .. L-1."""
+    model = tiny_model("llama")
+    _swap_mode(model, mode)
+    x = token_ids(length=10)
+    keep = torch.rand(2, 10, generator=torch.Generator().manual_seed(4)) > 0.3
+    keep[:, -1] = True
+    four_d = (torch.tril(torch.ones(10, 10, dtype=torch.bool)) & keep[:, None, :])[:, None]
+    with torch.no_grad():
+        want = model(x, attention_mask=keep.long()).logits
+        got = model(x, attention_mask=four_d).logits
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_custom_4d_mask_refusals_change_nothing():
+    """One line each: a custom mask continuing a KV cache (the cache as it was), a mask of the wrong shape or dtype,
+    float or negative position ids."""
+    model = tiny_model("llama")
+    hf.use_alibi(model)
+    _, shared, mask, pos = _shared_prefix()
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(shared, past_key_values=cache, use_cache=True)
+        cases = [
+            (
+                dict(attention_mask=torch.ones(1, 1, 1, 7, dtype=torch.bool), past_key_values=cache),
+                "continue a KV cache",
+            ),
+            (dict(attention_mask=mask[..., :5]), r"must be \(batch or 1, 1 or heads, 6, 6\)"),
+            (dict(attention_mask=mask.long()), "must be bool .* or float"),
+            (dict(attention_mask=mask, position_ids=pos.float()), "position_ids with a custom 4-D attention_mask"),
+            (dict(attention_mask=mask, position_ids=pos - 1), "non-negative"),
+            (dict(attention_mask=torch.ones(1, 3, 6, 6, dtype=torch.bool)), r"1 or 4, 6, 6"),
+        ]
+        for kwargs, message in cases:
+            with pytest.raises(ValueError, match=message) as err:
+                model(shared if "past_key_values" not in kwargs else shared[:, :1], **kwargs)
+            assert "\n" not in str(err.value)
+        assert cache.get_seq_length() == 6
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -40,12 +40,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from positional_lsh.integrations.hf.masks import uniform
+from positional_lsh.integrations.hf.masks import custom_mask_bias, uniform
 from positional_lsh.ops import alibi_attention, plsh_attention
 from positional_lsh.ops.checks import nonnegative_int
 from positional_lsh.ops.exact.weights import alibi_attention_weights, plsh_attention_weights, weighted_values
 from positional_lsh.ops.kvcache import DecodeState, key_reach, plsh_attention_with_kvcache
-from positional_lsh.ops.partitions.partition import Partitions
+from positional_lsh.ops.partitions.partition import MAX_DENSE_ELEMENTS, Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
 
 
@@ -91,6 +91,8 @@ class AttentionSwap:
         output_attentions: whether the model call in progress asked for its attention weights (set at every call
             of the model from its ``output_attentions`` argument or config; the replacement forwards then return
             :meth:`attention_weights`).
+        mask_positions: the position ids of the model call in progress when it has a custom 4-D attention mask
+            (:meth:`attend_custom_mask`), else ``None``.
     """
 
     model: nn.Module = field(repr=False)
@@ -111,6 +113,7 @@ class AttentionSwap:
     _samplers: dict[int, PartitionSampler] = field(default_factory=dict, repr=False)
     _active: bool = field(default=True, repr=False)
     output_attentions: bool = field(default=False, repr=False)
+    mask_positions: torch.Tensor | None = field(default=None, repr=False)
     # Decoding: per layer, the partitions of the current (mode, step), drawn for a length that grows geometrically,
     # and their key reach; so that a decoded token does not build partitions.
     _decoding: dict[int, tuple[tuple[bool, int], Partitions, int | None]] = field(default_factory=dict, repr=False)
@@ -441,6 +444,53 @@ class AttentionSwap:
         if dropped > 0:
             weights = F.pad(weights, (dropped, 0))
             return weighted_values(weights[..., dropped:], v), weights
+        return weighted_values(weights, v), weights
+
+    @torch.compiler.disable
+    def attend_custom_mask(
+        self, layer_idx: int, training: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Attention under a custom 4-D ``mask`` (a RoPE-family call without a cache: ``Lq == Lk``): ``(out,
+        weights)``, dense and eager (a graph break under ``torch.compile``), as transformers' eager attention.
+
+        The weights are ``softmax(scale q k^T + bias(p_i, p_j) + mask)``: ``mask`` ``(B or 1, 1 or Hq, L, L)``,
+        bool (``True``: attend) or float (added; transformers' ``finfo.min`` for masked), which alone decides which
+        keys a query sees (causality included); ``p`` the call's position ids (:attr:`mask_positions`, else
+        ``0 .. L-1``); the bias ALiBi's ``-m |p_i - p_j|`` (``-inf`` beyond a window) or positional LSH's
+        ``log Mbar(p_i, p_j)`` over the layer's partitions (a key never in the query's block in any sample weighs
+        0). So a shared prefix with branches at repeated positions gives each branch the attention it would get as
+        a sequence of its own. A row with no key gets zeros. ``out = weights @ v``."""
+        hq, lq = q.shape[1], q.shape[2]
+        if mask.shape[1] not in (1, hq) or k.shape[-2] != lq:
+            raise ValueError(f"a custom 4-D attention_mask must be (batch or 1, 1 or {hq}, {lq}, {lq}) without a KV "
+                             f"cache, got {tuple(mask.shape)} for {k.shape[-2]} keys")  # fmt: skip
+        pos = self.mask_positions
+        if pos is None:
+            pos = torch.arange(lq, device=q.device)[None]
+        dense = q.shape[0] * hq * lq * lq * (1 if self.mode == "alibi" else 1 + (self.num_samples or 1))
+        if dense > MAX_DENSE_ELEMENTS:
+            raise ValueError(
+                f"a custom 4-D attention_mask is computed densely: this call would hold {dense:,} entries (more than "
+                f"{MAX_DENSE_ELEMENTS:,}); use shorter sequences or smaller batches"
+            )
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        rel = (pos[:, :, None] - pos[:, None, :]).abs().to(acc)[:, None]  # (B or 1, 1, L, L)
+        if self.mode == "alibi":
+            bias = -self.slopes.to(device=q.device, dtype=acc)[None, :, None, None] * rel
+            if self.window is not None:
+                far = rel > self.window.to(device=q.device, dtype=acc)[None, :, None, None]
+                bias = bias.masked_fill(far, float("-inf"))
+        else:
+            parts = self.partitions(layer_idx, int(pos.max()) + 1, training=training)
+            lab = parts.labels(q.device)[:, :, pos]  # (T, H, B or 1, L)
+            mbar = (lab[..., :, None] == lab[..., None, :]).to(acc).mean(0).transpose(0, 1)  # (B or 1, H, L, L)
+            bias = torch.log(mbar)
+        kk = k.to(acc).repeat_interleave(hq // k.shape[1], dim=1)
+        z = torch.matmul(q.to(acc), kk.transpose(-1, -2)) * scale + bias + custom_mask_bias(mask, acc)
+        w = torch.softmax(z, dim=-1)
+        weights = torch.where(torch.isfinite(z).any(-1, keepdim=True), w, torch.zeros((), dtype=acc, device=q.device))
+        weights = weights.to(q.dtype)
         return weighted_values(weights, v), weights
 
     def restore(self) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
-from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, MASK_SUPPORT, key_validity
+from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, MASK_SUPPORT, check_custom_mask, key_validity
 
 
 def swap_of(module: nn.Module) -> AttentionSwap:
@@ -108,6 +108,40 @@ def check_model_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> N
             continue  # any pattern of valid keys, holes included (ops/padding.py)
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"unsupported attention mask {shape}: {MASK_SUPPORT}")
+
+
+def custom_mask_inputs(
+    swap: AttentionSwap, rope: bool, args: tuple[object, ...], kwargs: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The keyword arguments of a swapped base model's call with a custom 4-D ``attention_mask`` on the RoPE family
+    (``rope``): without a cache (``use_cache=False``: such a call is computed whole, and a cache written under a
+    custom mask could not be continued), its position ids recorded on the swap
+    (:attr:`AttentionSwap.mask_positions`, read by :meth:`AttentionSwap.attend_custom_mask`). ``None`` for any other
+    call, whose masks :func:`check_model_inputs` checks (other families refuse 4-D masks: BLOOM, Falcon and MPT
+    build their own mask or ALiBi tensor from it). ``ValueError`` for a custom mask continuing a KV cache, or one
+    whose shape, dtype or position ids do not fit the call; nothing is changed then."""
+    mask = kwargs.get("attention_mask")
+    swap.mask_positions = None
+    if not (rope and isinstance(mask, torch.Tensor) and mask.dim() == 4):
+        check_model_inputs(args, kwargs)
+        return None
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and (not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0):
+        raise ValueError(
+            "a custom 4-D attention_mask cannot continue a KV cache with positional_lsh attention: pass the whole "
+            "sequence with its mask (or a 2-D padding mask to continue the cache)"
+        )
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    tokens = ids if isinstance(ids, torch.Tensor) else embeds
+    if isinstance(tokens, torch.Tensor):
+        check_custom_mask(mask, kwargs.get("position_ids"), tokens.shape[0], tokens.shape[1])
+    swap.mask_positions = kwargs.get("position_ids")
+    out = {**kwargs, "use_cache": False}
+    for name in ("cache", "past_key_values"):
+        if name in out:
+            out[name] = None
+    return out
 
 
 def packed_inputs(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any] | None:

@@ -27,7 +27,7 @@ ATTN_IMPLEMENTATION = "positional_lsh"
 #: What the swapped attention accepts as ``attention_mask`` (the end of every refusal of another mask).
 MASK_SUPPORT = (
     "positional_lsh attention takes only a 2-D (batch, seq_len) padding mask, or packed sequences (position ids "
-    "that restart); 4-D and custom masks are not supported"
+    "that restart); custom 4-D masks only on the RoPE family (Llama, Mistral, Qwen2, Qwen3), without a KV cache"
 )
 
 
@@ -201,3 +201,32 @@ def key_validity(attention_mask: object, batch: int, k_len: int) -> torch.Tensor
         return attention_mask.to(torch.bool)
     shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
     raise ValueError(f"unsupported attention mask {shape} for {batch} sequences of {k_len} keys: {MASK_SUPPORT}")
+
+
+def custom_mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A custom 4-D attention mask as the bias it adds to the scores: bool ``True`` -> 0, ``False`` -> ``-inf``;
+    float as it is (transformers' masked entries are ``finfo.min``), in ``dtype``."""
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def check_custom_mask(mask: torch.Tensor, positions: object, batch: int, length: int) -> None:
+    """``ValueError`` unless ``mask`` is a bool or float ``(batch or 1, 1 or heads, length, length)`` custom mask and
+    ``positions`` ``None`` or ``(batch or 1, length)`` integer position ids, none negative."""
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(f"a custom 4-D attention_mask must be bool (True: attend) or float (added), got {mask.dtype}")
+    if mask.shape[0] not in (1, batch) or tuple(mask.shape[-2:]) != (length, length):
+        raise ValueError(
+            f"a custom 4-D attention_mask must be (batch or 1, 1 or heads, {length}, {length}) for {batch} "
+            f"sequences of {length} tokens without a KV cache, got {tuple(mask.shape)}"
+        )
+    if positions is None:
+        return
+    ok = isinstance(positions, torch.Tensor) and not positions.is_floating_point() and positions.dtype != torch.bool
+    if not ok or positions.dim() != 2 or positions.shape[0] not in (1, batch) or positions.shape[1] != length:
+        shape = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise ValueError(f"position_ids with a custom 4-D attention_mask must be integer ({batch} or 1, {length}), got "
+                         f"{shape}")  # fmt: skip
+    if not torch.compiler.is_compiling() and bool((positions < 0).any()):
+        raise ValueError("position_ids must be non-negative")

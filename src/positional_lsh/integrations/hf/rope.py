@@ -41,7 +41,9 @@ def attention_function(
     :meth:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap.attend_with_weights`), else ``None``.
     Packed sequences: the segment ids the mask interface
     hands down for position ids that restart, or flash-attention's ``cu_seq_lens_k`` keyword
-    (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), which wins when given.
+    (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), which wins when given. A custom 4-D mask (which
+    the swap's forward hook let in: no KV cache) goes to
+    :meth:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap.attend_custom_mask`.
     """
     swap = swap_of(module)
     if is_causal is False or getattr(module, "is_causal", True) is False:
@@ -57,6 +59,11 @@ def attention_function(
     b, lk = query.shape[0], key.shape[-2]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     layer: Any = module  # a transformers attention module: its layer_idx is read by name, untyped
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:  # custom (the swap's hook let it in)
+        out, weights = swap.attend_custom_mask(layer.layer_idx, module.training, query, key, value, attention_mask,
+                                               scale)  # fmt: skip
+        asked = kwargs.get("output_attentions") or swap.output_attentions
+        return out.transpose(1, 2).contiguous(), weights if asked else None
     valid = key_validity(attention_mask, b, lk)
     cu = kwargs.get("cu_seq_lens_k")
     if cu is not None:  # DataCollatorWithFlattening(return_flash_attn_kwargs=True): one flattened row of documents

@@ -53,7 +53,7 @@ from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSw
 from positional_lsh.integrations.hf.bloom import NoAlibi, all_valid_mask
 from positional_lsh.integrations.hf.cache import LiveKeyCache
 from positional_lsh.integrations.hf.configs import own_config
-from positional_lsh.integrations.hf.forward import asks_for_attentions, check_model_inputs, packed_inputs
+from positional_lsh.integrations.hf.forward import asks_for_attentions, custom_mask_inputs, packed_inputs
 from positional_lsh.integrations.hf.generation import set_generation_defaults
 from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION
 from positional_lsh.integrations.hf.saved import (
@@ -288,8 +288,8 @@ class StepHook:
             msg += f" swap stays in force ({why}): hf.restore(model) first for the model's own attention"
             warnings.warn(msg, UserWarning, stacklevel=2)
         self.swap.output_attentions = asks_for_attentions(config, kwargs)
-        check_model_inputs(args, kwargs)
-        packed = packed_inputs(module, kwargs)  # packed sequences: no cache, so that transformers finds the documents
+        custom = custom_mask_inputs(self.swap, self.registry, args, kwargs)  # a 4-D mask (RoPE family): no cache
+        packed = custom if custom is not None else packed_inputs(module, kwargs)  # packed sequences: no cache either
         if packed is not None:
             kwargs = packed
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
