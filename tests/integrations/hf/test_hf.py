@@ -630,8 +630,8 @@ def test_bad_input():
 
     llama = tiny("llama")
     with hf.use_alibi(llama):
-        with pytest.raises(ValueError, match="4-D"):
-            logits(llama, x, attention_mask=torch.zeros(2, 1, 10, 10, dtype=torch.float64))
+        with pytest.raises(ValueError, match="4-D"):  # a custom mask (taken by the RoPE family) of the wrong shape
+            logits(llama, x, attention_mask=torch.zeros(2, 1, 10, 9, dtype=torch.float64))
 
 
 # ------------------------------------------------------------------------------------------------

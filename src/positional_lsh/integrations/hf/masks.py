@@ -224,7 +224,13 @@ def check_custom_mask(mask: torch.Tensor, positions: object, batch: int, length:
     if positions is None:
         return
     ok = isinstance(positions, torch.Tensor) and not positions.is_floating_point() and positions.dtype != torch.bool
-    if not ok or positions.dim() != 2 or positions.shape[0] not in (1, batch) or positions.shape[1] != length:
+    if (
+        not isinstance(positions, torch.Tensor)
+        or not ok
+        or positions.dim() != 2
+        or positions.shape[1] != length
+        or (positions.shape[0] not in (1, batch))
+    ):
         shape = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
         raise ValueError(f"position_ids with a custom 4-D attention_mask must be integer ({batch} or 1, {length}), got "
                          f"{shape}")  # fmt: skip

@@ -25,9 +25,9 @@ from positional_lsh.ops.partitions.decays import DecayLike
 from positional_lsh.ops.partitions.schemes import get_scheme
 from positional_lsh.ops.partitions.values import check_partition_values, value_problem
 
-__all__ = ["Partitions", "check_draw_size", "sample_partitions"]
+__all__ = ["MAX_DENSE_ELEMENTS", "Partitions", "check_draw_size", "sample_partitions"]
 
-# Dense validation helpers refuse to build more than this many mask entries.
+#: The most entries a dense helper builds (mean masks, oracles, attention weights); larger calls are refused.
 MAX_DENSE_ELEMENTS = 2**28
 # The largest cap (max_block): float64 holds every integer up to here.
 MAX_PITCH = 2**53
