@@ -16,6 +16,8 @@ from hf_tiny import MODEL_TYPES, tiny_model, token_ids  # noqa: E402
 
 from positional_lsh.integrations import hf  # noqa: E402
 
+from conftest import naive_alibi, naive_estimator, naive_mean_mask  # noqa: E402
+
 MESSAGE = r"unsupported attention mask \(2, 1, 10, 10\).*only a 2-D \(batch, seq_len\) padding mask"
 
 
@@ -92,6 +94,38 @@ def test_custom_4d_mask_of_a_padded_batch_equals_its_2d_mask(mode):
         want = model(x, attention_mask=keep.long()).logits
         got = model(x, attention_mask=four_d).logits
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["plsh", "alibi", "window"])
+def test_custom_4d_mask_attention_equals_the_float64_oracles(mode):
+    """The custom-mask attention itself, float64: under the causal mask at positions 0 .. L-1 it is exact ALiBi by an
+    explicit bias (windowed too) or the oracle ``softmax(s + log Mbar) v`` with ``Mbar`` from naive loops over the
+    layer's partitions; at repeated positions (a shared prefix) each branch is its own sequence's oracle row; and its
+    gradients pass gradcheck."""
+    model = tiny_model("llama", dtype=torch.float64)
+    swap = _swap_mode(model, mode)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    causal = torch.tril(torch.ones(6, 6, dtype=torch.bool))[None, None]
+
+    def oracle(n: int, qq, kk, vv):
+        if mode == "plsh":
+            parts = swap.partitions(1, n)
+            return naive_estimator(qq, kk, vv, naive_mean_mask(parts.pitch, parts.shift, n), causal=True, scale=0.3)
+        return naive_alibi(qq, kk, vv, swap.slopes, causal=True, window=swap.window, scale=0.3)
+
+    out, _ = swap.attend_custom_mask(1, False, q, k, v, causal, 0.3)
+    torch.testing.assert_close(out, oracle(6, q, k, v), rtol=1e-10, atol=1e-10)
+    _, _, mask, pos = _shared_prefix()
+    swap.mask_positions = pos
+    out, _ = swap.attend_custom_mask(1, False, q, k, v, mask, 0.3)
+    for branch in range(3):
+        rows = [0, 1, 2, 3 + branch]
+        want = oracle(4, q[:, :, rows], k[:, :, rows], v[:, :, rows])[:, :, -1]
+        torch.testing.assert_close(out[:, :, 3 + branch], want, rtol=1e-10, atol=1e-10)
+    fn = lambda a, b, c: swap.attend_custom_mask(1, False, a, b, c, mask, 0.3)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_()))
+    swap.mask_positions = None
 
 
 def test_custom_4d_mask_refusals_change_nothing():
