@@ -7,7 +7,6 @@ import itertools
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from positional_lsh.cli import train as cli_train
 from positional_lsh.lm import ModelConfig, load_checkpoint
 from positional_lsh.lm import train as T
 from positional_lsh.lm.train_config import QUICK_PRESET, lr_at
+
+from conftest import run_torchrun
 
 # text_dir, tokenizer_file: tests/conftest.py
 
@@ -122,7 +123,7 @@ def test_two_process_ddp_equals_one_process_with_double_batch(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += ["-m", "positional_lsh.cli", "train", "--out", str(tmp_path / "ddp"), "--batch-size", "2", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_torchrun(cmd, env, done="checkpoint in")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cpu x 2" in proc.stdout
     assert cli_train.main(["--out", str(tmp_path / "single"), "--batch-size", "4", *args]) == 0
