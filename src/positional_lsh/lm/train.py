@@ -204,10 +204,12 @@ def train(
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     command = L.default_command(command)
     info, device = _init_distributed(cfg.device)
+    run = None
     try:
         run = _setup(cfg, model_cfg, state, info, device, command)
         return _loop(run)
     finally:
+        run = None  # the model (a DDP / FSDP wrapper holds the process group) freed before the group
         L.end_distributed(info)
 
 

@@ -13,6 +13,7 @@ the machinery both commands use.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import re
 import shlex
@@ -114,8 +115,12 @@ def default_command(command: str | None) -> str:
 
 
 def end_distributed(info: Dist) -> None:
-    """Destroy a process group the run created, after a barrier (no rank tears gloo down while another talks)."""
+    """Destroy a process group the run created: first the garbage that may still hold it (a freed DDP or FSDP
+    wrapper's reference cycles: the caller drops its model before), then a barrier (no rank tears gloo down while
+    another talks), then the group, while every rank is still in it. A group whose last holder is freed later, after
+    another rank has exited, was seen to hang that rank's exit in gloo's teardown (``torchrun`` then never returns)."""
     if info.owns_group and dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 
