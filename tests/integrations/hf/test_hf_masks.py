@@ -22,7 +22,6 @@ MESSAGE = r"unsupported attention mask \(2, 1, 10, 10\).*only a 2-D \(batch, seq
 
 
 NATIVE = ("bloom", "mpt", "falcon")  # the families whose stock forward builds its own mask / ALiBi tensor
-ROPE = tuple(t for t in MODEL_TYPES if t not in NATIVE)
 
 
 @pytest.mark.parametrize("mode", ["plsh", "alibi"])

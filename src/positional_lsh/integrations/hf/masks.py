@@ -223,10 +223,10 @@ def check_custom_mask(mask: torch.Tensor, positions: object, batch: int, length:
         )
     if positions is None:
         return
-    ok = isinstance(positions, torch.Tensor) and not positions.is_floating_point() and positions.dtype != torch.bool
     if (
         not isinstance(positions, torch.Tensor)
-        or not ok
+        or positions.is_floating_point()
+        or positions.dtype == torch.bool
         or positions.dim() != 2
         or positions.shape[1] != length
         or (positions.shape[0] not in (1, batch))
