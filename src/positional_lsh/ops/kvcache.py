@@ -8,6 +8,9 @@ exact / windowed ALiBi with ``slopes`` (and ``window``). It decides how the call
   kernels below, which read only the keys the queries' blocks cover (ALiBi: the keys of the window);
 * **more queries** (a long chunk of a prompt continuing a cache) go to :func:`~positional_lsh.plsh_attention` (or
   :func:`~positional_lsh.alibi_attention`) on every cached key, which then runs its own engine;
+* **a static cache's buffer** (``key_positions``: the position of each slot's key, empty or masked slots negative)
+  takes one dense masked softmax over the buffer (:mod:`positional_lsh.ops._slots`), with no host read and the same
+  shapes at every step: one compiled graph for a whole generation;
 * ``backend`` / ``method`` are honoured: the decoding kernels are the multiplicity form in torch's matmuls (backend
   ``"math"``, method ``"multiplicity"``), so ``"auto"``, ``"math"`` and ``"multiplicity"`` take them; any other choice
   goes to the full op with that choice, and is refused (``ValueError`` naming the argument) when the cache dropped
@@ -32,14 +35,15 @@ import torch
 
 from positional_lsh.ops._decode import RampPlan, RowPlan, decode_rows
 from positional_lsh.ops._engine.routing import decode_forced
+from positional_lsh.ops._slots import SlotBias, alibi_bias, plsh_bias, slot_attention, slot_weights
 from positional_lsh.ops.attention import plsh_attention
-from positional_lsh.ops.checks import SlopesLike, as_scale, check_bool, check_int, check_qkv
+from positional_lsh.ops.checks import SlopesLike, as_scale, as_slopes, as_window, check_bool, check_int, check_qkv
 from positional_lsh.ops.exact.alibi import alibi_attention
-from positional_lsh.ops.options import ALIBI_BACKENDS, check_backend, check_method
+from positional_lsh.ops.options import ALIBI_BACKENDS, BACKENDS, check_backend, check_method
 from positional_lsh.ops.padding import check_key_padding_mask, row_groups, strip, with_holes
 from positional_lsh.ops.partitions.partition import Partitions
 
-__all__ = ["DecodeState", "key_reach", "plsh_attention_with_kvcache"]
+__all__ = ["DecodeState", "key_reach", "plsh_attention_with_kvcache", "slot_attention_weights"]
 
 #: Calls with at most this many queries take the decoding kernels (more: the full op on every cached key, unless the
 #: cache dropped keys).
@@ -91,6 +95,7 @@ def plsh_attention_with_kvcache(
     key_padding_mask: torch.Tensor | None = None,
     state: DecodeState | None = None,
     keys_finite: bool = False,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the last queries of a sequence on its KV cache: positional LSH, or exact / windowed ALiBi.
 
@@ -121,6 +126,15 @@ def plsh_attention_with_kvcache(
         keys_finite: the caller knows every cached key and value is finite (a cache that checked them when they came
             in): skips the scan for NaN/inf. Otherwise a non-finite key makes the rows that keep it NaN, as in the
             full ops.
+        key_positions: a cache of fixed size instead (a static KV cache's buffer, e.g. under ``torch.compile``):
+            ``(B, Lk)`` integer, the position of each slot's key in its row's sequence (counted as
+            ``key_padding_mask`` counts them: from the row's first valid key), negative for an empty or masked slot;
+            the queries are the last ``Lq`` slots (at their positions; a query slot that is masked gets zeros). The
+            call is one dense masked softmax over the buffer with the bias computed from the positions (no host
+            read, the same shapes at every step: one compiled graph for a whole generation); ``key_offset`` must be
+            0 and ``key_padding_mask`` ``None`` (the positions say both), ``state`` is not used, and ``backend`` /
+            ``method`` must be ``"auto"``, ``"math"`` / ``"multiplicity"``. Work ``O(B Hq Lq Lk (d + T))``: meant for
+            a few queries on a buffer of the live window.
 
     Returns:
         ``(B, Hq, Lq, d)`` in ``q``'s dtype (accumulated in float32 for half types), equal to
@@ -138,12 +152,80 @@ def plsh_attention_with_kvcache(
     mask = check_key_padding_mask(key_padding_mask, q, n)
     if (partitions is None) == (slopes is None):
         raise ValueError("give partitions (positional LSH) or slopes (exact ALiBi), exactly one of them")
+    if key_positions is not None:
+        if key_offset != 0 or key_padding_mask is not None:
+            raise ValueError("key_positions gives every slot's position and validity: pass key_offset=0 and no "
+                             "key_padding_mask with it")  # fmt: skip
+        bias = _slot_bias(q, k_cache, key_positions, partitions, slopes, window, backend, method)
+        return slot_attention(q, k_cache, v_cache, key_positions, bias, causal, sc)
     if partitions is not None:
         if window is not None:
             raise ValueError("window is exact ALiBi's (with slopes=); positional LSH takes partitions, got a window")
         return _plsh(q, k_cache, v_cache, partitions, key_offset, causal, sc, backend, method, mask, state, keys_finite)
     return _alibi(q, k_cache, v_cache, slopes, window, key_offset, causal, sc, backend, method, mask, state,
                   keys_finite)  # fmt: skip
+
+
+def slot_attention_weights(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    key_positions: torch.Tensor,
+    partitions: Partitions | None = None,
+    *,
+    slopes: SlopesLike = None,
+    window: SlopesLike = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The ``(B, Hq, Lq, Lk)`` attention weights of :func:`plsh_attention_with_kvcache` with ``key_positions`` (the
+    same arguments): ``softmax(scale q k^T + bias)`` over the buffer's slots, positional LSH's ``log c`` or exact /
+    windowed ALiBi's ``-m |i - j|``; empty or masked slots, keys after the query and keys no block (window) keeps
+    weigh 0; masked query rows are zeros. In the accumulation dtype of ``q`` (float32 for half types);
+    ``weights @ v`` is the call's output."""
+    check_qkv(q, k_cache, k_cache)
+    causal = check_bool("causal", causal)
+    sc = as_scale(scale, q.shape[-1])
+    if (partitions is None) == (slopes is None):
+        raise ValueError("give partitions (positional LSH) or slopes (exact ALiBi), exactly one of them")
+    bias = _slot_bias(q, k_cache, key_positions, partitions, slopes, window, "auto", "auto")
+    return slot_weights(q, k_cache, key_positions, bias, causal, sc)
+
+
+def _slot_bias(
+    q: torch.Tensor, k: torch.Tensor, key_positions: object, partitions: Partitions | None, slopes: SlopesLike,
+    window: SlopesLike, backend: str, method: str,
+) -> SlotBias:  # fmt: skip
+    """Checks a call with ``key_positions`` and returns its bias (:mod:`positional_lsh.ops._slots`)."""
+    b, hq, lk = q.shape[0], q.shape[1], k.shape[2]
+    if (
+        not isinstance(key_positions, torch.Tensor)
+        or key_positions.dtype not in (torch.int32, torch.int64)
+        or tuple(key_positions.shape) != (b, lk)
+    ):
+        shown = (f"{tuple(key_positions.shape)} {key_positions.dtype}" if isinstance(key_positions, torch.Tensor)
+                 else type(key_positions).__name__)  # fmt: skip
+        raise ValueError(f"key_positions must be a ({b}, {lk}) int32 or int64 tensor (one position per cached key), "
+                         f"got {shown}")  # fmt: skip
+    if key_positions.device != q.device:
+        raise ValueError(f"key_positions is on {key_positions.device}, q on {q.device}: put them on one device")
+    backend = check_backend(backend, BACKENDS if partitions is not None else ALIBI_BACKENDS)
+    forced = decode_forced(backend, check_method(method))
+    if forced:
+        name, value = forced[0]
+        raise ValueError(f"{name}={value!r} cannot run with key_positions (a dense call over the buffer's slots): use "
+                         f"{name}='auto'")  # fmt: skip
+    if partitions is not None:
+        if not isinstance(partitions, Partitions):
+            raise TypeError(f"partitions must be a Partitions, got {type(partitions).__name__}")
+        if window is not None:
+            raise ValueError("window is exact ALiBi's (with slopes=); positional LSH takes partitions, got a window")
+        if partitions.num_heads != hq:
+            raise ValueError(f"partitions are for {partitions.num_heads} heads; q has {hq} heads")
+        return plsh_bias(partitions)
+    if torch.compiler.is_compiling():  # values cannot be read while tracing: the structural checks only
+        return alibi_bias(as_slopes(slopes, hq, read=False),
+                          None if window is None else as_slopes(window, hq, "window", read=False))  # fmt: skip
+    return alibi_bias(as_slopes(slopes, hq), as_window(window, hq))
 
 
 def _by_row_groups(

@@ -1,8 +1,12 @@
 """``generate(..., cache_implementation="static")`` on a swapped model (issue 34, item 26): a fixed-capacity cache
 (:class:`~positional_lsh.integrations.hf.static_cache.LiveKeyStaticCache`) that decodes as the default dynamic cache
-and as decoding without a cache, under ``torch.compile`` too; exact ALiBi beyond its capacity is one ``ValueError``."""
+and as decoding without a cache, under ``torch.compile`` too (``fullgraph=True``, no recompilation: the slot layout);
+exact ALiBi beyond its capacity is one ``ValueError``."""
 
 from __future__ import annotations
+
+import io
+import logging
 
 import pytest
 import torch
@@ -51,14 +55,15 @@ def test_static_cache_decodes_as_the_dynamic_cache_and_as_no_cache(name, mode):
     assert torch.equal(static_tokens, dyn_tokens) and torch.equal(static_tokens, full_tokens)
     assert (static_scores - full_scores).abs().max() < 1e-10
     assert (static_scores - dyn_scores).abs().max() < 1e-10
-    # The capacity: the whole length for exact ALiBi, the live window plus a chunk otherwise (keys were dropped).
+    # The capacity, one for every layer (they share the slots' mask): the whole length for exact ALiBi, the
+    # longest live window plus a chunk otherwise (keys were dropped).
     length = ids.shape[1] + new - 1  # (generate never caches the last token)
     caps = LiveKeyStaticCache(swap, max_cache_len=length).capacities()
     if mode == "exact":
         assert caps == [length, length]
     else:
         reaches = [swap.key_reach(i) for i in range(2)]
-        assert caps == [min(length, r + CHUNK) for r in reaches] and min(caps) < length, (caps, reaches)
+        assert caps == [max(reaches) + CHUNK] * 2 and caps[0] < length, (caps, reaches)
 
 
 def test_static_cache_buffers_stay_in_place_and_hold_only_the_capacity():
@@ -107,6 +112,74 @@ def test_other_static_implementations_are_refused_and_restore_gives_back_the_sto
     assert torch.equal(stock, again)
 
 
+@pytest.mark.parametrize("name", ["bloom", "llama", "qwen3"])
+@pytest.mark.parametrize("mode", ["plsh", "exact", "window"])
+def test_compiled_generate_is_one_graph_without_recompilation(name, mode):
+    """transformers' own check (``test_generate_compile_model_forward_fullgraph``): ``fullgraph=True``,
+    ``dynamic=False``, two generations of 30 tokens (past the capacity: keys are dropped, except for exact ALiBi)
+    with a left-padded row, and no ``Recompiling`` in dynamo's guard log; the eager tokens."""
+    torch._dynamo.reset()
+    model = tiny_model(name)
+    _swap(model, mode)
+    ids, mask = _padded(batch=4, length=12)
+    config = transformers.CompileConfig(fullgraph=True, dynamic=False, backend="eager")
+    config._compile_all_devices = True
+    halves = [(ids[i : i + 2], mask[i : i + 2]) for i in (0, 2)]
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        eager = [model.generate(x, attention_mask=m, max_new_tokens=30, do_sample=False) for x, m in halves]
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    guards = logging.getLogger("torch._dynamo.guards")
+    guards.addHandler(handler)
+    torch._logging.set_logs(recompiles_verbose=True)
+    try:
+        with torch.no_grad():
+            static = dict(max_new_tokens=30, do_sample=False, cache_implementation="static", compile_config=config)
+            compiled = [model.generate(x, attention_mask=m, **static) for x, m in halves]
+    finally:
+        torch._logging.set_logs()
+        guards.removeHandler(handler)
+        torch._dynamo.reset()
+    assert hasattr(model, "_compiled_call")
+    assert "Recompiling" not in log.getvalue(), log.getvalue()[:3000]
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["falcon", "mpt"])
+def test_falcon_and_mpt_static_caches_return_the_filled_part(name):
+    """Falcon builds its ALiBi tensor from the mask and MPT casts it to bool: their static caches keep the layout
+    of a dynamic cache (the filled part, a mask of the whole sequence), and decode as it."""
+    model = tiny_model(name, dtype=torch.float64)
+    swap = _swap(model, "window")
+    ids, mask = _padded()
+    static_tokens, static_scores = _generate(model, ids, mask, 20, cache_implementation="static")
+    dyn_tokens, dyn_scores = _generate(model, ids, mask, 20)
+    assert torch.equal(static_tokens, dyn_tokens) and (static_scores - dyn_scores).abs().max() < 1e-10
+    assert not LiveKeyStaticCache(swap, max_cache_len=40).layers[0].slots
+
+
+def test_static_cache_weights_are_the_slots_of_the_sequence_weights():
+    """``output_attentions=True`` on a static cache: a step's weights over the buffer's slots, equal to the dynamic
+    cache's weights over the sequence at the slots' positions (the empty slots 0), and ``weights @ v`` the output."""
+    model = tiny_model("llama", dtype=torch.float64)
+    swap = _swap(model, "window")
+    ids, mask = _padded()
+    cap = swap.key_reach(0) + CHUNK
+    kwargs = dict(max_new_tokens=12, do_sample=False, output_attentions=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        static = model.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+        dynamic = model.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    for step in range(1, 12):
+        n = ids.shape[1] + step  # the sequence's length at this step
+        for layer in range(2):
+            w_static, w_dyn = static.attentions[step][layer], dynamic.attentions[step][layer]
+            assert w_static.shape[-1] == cap and w_dyn.shape[-1] == n
+            expected = w_dyn[..., -cap:] if n >= cap else torch.nn.functional.pad(w_dyn, (cap - n, 0))
+            torch.testing.assert_close(w_static, expected, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(("name", "mode", "backend"), [("bloom", "exact", "eager"), ("llama", "window", "aot_eager")])
 def test_generate_under_torch_compile(name, mode, backend):
     """transformers compiles the decoding steps of a static-cache generate (``compile_config``; on CPU only when
@@ -134,12 +207,31 @@ def test_a_layer_crops_while_it_holds_every_key_and_refuses_after_dropping():
     layer = LiveKeyStaticLayer(capacity=8, reach=None)
     layer.update(k[..., :5, :], v[..., :5, :])
     layer.crop(-2)  # transformers' convention: a negative count of tokens to remove
-    keys, values = layer.update(k[..., 5:, :], v[..., 5:, :])
-    assert layer.get_seq_length() == 4
-    assert torch.equal(keys, torch.cat([k[..., :3, :], k[..., 5:, :]], -2))
-    assert torch.equal(values, torch.cat([v[..., :3, :], v[..., 5:, :]], -2))
-    windowed = LiveKeyStaticLayer(capacity=4, reach=2)
+    keys, values = layer.update(k[..., 5:, :], v[..., 5:, :])  # one token: the whole buffer (the slot layout)
+    assert layer.get_seq_length() == 4 and int(layer.length) == 4 and keys.shape[-2] == 8
+    assert torch.equal(keys[..., 4:, :], torch.cat([k[..., :3, :], k[..., 5:, :]], -2))
+    assert torch.equal(values[..., 4:, :], torch.cat([v[..., :3, :], v[..., 5:, :]], -2))
+    assert not keys[..., :4, :].any()  # the empty slots
+    with pytest.raises(ValueError, match="max_cache_len=4"):  # a reach beyond the capacity: it holds every key
+        LiveKeyStaticLayer(capacity=4, reach=10).update(k, v)
+    windowed = LiveKeyStaticLayer(capacity=4, reach=2, chunk=2)
     windowed.update(k, v)  # 6 tokens into 4 slots: the first two dropped
     assert not windowed.is_croppable
     with pytest.raises(ValueError, match="cropped"):
         windowed.crop(-1)
+
+
+def test_a_step_whose_mask_does_not_cover_the_sequence_is_refused_and_writes_nothing():
+    """Continuing a static cache, the 2-D padding mask must cover the whole sequence (as transformers asks): a mask
+    of the new tokens only is one ``ValueError`` before any layer runs (the cache as it was)."""
+    model = tiny_model("llama")
+    swap = _swap(model, "window")
+    ids, mask = _padded()
+    cache = LiveKeyStaticCache(swap, max_cache_len=32)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        before = [layer.keys.clone() for layer in cache.layers]
+        with pytest.raises(ValueError, match=r"attention_mask must cover the whole sequence, \(2, 13\)"):
+            model(ids[:, :1], attention_mask=torch.ones(2, 1, dtype=torch.long), cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 12
+    assert all(torch.equal(layer.keys, b) for layer, b in zip(cache.layers, before, strict=True))

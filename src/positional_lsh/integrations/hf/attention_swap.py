@@ -19,6 +19,9 @@ How :meth:`AttentionSwap.attend` runs a call:
   that of the :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache` layer that returned the keys (which also
   vouches that they are finite), or the swap's own for another cache (:meth:`AttentionSwap._decode_state`). The entry
   point decides how the call runs (a decoded token reuses its bias row from token to token);
+* **a static cache's slots** (:mod:`~positional_lsh.integrations.hf.static_cache`): the ``(B, Lk)`` int32 positions
+  of the buffer's keys go to the KV-cache entry point as its ``key_positions`` (one dense call over the buffer, the
+  same graph at every compiled step);
 * **padding**: the ``(B, Lk)`` key validity is the ops' ``key_padding_mask`` (any pattern, holes included; read
   inside the op: a padding mask never breaks a ``torch.compile`` graph);
 * **packed sequences**: ``(B, Lk)`` int64 segment ids (:func:`~positional_lsh.integrations.hf.masks.packed_segments`)
@@ -44,7 +47,7 @@ from positional_lsh.integrations.hf.masks import custom_mask_bias, uniform
 from positional_lsh.ops import alibi_attention, plsh_attention
 from positional_lsh.ops.checks import nonnegative_int
 from positional_lsh.ops.exact.weights import alibi_attention_weights, plsh_attention_weights, weighted_values
-from positional_lsh.ops.kvcache import DecodeState, key_reach, plsh_attention_with_kvcache
+from positional_lsh.ops.kvcache import DecodeState, key_reach, plsh_attention_with_kvcache, slot_attention_weights
 from positional_lsh.ops.partitions.partition import MAX_DENSE_ELEMENTS, Partitions
 from positional_lsh.ops.partitions.sampling import PartitionSampler, layer_seed
 
@@ -351,6 +354,12 @@ class AttentionSwap:
         lq, lk = q.shape[-2], k.shape[-2]
         if key_valid is not None and key_valid.dtype == torch.int64:
             return self._packed(layer_idx, training, q, k, v, key_valid, scale)
+        if key_valid is not None and key_valid.dtype == torch.int32:  # a static cache's slots
+            if self.mode == "plsh":
+                parts = self._decode_partitions(layer_idx, 1, training)[0]
+                return plsh_attention_with_kvcache(q, k, v, parts, scale=scale, key_positions=key_valid)
+            return plsh_attention_with_kvcache(q, k, v, slopes=self.slopes, window=self.window, scale=scale,
+                                               key_positions=key_valid)  # fmt: skip
         dropped = key_valid is not None and key_valid.shape[-1] != lk
         if torch.compiler.is_compiling():
             if dropped:
@@ -409,6 +418,12 @@ class AttentionSwap:
                         layer_idx, training, q[rows][:, :, doc], k[rows][:, :, doc], None, scale
                     )
             return weights
+        if key_valid is not None and key_valid.dtype == torch.int32:  # a static cache's slots
+            if self.mode == "plsh":
+                parts = self._decode_partitions(layer_idx, 1, training)[0]
+                return slot_attention_weights(q, k, key_valid, parts, scale=scale).to(q.dtype)
+            return slot_attention_weights(q, k, key_valid, slopes=self.slopes, window=self.window,
+                                          scale=scale).to(q.dtype)  # fmt: skip
         offset = 0 if key_valid is None else key_valid.shape[-1] - lk
         if self.mode == "alibi":
             return alibi_attention_weights(
@@ -440,7 +455,7 @@ class AttentionSwap:
         eager attention's do: the dropped keys weigh 0, exactly (a key is dropped once it is beyond every later
         query's reach or window, where the weight is 0)."""
         weights = self.attention_weights(layer_idx, training, q, k, key_valid, scale)
-        dropped = 0 if key_valid is None or key_valid.dtype == torch.int64 else key_valid.shape[-1] - k.shape[-2]
+        dropped = 0 if key_valid is None or key_valid.dtype != torch.bool else key_valid.shape[-1] - k.shape[-2]
         if dropped > 0:
             weights = F.pad(weights, (dropped, 0))
             return weighted_values(weights[..., dropped:], v), weights

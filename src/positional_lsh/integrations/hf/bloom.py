@@ -17,9 +17,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.masking_utils import create_masks_for_generate
 
 from positional_lsh.integrations.hf.forward import attend_native, check_dropout, swap_of
 from positional_lsh.integrations.hf.masks import all_valid
+from positional_lsh.integrations.hf.static_cache import LiveKeyStaticCache
 
 
 @dataclass(eq=False)
@@ -28,8 +30,33 @@ class NoAlibi:
     one zero (the replacement attention computes its own positions)."""
 
     def __call__(self, attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
-        batch, n = attention_mask.shape
+        batch, n = attention_mask.shape[0], attention_mask.shape[-1]  # (B, n), or a static cache's (B, 1, 1, n) slots
         return torch.zeros((), dtype=dtype, device=attention_mask.device).expand(batch * num_heads, 1, n)
+
+
+@dataclass(eq=False)
+class SlotMasks:
+    """A swapped BLOOM's ``create_masks_for_generate`` (what ``generate`` calls before each step on a static cache):
+    for the swap's :class:`~positional_lsh.integrations.hf.static_cache.LiveKeyStaticCache`, transformers' generic
+    mask creation (the swap's mask function: the slots' positions, of a fixed shape at every step); otherwise
+    BLOOM's own (its 2-D mask padded to the cache's length)."""
+
+    model: Any
+
+    def __call__(self, config: Any, inputs_embeds: torch.Tensor, attention_mask: Any, cache: Any, **kwargs: Any) -> Any:
+        if isinstance(cache, LiveKeyStaticCache):
+            return create_masks_for_generate(config, inputs_embeds, attention_mask, cache, **kwargs)
+        own = type(self.model).create_masks_for_generate
+        return own(self.model, config, inputs_embeds, attention_mask, cache, **kwargs)
+
+
+def install(model: nn.Module) -> None:
+    """On a BLOOM causal LM being swapped: :class:`NoAlibi` as its base model's ``build_alibi_tensor`` and
+    :class:`SlotMasks` as its ``create_masks_for_generate`` (instance attributes: the swap's restore removes them)."""
+    base: Any = model.base_model
+    base.__dict__["build_alibi_tensor"] = NoAlibi()
+    if hasattr(type(model), "create_masks_for_generate"):
+        model.__dict__["create_masks_for_generate"] = SlotMasks(model)
 
 
 def all_valid_mask(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
-from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, MASK_SUPPORT, check_custom_mask, key_validity
+from positional_lsh.integrations.hf.masks import (
+    ATTN_IMPLEMENTATION,
+    MASK_SUPPORT,
+    check_custom_mask,
+    is_slot_mask,
+    key_validity,
+)
 
 
 def swap_of(module: nn.Module) -> AttentionSwap:
@@ -104,8 +110,8 @@ def check_model_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> N
     for mask in masks:
         if mask is None:
             continue
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            continue  # any pattern of valid keys, holes included (ops/padding.py)
+        if (isinstance(mask, torch.Tensor) and mask.dim() == 2) or is_slot_mask(mask):
+            continue  # any pattern of valid keys, holes included (ops/padding.py); a static cache's slots
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"unsupported attention mask {shape}: {MASK_SUPPORT}")
 
@@ -122,7 +128,7 @@ def custom_mask_inputs(
     whose shape, dtype or position ids do not fit the call; nothing is changed then."""
     mask = kwargs.get("attention_mask")
     swap.mask_positions = None
-    if not (rope and isinstance(mask, torch.Tensor) and mask.dim() == 4):
+    if not (rope and isinstance(mask, torch.Tensor) and mask.dim() == 4) or is_slot_mask(mask):
         check_model_inputs(args, kwargs)
         return None
     cache = kwargs.get("cache", kwargs.get("past_key_values"))

@@ -63,7 +63,9 @@ class GenerationCacheFactory:
     (module docstring); every other case goes to transformers' own. ``chunk``: the ``prefill_chunk_size`` the swap
     set as the default (``None``: the user's was kept), taken back off for a call without a cache (``use_cache=False``,
     which transformers refuses to chunk), for a compiled forward and for a prompt given as ``inputs_embeds``
-    (transformers' chunked prefill splits the ids only, and would cut the attention mask to no column)."""
+    (transformers' chunked prefill splits the ids only, and would cut the attention mask to no column), and for a
+    static cache (transformers runs each chunk through the compiled forward: the prompt is prefilled eagerly, whole,
+    and only the decoding steps are compiled)."""
 
     swap: AttentionSwap
     chunk: int | None = None
@@ -83,6 +85,8 @@ class GenerationCacheFactory:
                 generation_config.use_cache is False
                 or compiled(self.swap.model)
                 or model_kwargs.get("inputs_embeds") is not None
+                or generation_config.cache_implementation == "static"
+                or getattr(model_kwargs.get("cache"), "is_compileable", False)
             ):
                 generation_config.prefill_chunk_size = None
         default = (

@@ -6,7 +6,8 @@ is applied by the attention itself), checks it with :func:`key_validity` and han
 ``key_padding_mask`` (:mod:`positional_lsh.ops.padding`: any pattern of valid keys, holes included). Packed
 sequences (position ids that restart, no attention mask: transformers hands down ``causal AND same-sequence``)
 become ``(B, n)`` int64 segment ids instead (:func:`packed_segments`), which the attention hands to the ops as
-``cu_seqlens``. The mask covers the
+``cu_seqlens``. A static cache's slot layout gets the ``(B, 1, 1, capacity)`` int32 positions of its slots instead
+(:func:`slot_positions`), which the attention hands to the ops as ``key_positions``. Otherwise the mask covers the
 whole sequence: a cache that dropped dead keys (:class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`) hands
 the attention fewer keys than mask positions, and the attention reads the position of its first key from the
 difference. This module imports nothing else from the
@@ -36,7 +37,7 @@ def padding_mask_interface(
     q_length: int,
     kv_length: int,
     q_offset: int | torch.Tensor = 0,
-    kv_offset: int = 0,
+    kv_offset: int | torch.Tensor = 0,
     mask_function: Callable = causal_mask_function,
     attention_mask: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
@@ -51,6 +52,13 @@ def padding_mask_interface(
     down for possibly packed sequences gives ``None`` (no padding) once the graph checks that it is the plain
     causal one: packed sequences are taken eagerly only.
     """
+    if isinstance(kv_offset, torch.Tensor):  # a static cache's slot layout (static_cache.LiveKeyStaticLayer)
+        if mask_function is not causal_mask_function:
+            raise ValueError(
+                "positional_lsh attention on a static KV cache supports only the plain causal mask (with padding); "
+                "this forward asked for another pattern (sliding window, packed sequences or a custom mask overlay)"
+            )
+        return slot_positions(batch_size, kv_length, kv_offset, attention_mask, device)
     if mask_function is not causal_mask_function:
         if attention_mask is None and torch.compiler.is_compiling():
             return _traced_causal(batch_size, kv_length, mask_function, device)
@@ -74,6 +82,46 @@ def padding_mask_interface(
             f"attention_mask must be a 2-D (batch, {kv_length}) padding mask, got shape {tuple(attention_mask.shape)}"
         )
     return attention_mask[:, -kv_length:].to(torch.bool)
+
+
+def slot_positions(
+    batch_size: int, kv_length: int, kv_offset: torch.Tensor, attention_mask: torch.Tensor | None,
+    device: torch.device | str,
+) -> torch.Tensor:  # fmt: skip
+    """The mask of a static cache's slot layout: ``(B, 1, 1, kv_length)`` int32, each slot's key position in its
+    row's sequence (counted from the row's first valid token, as the ops' ``key_padding_mask`` counts), ``-1`` for an
+    empty slot or a padded token. The slots hold positions ``kv_offset .. kv_offset + kv_length - 1`` of the
+    sequence (``kv_offset`` a 0-dim tensor, negative while slots are empty); ``attention_mask`` is ``None`` or the
+    ``(B, kv_offset + kv_length)`` padding mask of the whole sequence. Four dimensions, so that transformers passes
+    it on as it is (a prepared mask), and torch ops only: ``generate`` builds it before each compiled step, and a
+    compiled forward traces it."""
+    dev = torch.device(device)
+    slots = kv_offset.to(dev) + torch.arange(kv_length, device=dev)  # absolute positions, (L,)
+    if attention_mask is None:
+        pos = slots.expand(batch_size, kv_length)
+        valid = pos >= 0
+    else:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+            raise ValueError(f"attention_mask must be a 2-D (batch, seq_len) padding mask, got shape "
+                             f"{tuple(attention_mask.shape)}")  # fmt: skip
+        if not torch.compiler.is_compiling() and attention_mask.shape[-1] != int(kv_offset) + kv_length:
+            raise ValueError(
+                f"attention_mask must cover the whole sequence, ({batch_size}, {int(kv_offset) + kv_length}), "
+                f"continuing a static KV cache; got shape {tuple(attention_mask.shape)}"
+            )
+        mask = attention_mask.to(device=dev, dtype=torch.bool)
+        first = mask.to(torch.int8).argmax(-1, keepdim=True)  # the row's first valid token (0 for a row of none)
+        index = slots.clamp_min(0).expand(batch_size, kv_length)
+        valid = (slots >= 0) & mask.gather(1, index)
+        pos = slots - first
+    return torch.where(valid, pos, -1).to(torch.int32)[:, None, None, :]
+
+
+def is_slot_mask(mask: object) -> bool:
+    """Whether ``mask`` is the slot layout's mask (:func:`slot_positions`): ``(B, 1, 1, L)`` int32."""
+    return (
+        isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4 and mask.shape[1:3] == (1, 1)
+    )
 
 
 def packed_segments(
@@ -177,8 +225,9 @@ def uniform(mask: torch.Tensor) -> bool:
 
 
 def key_validity(attention_mask: object, batch: int, k_len: int) -> torch.Tensor | None:
-    """The attention's ``attention_mask`` argument as a ``(batch, m)`` bool key-validity mask, ``m >= k_len``, or the
-    ``(batch, k_len)`` int64 segment ids of packed sequences (:func:`packed_segments`), as they came.
+    """The attention's ``attention_mask`` argument as a ``(batch, m)`` bool key-validity mask, ``m >= k_len``, the
+    ``(batch, k_len)`` int64 segment ids of packed sequences (:func:`packed_segments`), as they came, or the
+    ``(batch, k_len)`` int32 slot positions of a static cache (:func:`slot_positions`).
 
     The mask covers the ``m`` positions of the sequence and the keys are its last ``k_len`` (``m > k_len`` when the
     cache dropped dead keys). ``None`` stays ``None`` (every key valid). Anything but the 2-D mask
@@ -186,6 +235,13 @@ def key_validity(attention_mask: object, batch: int, k_len: int) -> torch.Tensor
     """
     if attention_mask is None:
         return None
+    if (
+        isinstance(attention_mask, torch.Tensor)
+        and is_slot_mask(attention_mask)
+        and attention_mask.shape[0] == batch
+        and attention_mask.shape[-1] == k_len
+    ):
+        return attention_mask[:, 0, 0]
     if (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dtype == torch.int64

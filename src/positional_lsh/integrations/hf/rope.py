@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from positional_lsh.integrations.hf.forward import check_dropout, swap_of
-from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, key_validity, segments_of_cu_seqlens
+from positional_lsh.integrations.hf.masks import ATTN_IMPLEMENTATION, is_slot_mask, key_validity, segments_of_cu_seqlens
 
 
 def attention_function(
@@ -59,7 +59,7 @@ def attention_function(
     b, lk = query.shape[0], key.shape[-2]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     layer: Any = module  # a transformers attention module: its layer_idx is read by name, untyped
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:  # custom (the swap's hook let it in)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and not is_slot_mask(attention_mask):
         out, weights = swap.attend_custom_mask(layer.layer_idx, module.training, query, key, value, attention_mask,
                                                scale)  # fmt: skip
         asked = kwargs.get("output_attentions") or swap.output_attentions

@@ -1,26 +1,32 @@
 """:class:`LiveKeyStaticCache`: the fixed-capacity KV cache ``generate(..., cache_implementation="static")`` gets on a
-swapped model (a compiled ``generate`` needs a cache whose buffers never move).
+swapped model (a compiled ``generate`` needs a cache whose buffers never move and whose shapes never change).
 
 Each layer holds one ``(B, Hkv, capacity, d)`` buffer of keys and one of values, allocated at the first call and then
-only written in place (their addresses stay fixed, as transformers' ``StaticLayer``). The capacity is chosen from
-what the layer's queries can reach (:meth:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap.key_reach`):
+only written in place (their addresses stay fixed, as transformers' ``StaticLayer``), and its count of tokens seen
+as a 0-dim tensor, ``LiveKeyStaticLayer.length``, advanced in place. One capacity serves every layer (the layers
+share one mask), chosen from what the queries can reach
+(:meth:`~positional_lsh.integrations.hf.attention_swap.AttentionSwap.key_reach`):
 
-* **exact ALiBi** (or a slope of 0): every key stays, so the capacity is the whole length, ``max_cache_len`` (what
-  ``generate`` asks for: the prompt plus ``max_new_tokens``). A call that would go beyond it raises ``ValueError``
-  naming ``max_cache_len`` and ``max_new_tokens``, before anything is written;
-* **positional LSH and windowed ALiBi**: keys older than the reach are dead, so the capacity is ``reach + CHUNK``
-  (the live window plus a chunk of :data:`CHUNK` new tokens), at most ``max_cache_len``: decoding holds about
-  ``reach`` keys per layer whatever the length. A call with more new tokens than the chunk (a long prompt) gets
-  every key it needs for that call (a concatenation) and the buffer keeps the last ``capacity``.
+* **exact ALiBi** (or a slope of 0), or a reach beyond ``max_cache_len``: every key stays, so the capacity is the
+  whole length, ``max_cache_len`` (what ``generate`` asks for: the prompt plus ``max_new_tokens``). A call that
+  would go beyond it raises ``ValueError`` naming ``max_cache_len`` and ``max_new_tokens``, before anything is
+  written;
+* **positional LSH and windowed ALiBi**: keys older than the reach are dead, so the capacity is the longest reach
+  plus a chunk, ``reach + CHUNK`` (:data:`CHUNK` new tokens per call), at most ``max_cache_len``: decoding holds about
+  ``reach`` keys per layer whatever the length.
 
 The buffer is right-aligned: the newest key sits in the last slot, and a call shifts the older ones left (one copy
-of the buffer per call, in place). The layer returns the filled part (the last ``min(seen, capacity)`` slots, a view
-of the buffer), so the swap's attention sees the same keys as with
-:class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`: positions stay absolute (``get_seq_length()`` counts
-every token seen), the mask covers the whole sequence and the attention reads the position of its first cached key
-from the difference, and decoding goes through
-:func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache` with the layer's
-:class:`~positional_lsh.ops.kvcache.DecodeState` (the swap's).
+of the buffer per call, in place). **The slot layout** (the RoPE family and BLOOM, :data:`SLOT_FAMILIES`): a call of
+at most :data:`CHUNK` tokens (a decoding step) gets the whole buffer, and its mask is the slots' positions, ``(B, 1,
+1, capacity)`` int32 (:func:`~positional_lsh.integrations.hf.masks.slot_positions`: each slot's position in its row,
+``-1`` for an empty slot or a padded token), which the swap's attention hands to
+:func:`~positional_lsh.ops.kvcache.plsh_attention_with_kvcache` as ``key_positions``: one dense call over the
+buffer. Every decoding step then has the same shapes and reads no host value, so ``generate`` compiles one graph for
+the whole generation (``fullgraph=True``, no recompilation). A longer call (a long prompt) gets the keys it needs
+(the filled part, or the held keys and the new ones when it brings more than the buffer keeps), with a mask of the
+whole sequence, as with :class:`~positional_lsh.integrations.hf.cache.LiveKeyCache`: positions stay absolute
+(``get_seq_length()`` counts every token seen). Falcon and MPT, whose stock forwards rebuild the mask (Falcon's ALiBi
+tensor, MPT's cast to bool), always get that layout.
 
 The swap installs :class:`StaticCacheFactory` as the model's ``_prepare_static_cache`` (what ``generate`` calls for
 ``cache_implementation="static"``), so ``model.generate(ids, cache_implementation="static", max_new_tokens=...)``
@@ -37,11 +43,15 @@ from transformers.cache_utils import Cache, StaticCache, StaticLayer
 
 from positional_lsh.ops.checks import check_int
 
-__all__ = ["CHUNK", "LiveKeyStaticCache", "LiveKeyStaticLayer", "StaticCacheFactory"]
+__all__ = ["CHUNK", "SLOT_FAMILIES", "LiveKeyStaticCache", "LiveKeyStaticLayer", "StaticCacheFactory"]
 
 #: New tokens a call may bring while the layer still returns its fixed buffer (positional LSH, windowed ALiBi): the
 #: capacity is ``reach + CHUNK``. One for greedy decoding; a few more for prompt lookup and assisted decoding.
 CHUNK = 16
+
+#: The families whose stock forwards pass the slot layout's mask through to the swap's attention (MPT casts its mask
+#: to bool and Falcon builds its ALiBi tensor from it: their static caches return the filled part instead).
+SLOT_FAMILIES = ("rope", "bloom")
 
 
 class LiveKeyStaticLayer(StaticLayer):
@@ -49,39 +59,87 @@ class LiveKeyStaticLayer(StaticLayer):
 
     Args:
         capacity: slots of the buffer.
-        reach: how far back a query reaches (``None``: every key, exact ALiBi); with ``None`` a call beyond
-            ``capacity`` raises ``ValueError``.
+        reach: how far back a query reaches (``None``: every key, exact ALiBi).
+        chunk: new tokens a call may bring in the slot layout (default :data:`CHUNK`).
+        slots: whether calls of at most ``chunk`` tokens return the whole buffer (the slot layout, module docstring);
+            ``False``: every call returns the keys it needs (the filled part), as a dynamic cache does.
+
+    The layer *holds every key* (``reach`` is ``None``, or ``capacity < reach + chunk``: the buffer is the whole
+    generation) or *drops* the keys beyond the reach. A layer that holds every key refuses a call beyond its
+    capacity (``ValueError`` naming ``max_cache_len``; under ``torch.compile`` when the graph runs).
 
     Attributes:
-        seen: tokens seen so far (the next query's position), a Python int.
+        length: tokens seen so far, a 0-dim int64 tensor updated in place (a compiled step reads and advances it).
     """
 
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, capacity: int, reach: int | None) -> None:
+    def __init__(self, capacity: int, reach: int | None, chunk: int = CHUNK, *, slots: bool = True) -> None:
         super().__init__(max_cache_len=capacity)
         self.reach = reach
-        self.seen = 0
+        self.chunk = chunk
+        self.slots = slots
+        self.holds_all = reach is None or reach + chunk > capacity
+        self.length = torch.zeros((), dtype=torch.long)
+        self._seen: int | None = 0  # the host's copy of `length` (None after a compiled step: read it again)
+
+    @property
+    def seen(self) -> int:
+        """Tokens seen so far (the next query's position), a Python int (read from ``length`` once after a
+        compiled step)."""
+        if self._seen is None:
+            self._seen = int(self.length)
+        return self._seen
 
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]
         """Whether :meth:`crop` can roll the layer back: while the buffer holds every key it was given."""
         return self.seen <= self.max_cache_len
 
+    def slot_call(self, new: int) -> bool:
+        """Whether a call of ``new`` tokens uses the slot layout: the whole buffer returned, its mask the slots'
+        positions (:meth:`get_mask_sizes`)."""
+        return self.slots and new <= min(self.chunk, self.max_cache_len)
+
+    def _refuse_beyond(self, end: int) -> None:
+        cap = self.max_cache_len
+        if self.holds_all and end > cap:
+            raise ValueError(
+                f"this static KV cache holds max_cache_len={cap} tokens and its queries reach every key (exact ALiBi, "
+                f"or a reach beyond the capacity), but the call would bring it to {end} tokens: give generate() a "
+                "larger max_cache_len (or fewer max_new_tokens / a shorter prompt), or use the default dynamic cache"
+            )
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length = self.length.to(key_states.device)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.length)
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new keys and values into the buffer; returns every cached key the call's queries may need."""
+        """Write the new keys and values into the buffer; returns every cached key the call's queries may need: the
+        whole buffer in the slot layout (:meth:`slot_call`), else the filled part (or, for a long call that needs
+        more keys than the buffer keeps, those keys)."""
         cap, new = self.max_cache_len, key_states.shape[-2]
+        if torch.compiler.is_compiling() and self.slot_call(new):
+            # A compiled step: the buffers and `length` only, in place (no host value read or guarded).
+            if not self.is_initialized:  # (a first call inside a compiled region)
+                self.lazy_initialization(key_states, value_states)
+            keys, values = self._buffers()
+            keys.copy_(torch.cat([keys[..., new:, :], key_states], dim=-2))
+            values.copy_(torch.cat([values[..., new:, :], value_states], dim=-2))
+            self.length.add_(new)
+            if self.holds_all:
+                torch._assert_async(self.length <= cap, f"this static KV cache holds max_cache_len={cap} tokens and "
+                                    "its queries reach every key: give generate() a larger max_cache_len")  # fmt: skip
+            self._seen = None
+            return keys, values
         start = self.seen
         end = start + new
-        if self.reach is None and end > cap:
-            raise ValueError(
-                f"this static KV cache holds max_cache_len={cap} tokens and exact ALiBi keeps every key, but the call "
-                f"would bring it to {end} tokens: give generate() a larger max_cache_len (or fewer max_new_tokens / a "
-                "shorter prompt), or use the default dynamic cache"
-            )
+        self._refuse_beyond(end)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys, values = self._buffers()
@@ -100,7 +158,10 @@ class LiveKeyStaticLayer(StaticLayer):
         else:  # shift left by `new`, the new states in the last slots
             keys.copy_(torch.cat([keys[..., new:, :], key_states], dim=-2))
             values.copy_(torch.cat([values[..., new:, :], value_states], dim=-2))
-        self.seen = end
+        self.length.fill_(end)
+        self._seen = end
+        if self.slot_call(new):
+            return keys, values
         if full is not None:
             return full
         filled = min(end, cap)
@@ -112,17 +173,28 @@ class LiveKeyStaticLayer(StaticLayer):
         return keys, values
 
     def get_seq_length(self) -> int:
-        """Tokens seen so far (including those the buffer no longer holds): positions stay absolute."""
+        """Tokens seen so far (including those the buffer no longer holds): positions stay absolute. Under
+        ``torch.compile`` in the slot layout, :attr:`length` (a tensor, as transformers' static layers return)."""
+        if torch.compiler.is_compiling() and self.slots:
+            return self.length  # type: ignore[return-value]
         return self.seen
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """The mask covers the whole sequence (the swap's attention reads its first cached key from the difference)."""
+    def get_mask_sizes(self, query_length: int) -> tuple[int, Any]:
+        """``(kv_length, kv_offset)`` of the call's mask. The slot layout: the buffer's ``capacity`` slots from
+        position ``seen + query_length - capacity`` (negative while slots are empty), the offset as a 0-dim tensor
+        (which tells the swap's mask function to build the slots' positions); otherwise the whole sequence from 0
+        (the swap's attention reads the position of its first cached key from the difference)."""
+        if self.slot_call(query_length):
+            cap = self.max_cache_len
+            if torch.compiler.is_compiling():
+                return cap, self.length + (query_length - cap)
+            return cap, torch.tensor(self.seen + query_length - cap)
         return self.seen + query_length, 0
 
     def get_max_length(self) -> int:
-        """``-1``: the masks cover the sequence, not the buffer (BLOOM would otherwise pad its 2-D mask to the
-        buffer's length)."""
-        return -1
+        """The capacity in the slot layout (the keys a decoding step attends over, as transformers' static layers
+        say); ``-1`` otherwise: the masks then cover the sequence (Falcon and MPT)."""
+        return self.max_cache_len if self.slots else -1
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (transformers' convention); refused once keys were dropped."""
@@ -136,11 +208,13 @@ class LiveKeyStaticLayer(StaticLayer):
         cap = self.max_cache_len
         for buf in self._buffers():  # shift right by r: the last r tokens leave, zeros come in on the left
             buf.copy_(torch.cat([buf.new_zeros(buf[..., :r, :].shape), buf[..., : cap - r, :]], dim=-2))
-        self.seen -= r
+        self._seen = self.seen - r
+        self.length.fill_(self._seen)
 
     def reset(self) -> None:
         super().reset()
-        self.seen = 0
+        self.length.zero_()
+        self._seen = 0
 
 
 class LiveKeyStaticCache(StaticCache):
@@ -158,11 +232,13 @@ class LiveKeyStaticCache(StaticCache):
         chunk = check_int("chunk", chunk, minimum=1)
         config = swap.model.config
         num_layers = int(config.get_text_config(decoder=True).num_hidden_layers)
-        layers = []
-        for i in range(num_layers):
-            reach = swap.key_reach(i, training=False)
-            capacity = max_cache_len if reach is None else min(max_cache_len, reach + chunk)
-            layers.append(LiveKeyStaticLayer(capacity, reach))
+        reaches = [swap.key_reach(i, training=False) for i in range(num_layers)]
+        # One capacity for every layer: the model's layers share one mask (the slots' positions).
+        capacity = max_cache_len
+        if reaches and all(r is not None for r in reaches):
+            capacity = min(max_cache_len, max(cast("list[int]", reaches)) + chunk)
+        slots = swap.family in SLOT_FAMILIES
+        layers = [LiveKeyStaticLayer(capacity, reach, chunk, slots=slots) for reach in reaches]
         self.max_cache_len = max_cache_len
         Cache.__init__(self, layers=cast("list[Any]", layers))
 
@@ -171,7 +247,7 @@ class LiveKeyStaticCache(StaticCache):
         return [layer.max_cache_len for layer in cast("list[LiveKeyStaticLayer]", self.layers)]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return cast("list[LiveKeyStaticLayer]", self.layers)[layer_idx].seen
+        return cast("list[LiveKeyStaticLayer]", self.layers)[layer_idx].get_seq_length()
 
 
 @dataclass(eq=False)

@@ -48,9 +48,8 @@ from torch import nn
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from positional_lsh.integrations.families import FAMILIES, Family, attention_modules, family_of, native_slopes
-from positional_lsh.integrations.hf import rope
+from positional_lsh.integrations.hf import bloom, rope
 from positional_lsh.integrations.hf.attention_swap import SWAP_ATTR, AttentionSwap
-from positional_lsh.integrations.hf.bloom import NoAlibi, all_valid_mask
 from positional_lsh.integrations.hf.cache import LiveKeyCache
 from positional_lsh.integrations.hf.configs import own_config
 from positional_lsh.integrations.hf.forward import asks_for_attentions, custom_mask_inputs, packed_inputs
@@ -299,7 +298,7 @@ class StepHook:
             if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
                 self.swap.advance_step()
         if self.bloom:  # no (B H, 1, n) ALiBi tensor per call (bloom.NoAlibi, bloom.all_valid_mask)
-            all_valid_mask(args, kwargs)
+            bloom.all_valid_mask(args, kwargs)
         return None if packed is None and not self.bloom else (args, kwargs)
 
 
@@ -388,8 +387,8 @@ def _install(outer: nn.Module, inner: PreTrainedModel, swap: AttentionSwap, fami
         # A plain generate() holds the live keys only and prefills in chunks (bounded swaps; module generation).
         set_generation_defaults(inner, swap, inner.__dict__.get(_STACK_ATTR, []))
         inner.__dict__[_STACK_ATTR] = [*inner.__dict__.get(_STACK_ATTR, []), changes]
-        if family.name == "bloom":  # the stock model's ALiBi tensor (the replacement reads none): a view of one zero
-            inner.base_model.__dict__["build_alibi_tensor"] = NoAlibi()
+        if family.name == "bloom":  # no ALiBi tensor (the replacement reads none); a static cache's slot masks
+            bloom.install(inner)
         hook = StepHook(swap, family.registry, family.name == "bloom")
         handle = inner.base_model.register_forward_pre_hook(hook, with_kwargs=True)
         changes.hook_module, changes.hook_id = inner.base_model, handle.id

@@ -179,18 +179,26 @@ class Partitions:
 
     def labels(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Block label of every position: ``(T, H, n)`` int64, non-decreasing along positions."""
-        n = self.seq_len
-        pos = torch.arange(n, dtype=torch.float64)
-        pitch = self.pitch[..., None]
+        return self.labels_at(torch.arange(self.seq_len)).to(device or self.device)
+
+    def labels_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Block labels of the given positions: ``(T, H, *positions.shape)`` int64 on ``positions``' device, as
+        :meth:`labels` computes them (``labels()[..., i] == labels_at(i)``), for any non-negative integer positions
+        (beyond ``seq_len`` too: a partition's blocks continue at its pitch). Torch ops only, no host read: a decoding
+        step computes the labels of its query and cached keys in a compiled graph."""
+        dims = positions.dim()
+        pos = positions.to(torch.float64)
+        pitch = self.pitch.to(pos.device).view(*self.pitch.shape, *(1,) * dims)
+        shift = self.shift.to(pos.device).view(*self.shift.shape, *(1,) * dims)
         # pitch <= 1: boundaries less than one position apart, every position its own block (label = position, as
         # block_bounds says). Computed with a pitch of 2 there (and 1 block for inf), so that no quotient can
         # overflow int64: the others are below n in magnitude (|i - shift| < n + pitch, pitch > 1).
         single = pitch <= 1.0
         one_block = torch.isinf(pitch)
         safe = torch.where(single | one_block, 2.0, pitch)
-        lab = torch.floor((pos - torch.where(single | one_block, 0.0, self.shift[..., None])) / safe)
+        lab = torch.floor((pos - torch.where(single | one_block, 0.0, shift)) / safe)
         lab = torch.where(one_block, 0.0, torch.where(single, pos, lab))
-        return lab.to(torch.long).to(device or self.device)
+        return lab.to(torch.long)
 
     def blocks(self, sample: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block boundaries of one (sample, head): ``(starts, sizes)``, int64 tensors covering ``0..n-1``."""
