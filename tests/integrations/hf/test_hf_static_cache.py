@@ -235,3 +235,17 @@ def test_a_step_whose_mask_does_not_cover_the_sequence_is_refused_and_writes_not
             model(ids[:, :1], attention_mask=torch.ones(2, 1, dtype=torch.long), cache=cache, use_cache=True)
     assert cache.get_seq_length() == 12
     assert all(torch.equal(layer.keys, b) for layer, b in zip(cache.layers, before, strict=True))
+
+
+@pytest.mark.parametrize("name", ["bloom", "llama"])
+def test_beam_search_on_a_static_cache_equals_no_cache(name):
+    """Beam search reorders the cache's buffers between steps: the slot layout follows (positional LSH, past the
+    capacity, a left-padded row)."""
+    model = tiny_model(name, dtype=torch.float64)
+    _swap(model, "plsh")
+    ids, mask = _padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=25, num_beams=3, do_sample=False)
+    with torch.no_grad():
+        static = model.generate(ids, cache_implementation="static", **kwargs)
+        full = model.generate(ids, use_cache=False, **kwargs)
+    assert torch.equal(static, full)

@@ -349,8 +349,10 @@ class AttentionSwap:
         key_valid: torch.Tensor | None,
         scale: float,
     ) -> torch.Tensor:
-        """A call that continues a cache (eager) goes to the KV-cache entry point (:meth:`_with_kvcache`); any other
-        call, and every call under ``torch.compile``, to the full ops with the padding as their ``key_padding_mask``."""
+        """A static cache's slots (``key_valid`` int32 positions, eager or compiled) go to the KV-cache entry point
+        with ``key_positions``; packed sequences (int64 segment ids) to :meth:`_packed`; a call that continues a cache
+        (eager) to the KV-cache entry point (:meth:`_with_kvcache`); any other call, and every other call under
+        ``torch.compile``, to the full ops with the padding as their ``key_padding_mask``."""
         lq, lk = q.shape[-2], k.shape[-2]
         if key_valid is not None and key_valid.dtype == torch.int64:
             return self._packed(layer_idx, training, q, k, v, key_valid, scale)
