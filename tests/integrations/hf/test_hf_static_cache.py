@@ -249,3 +249,17 @@ def test_beam_search_on_a_static_cache_equals_no_cache(name):
         static = model.generate(ids, cache_implementation="static", **kwargs)
         full = model.generate(ids, use_cache=False, **kwargs)
     assert torch.equal(static, full)
+
+
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+def test_a_right_padded_prompt_on_a_static_cache_equals_no_cache(mode):
+    """A right-padded prompt becomes holes under generate: the slots' positions count them (as padding masks do),
+    past the capacity too."""
+    model = tiny_model("qwen3", dtype=torch.float64)
+    _swap(model, mode)
+    ids, mask = _padded()
+    mask[0, -2:] = 0  # right padding in the first row: holes once tokens follow
+    static_tokens, static_scores = _generate(model, ids, mask, 30, cache_implementation="static")
+    full_tokens, full_scores = _generate(model, ids, mask, 30, use_cache=False)
+    assert torch.equal(static_tokens, full_tokens)
+    assert (static_scores - full_scores).abs().max() < 1e-10
