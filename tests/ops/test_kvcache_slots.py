@@ -186,6 +186,9 @@ def test_bad_key_positions_are_refused_naming_the_argument():
         plsh_attention_with_kvcache(q[:, :2], k, v, parts, key_positions=pos)
     with pytest.raises(ValueError, match="exactly one"):
         slot_attention_weights(q, k, pos)
+    for bad in (torch.zeros(2, 4, 1, 9), torch.zeros(2, 1, 10), pos[:, None, None] >= 0):
+        with pytest.raises(ValueError, match=r"attn_mask must be a float tensor broadcastable to \(2, 4, 1, 10\)"):
+            slot_attention_weights(q, k, pos, parts, attn_mask=bad)
 
 
 def test_labels_at_equals_the_labels_and_continues_the_blocks():

@@ -61,12 +61,14 @@ def alibi_bias(slopes: torch.Tensor, window: torch.Tensor | None) -> SlotBias:
 
 
 def slot_weights(
-    q: torch.Tensor, k: torch.Tensor, key_positions: torch.Tensor, bias: SlotBias, causal: bool, scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, key_positions: torch.Tensor, bias: SlotBias, causal: bool, scale: float,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The ``(B, Hq, Lq, Lk)`` attention weights, in the accumulation dtype of ``q`` (float32 for half types):
-    ``softmax(scale q k^T + bias + mask)`` with empty or masked slots (``key_positions < 0``), keys after the query
-    (``causal``) and keys the bias never keeps at weight 0; rows of masked queries (or without a key) zeros.
-    ``k`` is ``(B, Hkv, Lk, d)`` (grouped heads: ``Hq % Hkv == 0``)."""
+    ``softmax(scale q k^T + bias + attn_mask)`` with empty or masked slots (``key_positions < 0``), keys after the
+    query (``causal``) and keys the bias or ``attn_mask`` (an additive float mask, ``-inf``: not kept) never keeps at
+    weight 0; rows of masked queries (or without a key) zeros. ``k`` is ``(B, Hkv, Lk, d)`` (grouped heads:
+    ``Hq % Hkv == 0``)."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     acc = acc_dtype(q.dtype)
@@ -76,6 +78,8 @@ def slot_weights(
     if causal:
         keep = keep & (kpos[:, None, None, :] <= qpos[:, None, :, None])
     z = bias(qpos.clamp_min(0), kpos.clamp_min(0), acc)
+    if attn_mask is not None:
+        z = z + attn_mask.to(acc)
     keep = keep & (z > float("-inf"))  # (B, Hq, Lq, Lk)
     kk = k.to(acc).masked_fill(~(kpos >= 0)[:, None, :, None], 0)  # a NaN in an empty or masked slot reaches nothing
     s = torch.matmul(q.to(acc).reshape(b, hkv, (hq // hkv) * lq, d), kk.transpose(-1, -2)).view(b, hq, lq, lk)

@@ -176,19 +176,33 @@ def slot_attention_weights(
     window: SlopesLike = None,
     causal: bool = True,
     scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``(B, Hq, Lq, Lk)`` attention weights of :func:`plsh_attention_with_kvcache` with ``key_positions`` (the
     same arguments): ``softmax(scale q k^T + bias)`` over the buffer's slots, positional LSH's ``log c`` or exact /
     windowed ALiBi's ``-m |i - j|``; empty or masked slots, keys after the query and keys no block (window) keeps
     weigh 0; masked query rows are zeros. In the accumulation dtype of ``q`` (float32 for half types);
-    ``weights @ v`` is the call's output."""
+    ``weights @ v`` is the call's output.
+
+    ``attn_mask``: ``None`` or an additive float mask broadcastable to ``(B, Hq, Lq, Lk)``, added after the bias
+    (``-inf``: not kept; a custom attention mask, with ``causal=False`` and the positions of a whole call as
+    ``key_positions``, queries and keys alike)."""
     check_qkv(q, k_cache, k_cache)
     causal = check_bool("causal", causal)
     sc = as_scale(scale, q.shape[-1])
     if (partitions is None) == (slopes is None):
         raise ValueError("give partitions (positional LSH) or slopes (exact ALiBi), exactly one of them")
+    shape = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[2])
+    if attn_mask is not None and (
+        not isinstance(attn_mask, torch.Tensor)
+        or not attn_mask.is_floating_point()
+        or attn_mask.dim() != 4
+        or any(m not in (1, n) for m, n in zip(attn_mask.shape, shape, strict=True))
+    ):
+        shown = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
+        raise ValueError(f"attn_mask must be a float tensor broadcastable to {shape}, got {shown}")
     bias = _slot_bias(q, k_cache, key_positions, partitions, slopes, window, "auto", "auto")
-    return slot_weights(q, k_cache, key_positions, bias, causal, sc)
+    return slot_weights(q, k_cache, key_positions, bias, causal, sc, attn_mask)
 
 
 def _slot_bias(

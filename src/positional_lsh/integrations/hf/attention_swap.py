@@ -274,6 +274,16 @@ class AttentionSwap:
             key_padding_mask=key_valid, state=state, keys_finite=finite,
         )  # fmt: skip
 
+    def _position_bias(self, layer_idx: int, training: bool, seq_len: int | None = None) -> dict[str, Any]:
+        """The bias arguments of a call whose keys' positions are given (``key_positions``): positional LSH's
+        ``partitions`` (the call's for ``seq_len`` positions, else the decoding ones: the same pitches and shifts),
+        or exact / windowed ALiBi's ``slopes`` and ``window``."""
+        if self.mode == "alibi":
+            return {"slopes": self.slopes, "window": self.window}
+        if seq_len is None:
+            return {"partitions": self._decode_partitions(layer_idx, 1, training)[0]}
+        return {"partitions": self.partitions(layer_idx, seq_len, training=training)}
+
     def _kernel(
         self,
         layer_idx: int,
@@ -357,11 +367,8 @@ class AttentionSwap:
         if key_valid is not None and key_valid.dtype == torch.int64:
             return self._packed(layer_idx, training, q, k, v, key_valid, scale)
         if key_valid is not None and key_valid.dtype == torch.int32:  # a static cache's slots
-            if self.mode == "plsh":
-                parts = self._decode_partitions(layer_idx, 1, training)[0]
-                return plsh_attention_with_kvcache(q, k, v, parts, scale=scale, key_positions=key_valid)
-            return plsh_attention_with_kvcache(q, k, v, slopes=self.slopes, window=self.window, scale=scale,
-                                               key_positions=key_valid)  # fmt: skip
+            bias = self._position_bias(layer_idx, training)
+            return plsh_attention_with_kvcache(q, k, v, scale=scale, key_positions=key_valid, **bias)
         dropped = key_valid is not None and key_valid.shape[-1] != lk
         if torch.compiler.is_compiling():
             if dropped:
@@ -421,11 +428,8 @@ class AttentionSwap:
                     )
             return weights
         if key_valid is not None and key_valid.dtype == torch.int32:  # a static cache's slots
-            if self.mode == "plsh":
-                parts = self._decode_partitions(layer_idx, 1, training)[0]
-                return slot_attention_weights(q, k, key_valid, parts, scale=scale).to(q.dtype)
-            return slot_attention_weights(q, k, key_valid, slopes=self.slopes, window=self.window,
-                                          scale=scale).to(q.dtype)  # fmt: skip
+            bias = self._position_bias(layer_idx, training)
+            return slot_attention_weights(q, k, key_valid, scale=scale, **bias).to(q.dtype)
         offset = 0 if key_valid is None else key_valid.shape[-1] - lk
         if self.mode == "alibi":
             return alibi_attention_weights(
@@ -491,23 +495,11 @@ class AttentionSwap:
                 f"a custom 4-D attention_mask is computed densely: this call would hold {dense:,} entries (more than "
                 f"{MAX_DENSE_ELEMENTS:,}); use shorter sequences or smaller batches"
             )
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        rel = (pos[:, :, None] - pos[:, None, :]).abs().to(acc)[:, None]  # (B or 1, 1, L, L)
-        if self.mode == "alibi":
-            bias = -self.slopes.to(device=q.device, dtype=acc)[None, :, None, None] * rel
-            if self.window is not None:
-                far = rel > self.window.to(device=q.device, dtype=acc)[None, :, None, None]
-                bias = bias.masked_fill(far, float("-inf"))
-        else:
-            parts = self.partitions(layer_idx, int(pos.max()) + 1, training=training)
-            lab = parts.labels(q.device)[:, :, pos]  # (T, H, B or 1, L)
-            mbar = (lab[..., :, None] == lab[..., None, :]).to(acc).mean(0).transpose(0, 1)  # (B or 1, H, L, L)
-            bias = torch.log(mbar)
-        kk = k.to(acc).repeat_interleave(hq // k.shape[1], dim=1)
-        z = torch.matmul(q.to(acc), kk.transpose(-1, -2)) * scale + bias + custom_mask_bias(mask, acc)
-        w = torch.softmax(z, dim=-1)
-        weights = torch.where(torch.isfinite(z).any(-1, keepdim=True), w, torch.zeros((), dtype=acc, device=q.device))
-        weights = weights.to(q.dtype)
+        # Every position is a query and a key: the slots' weights of the whole call, the mask deciding causality.
+        bias = self._position_bias(layer_idx, training, None if self.mode == "alibi" else int(pos.max()) + 1)
+        extra = custom_mask_bias(mask, torch.float64 if q.dtype == torch.float64 else torch.float32)
+        weights = slot_attention_weights(q, k, pos.expand(q.shape[0], lq), causal=False, scale=scale, attn_mask=extra,
+                                         **bias).to(q.dtype)  # fmt: skip
         return weighted_values(weights, v), weights
 
     def restore(self) -> None:

@@ -128,9 +128,7 @@ class LiveKeyStaticLayer(StaticLayer):
             # A compiled step: the buffers and `length` only, in place (no host value read or guarded).
             if not self.is_initialized:  # (a first call inside a compiled region)
                 self.lazy_initialization(key_states, value_states)
-            keys, values = self._buffers()
-            keys.copy_(torch.cat([keys[..., new:, :], key_states], dim=-2))
-            values.copy_(torch.cat([values[..., new:, :], value_states], dim=-2))
+            keys, values = self._shift_in(key_states, value_states)
             self.length.add_(new)
             if self.holds_all:
                 torch._assert_async(self.length <= cap, f"this static KV cache holds max_cache_len={cap} tokens and "
@@ -155,9 +153,8 @@ class LiveKeyStaticLayer(StaticLayer):
             src_k, src_v = (key_states, value_states) if full is None else full
             keys.copy_(src_k[..., -cap:, :])
             values.copy_(src_v[..., -cap:, :])
-        else:  # shift left by `new`, the new states in the last slots
-            keys.copy_(torch.cat([keys[..., new:, :], key_states], dim=-2))
-            values.copy_(torch.cat([values[..., new:, :], value_states], dim=-2))
+        else:
+            self._shift_in(key_states, value_states)
         self.length.fill_(end)
         self._seen = end
         if self.slot_call(new):
@@ -166,6 +163,14 @@ class LiveKeyStaticLayer(StaticLayer):
             return full
         filled = min(end, cap)
         return keys[..., cap - filled :, :], values[..., cap - filled :, :]
+
+    def _shift_in(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shift the buffers left by the call's new tokens, in place, the new states in the last slots; returns them."""
+        keys, values = self._buffers()
+        new = key_states.shape[-2]
+        keys.copy_(torch.cat([keys[..., new:, :], key_states], dim=-2))
+        values.copy_(torch.cat([values[..., new:, :], value_states], dim=-2))
+        return keys, values
 
     def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.keys, self.values
