@@ -197,3 +197,37 @@ def test_labels_at_equals_the_labels_and_continues_the_blocks():
     longer = parts.with_seq_len(400).labels()
     pos = torch.tensor([[0, 49, 50, 399], [7, 123, 200, 300]])
     assert torch.equal(parts.labels_at(pos), longer[:, :, pos])
+
+
+@pytest.mark.parametrize("mode", ["plsh", "window"])
+def test_slot_gradients_pass_gradcheck_and_equal_the_full_op(mode):
+    """The slots' output is differentiable in ``q, k, v`` (float64 gradcheck with empty, masked and dropped slots),
+    and its gradients equal the full op's on the whole sequence (the rows the buffer serves)."""
+    n, lq = 40, 2
+    parts = sample_partitions(n, torch.tensor([0.5, 0.3, 0.2, 0.25]), 3, generator=5)
+    reach = int(torch.ceil(parts.pitch).max()) - 1 if mode == "plsh" else 6
+    k, v, pos, k_all, v_all, valid = _buffer(n, reach + lq + 1)
+    k, v = torch.nan_to_num(k), torch.nan_to_num(v)
+    q = _q(lq).requires_grad_()
+    bias = {"partitions": parts} if mode == "plsh" else {"slopes": 0.3, "window": 6.0}
+
+    def f(q, k, v):
+        return plsh_attention_with_kvcache(q, k, v, key_positions=pos, **bias)
+
+    assert torch.autograd.gradcheck(f, (q, k.requires_grad_(), v.requires_grad_()))
+    q_all = torch.cat([_q(n - lq, seed=7), q.detach()], 2).requires_grad_()
+    k_all.requires_grad_()
+    v_all.requires_grad_()
+    if mode == "plsh":
+        full = plsh_attention(q_all, k_all, v_all, partitions=parts, key_padding_mask=valid)
+    else:
+        full = alibi_attention(q_all, k_all, v_all, 0.3, window=6.0, key_padding_mask=valid)
+    dout = torch.randn(full[:, :, -lq:].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (full[:, :, -lq:] * dout).sum().backward()
+    q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))
+    (f(q2, k2, v2) * dout).sum().backward()
+    cap = k.shape[2]  # the buffer holds the last `cap` positions (the keys before them were dropped)
+    torch.testing.assert_close(q2.grad, q_all.grad[:, :, -lq:], rtol=0, atol=1e-10)
+    torch.testing.assert_close(k2.grad, k_all.grad[:, :, -cap:], rtol=0, atol=1e-10)
+    torch.testing.assert_close(v2.grad, v_all.grad[:, :, -cap:], rtol=0, atol=1e-10)
+    assert not k_all.grad[:, :, :-cap].any()  # the dropped keys had no weight
