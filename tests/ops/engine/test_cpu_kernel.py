@@ -308,17 +308,30 @@ def test_a_decay_family_equals_its_reference(kernel):
 
 
 def test_two_threads_give_the_same_numbers(kernel):
-    q, k, v, _, parts = _inputs(4, 2, 200, 200, 8, "discrete")
+    # Each tile (forward) and each (batch, query head) (backward) is computed by one thread, and a key head's dk, dv
+    # are summed over its query heads in one order: two threads give the same bits, GQA included.
+    q, k, v, dout, parts = _inputs(4, 2, 200, 200, 8, "discrete")
     qf, kf, vf = (x.float() for x in (q, k, v))
     plan = CPU_KERNEL.plan(parts, 2, 200, True, q.device)
-    one = CPU_KERNEL.forward(plan, qf, kf, vf, 0.25)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        out, lse = CPU_KERNEL.forward(plan, qf, kf, vf, 0.25)
+        grads = CPU_KERNEL.backward(plan, Saved(qf, kf, vf, out, lse), dout.float(), 0.25, True)
+        return out, lse, *grads
+
+    one = run()
     prev = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        two = CPU_KERNEL.forward(plan, qf, kf, vf, 0.25)
+        two = run()
     finally:
         torch.set_num_threads(prev)
-    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])  # each tile is computed by one thread
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+    mbar = naive_mean_mask(parts.pitch, parts.shift, 200)
+    want = dense_surrogate(q, k, v, dout, mbar, causal=True, scale=0.25)
+    for got, ref in zip(two[2:], want[1:], strict=True):  # and they are the oracle's
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-5 * max(1.0, float(ref.abs().max())))
 
 
 def test_the_kernel_runs_on_every_thread(kernel):

@@ -14,10 +14,13 @@
 //   * TABLE, the exact biases: bias = table[h, |i - j|] (ALiBi's -m |i - j|, a decay's log k(|i - j|)), -inf
 //     beyond reach[h]: per row two contiguous slices of the table (one reversed), no gather.
 // Scores and P.V are batch-reduce GEMMs (at::native::cpublas::brgemm, float32), the softmax is online with
-// at::vec's exp; work items (batch, head, query tile) are spread over at::parallel_for's threads by their work.
+// at::vec's exp; work items (batch, head, query tile) are spread over at::parallel_for's threads by their estimated
+// work, and taken over at run time from threads that fall behind (WorkQueue). Key blocks are packed as tiles first
+// read them, into per-thread buffers kept across calls.
 // Block bounds mirror ops/partitions/bounds.py: position i is in block floor((i - shift) / pitch) (float64).
-// The backward recomputes the scores from lse (FA2): dq, dk, dv per (batch, query head) and, when asked, the sum of
-// dS per distance |i - j| (from which the slope and decay-parameter gradients follow).
+// The backward recomputes the scores from lse (FA2): dq, dk, dv per (batch, query head) (dk, dv summed over each key
+// head's query heads at the end) and, when asked, the sum of dS per distance |i - j| (from which the slope and
+// decay-parameter gradients follow).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +33,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <tuple>
 #include <type_traits>
@@ -39,6 +44,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kGrain = 4;  // query tiles a thread takes from the work queue at a time
 constexpr int64_t kCount = 0;
 constexpr int64_t kTable = 1;
 
@@ -582,18 +588,18 @@ inline void row_softmax(float* s, int64_t n, float scale, const float* bp, float
   m = mn;
 }
 
-// Each key block of block_n keys (on the grid 0, block_n, ...) of x (B, H, L, d) laid out as a brgemm B matrix,
-// zero-padded past L: (B, H, nb, d * block_n).
+// Each key block of block_n keys (on the grid 0, block_n, ...) of one head's x (L, d) laid out as a brgemm B
+// matrix, zero-padded past L: (nb, d * block_n).
 //   * Layout::kTransposed: x^T, the K x N matrix (d, block_n), row-major (float32 keys);
 //   * Layout::kKeysVnni / kValuesVnni: x^T (d, block_n) or x (block_n, d) in the VNNI-2 layout of half types,
 //     element (r, c) of a K x N matrix at ((r / 2) * N + c) * 2 + r % 2 (K even: zero rows pad it).
 enum class Layout { kTransposed, kKeysVnni, kValuesVnni };
 
-// The key blocks of one head's x (L, d) into dst (nb, d * block_n) in `layout`, zero-padded past L.
+// Key blocks [kb_begin, kb_end) of one head's x (L, d) into dst (nb, d * block_n) in `layout`, zero-padded past L.
 template <typename T>
-void pack_head(const T* src, int64_t L, int64_t d, int64_t block_n, Layout layout, T* dst) {
-  const int64_t nb = (L + block_n - 1) / block_n;
-  for (int64_t kb = 0; kb < nb; ++kb) {
+void pack_range(const T* src, int64_t L, int64_t d, int64_t block_n, Layout layout, T* dst, int64_t kb_begin,
+                int64_t kb_end) {
+  for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
     const int64_t j0 = kb * block_n, bn = std::min(block_n, L - j0);
     const T* s = src + j0 * d;
     T* o = dst + kb * d * block_n;
@@ -631,20 +637,32 @@ void pack_head(const T* src, int64_t L, int64_t d, int64_t block_n, Layout layou
   }
 }
 
-// Each key block of block_n keys (on the grid 0, block_n, ...) of x (B, H, L, d) laid out as a brgemm B matrix
-// (pack_head), zero-padded past L: (B, H, nb, d * block_n).
+// One head's key blocks laid out as brgemm B matrices (pack_range), packed as the tiles first need them: a block is
+// packed right before the tile that reads it (in cache when read, no pass over the whole head up front). A thread
+// keeps one head, blocks [lo, hi), in a buffer kept across calls (no page faults after the first).
 template <typename T>
-at::Tensor pack_blocks(const at::Tensor& x, int64_t block_n, Layout layout) {
-  const int64_t B = x.size(0), H = x.size(1), L = x.size(2), d = x.size(3);
-  const int64_t nb = (L + block_n - 1) / block_n;
-  auto out = at::empty({B, H, nb, d * block_n}, x.options());
-  const T* src = x.data_ptr<T>();
-  T* dst = out.data_ptr<T>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) pack_head<T>(src + bh * L * d, L, d, block_n, layout, dst + bh * nb * d * block_n);
-  });
-  return out;
-}
+struct PackedHead {
+  std::vector<T>& buf;
+  const T* src = nullptr;  // the head's x (L, d)
+  int64_t L = 0, d = 0, block_n = 0, lo = 0, hi = 0;
+  Layout layout;
+  PackedHead(std::vector<T>& b, Layout l) : buf(b), layout(l) {}
+  void reset(const T* x, int64_t length, int64_t dim, int64_t bn) {
+    src = x;
+    L = length;
+    d = dim;
+    block_n = bn;
+    lo = hi = 0;
+    buf.resize(((L + bn - 1) / bn) * d * bn);
+  }
+  // Blocks [kb0, kb1) packed (and the gap to those already packed).
+  const T* ensure(int64_t kb0, int64_t kb1) {
+    if (lo >= hi) lo = hi = kb0;
+    if (kb0 < lo) pack_range<T>(src, L, d, block_n, layout, buf.data(), kb0, lo), lo = kb0;
+    if (kb1 > hi) pack_range<T>(src, L, d, block_n, layout, buf.data(), hi, kb1), hi = kb1;
+    return buf.data();
+  }
+};
 
 // Items 0 .. cost.size() - 1 split into `threads` contiguous ranges of about equal cost: [cut[t], cut[t + 1]).
 std::vector<int64_t> contiguous_chunks(const std::vector<double>& cost, int64_t threads) {
@@ -663,6 +681,71 @@ std::vector<int64_t> contiguous_chunks(const std::vector<double>& cost, int64_t 
   }
   return cut;
 }
+
+// Items 0 .. n - 1 shared by `threads` threads: each thread takes the items of its own contiguous range from the
+// front; a thread whose range is empty takes the back half of the range with the most work left (its own from then
+// on). A thread thus walks long runs of consecutive items (one key head packed once, the tile rows carried), and no
+// thread waits while another has work that was misjudged by the costs.
+class WorkQueue {
+ public:
+  WorkQueue(const std::vector<double>& cost, const std::vector<int64_t>& cut)
+      : n_(static_cast<int64_t>(cut.size()) - 1), ranges_(new Range[n_]), prefix_(cost.size() + 1, 0.0) {
+    for (size_t i = 0; i < cost.size(); ++i) prefix_[i + 1] = prefix_[i] + cost[i];
+    for (int64_t t = 0; t < n_; ++t) {
+      ranges_[t].front = cut[t];
+      ranges_[t].back = cut[t + 1];
+    }
+  }
+  // The next items of thread t, [*a, *b): at most `grain` of them; false when no work is left anywhere.
+  bool next(int64_t t, int64_t grain, int64_t* a, int64_t* b) {
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(ranges_[t].mu);
+        if (ranges_[t].front < ranges_[t].back) {
+          *a = ranges_[t].front;
+          *b = ranges_[t].front = std::min(ranges_[t].back, *a + grain);
+          return true;
+        }
+      }
+      if (!steal(t)) return false;
+    }
+  }
+
+ private:
+  struct Range {
+    std::mutex mu;
+    int64_t front = 0, back = 0;
+  };
+  bool steal(int64_t t) {
+    while (true) {
+      int64_t victim = -1;
+      double most = 0.0;
+      for (int64_t u = 0; u < n_; ++u) {
+        if (u == t) continue;
+        std::lock_guard<std::mutex> lock(ranges_[u].mu);
+        const double left = prefix_[ranges_[u].back] - prefix_[ranges_[u].front];
+        if (ranges_[u].front < ranges_[u].back && left > most) most = left, victim = u;
+      }
+      if (victim < 0) return false;
+      int64_t a, b;
+      {
+        std::lock_guard<std::mutex> lock(ranges_[victim].mu);
+        const int64_t f = ranges_[victim].front;
+        b = ranges_[victim].back;
+        if (f >= b) continue;  // emptied meanwhile: look again
+        a = f + (b - f) / 2;  // the back half (the last item where one is left)
+        ranges_[victim].back = a;
+      }
+      std::lock_guard<std::mutex> lock(ranges_[t].mu);
+      ranges_[t].front = a;
+      ranges_[t].back = b;
+      return true;
+    }
+  }
+  int64_t n_;
+  std::unique_ptr<Range[]> ranges_;
+  std::vector<double> prefix_;
+};
 
 // Greedy longest-first assignment of items with costs to threads: the items of each thread.
 std::vector<std::vector<int64_t>> balance(const std::vector<double>& cost, int64_t threads) {
@@ -765,15 +848,15 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Spans sp = spans(bias, Hq, Lq, Lk, block_m);
   const int64_t tiles = sp.tiles, q0 = Lk - Lq;
   const std::vector<int64_t>&span_lo = sp.lo, &span_hi = sp.hi;
-  // Items (batch, head, tile) in this order, split into contiguous ranges of about equal work (keys of the span,
-  // and the per-tile row bookkeeping): a thread packs each key head it meets once, into its own buffer.
+  // Items (batch, head, tile) in this order, split into contiguous ranges of about equal estimated work (keys of the
+  // span, and the per-tile row bookkeeping), balanced at run time by taking over the back of unfinished ranges.
   std::vector<double> cost(B * Hq * tiles);
   for (int64_t idx = 0; idx < B * Hq * tiles; ++idx) {
     const int64_t ht = idx % (Hq * tiles);
     cost[idx] = static_cast<double>(span_hi[ht] - span_lo[ht]) + static_cast<double>(bias.T) + 16.0;
   }
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B * Hq * tiles));
-  const std::vector<int64_t> cut = contiguous_chunks(cost, threads);
+  WorkQueue queue(cost, contiguous_chunks(cost, threads));
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vsrc = v.data_ptr<T>();
@@ -783,37 +866,36 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     std::vector<float> sc(block_m * block_n), br(block_n), acc(block_m * d), m(block_m), l(block_m);
     std::vector<T> pb(kHalf ? block_m * block_n : 0);
     thread_local std::vector<T> kbuf, vbuf;  // kept across calls: no page faults after the first
+    PackedHead<T> kpack(kbuf, kHalf ? Layout::kKeysVnni : Layout::kTransposed), vpack(vbuf, Layout::kValuesVnni);
     int64_t packed = -1;  // the (batch, key head) in kbuf / vbuf
     TileRows tr;
     for (int64_t tid = tb; tid < te; ++tid) {
-      for (int64_t item = cut[tid]; item < cut[tid + 1]; ++item) {
+      int64_t first, last;
+      while (queue.next(tid, kGrain, &first, &last)) for (int64_t item = first; item < last; ++item) {
         const int64_t bh = item / tiles, tl = item % tiles;
         const int64_t b = bh / Hq, h = bh % Hq, hk = h / group;
         const int64_t r0 = tl * block_m, rows = std::min(block_m, Lq - r0);
         const int64_t ht = h * tiles + tl;
         if (packed != b * Hkv + hk) {
           packed = b * Hkv + hk;
-          kbuf.resize(nb * d * block_n);
-          pack_head<T>(kp + packed * Lk * d, Lk, d, block_n, kHalf ? Layout::kKeysVnni : Layout::kTransposed,
-                       kbuf.data());
-          if constexpr (kHalf) {
-            vbuf.resize(nb * d * block_n);
-            pack_head<T>(vsrc + packed * Lk * d, Lk, d, block_n, Layout::kValuesVnni, vbuf.data());
-          }
+          kpack.reset(kp + packed * Lk * d, Lk, d, block_n);
+          if constexpr (kHalf) vpack.reset(vsrc + packed * Lk * d, Lk, d, block_n);
         }
         build_rows(bias, h, q0 + r0, rows, tr);
         std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
         std::fill(m.begin(), m.end(), kNegInf);
         std::fill(l.begin(), l.end(), 0.f);
         const T* qt = qp + ((b * Hq + h) * Lq + r0) * d;
-        const int64_t kb0 = span_lo[ht] / block_n, kb1 = (span_hi[ht] + block_n - 1) / block_n;
-        for (int64_t kb = kb0; kb < std::min(kb1, nb); ++kb) {
+        const int64_t kb0 = span_lo[ht] / block_n, kb1 = std::min(nb, (span_hi[ht] + block_n - 1) / block_n);
+        const T* kblocks = kb0 < kb1 ? kpack.ensure(kb0, kb1) : nullptr;
+        const T* vblocks = kHalf && kb0 < kb1 ? vpack.ensure(kb0, kb1) : nullptr;
+        for (int64_t kb = kb0; kb < kb1; ++kb) {
           const int64_t j0 = kb * block_n, bn = std::min(block_n, Lk - j0);
           int64_t ra, rb;
           live_rows(tr, j0, bn, ra, rb);
           if (ra >= rb) continue;
           at::native::cpublas::brgemm(rb - ra, bn, d, d, block_n, block_n, false, qt + ra * d,
-                                      kbuf.data() + kb * d * block_n, sc.data() + ra * block_n, kHalf);
+                                      kblocks + kb * d * block_n, sc.data() + ra * block_n, kHalf);
           for (int64_t x = ra; x < rb; ++x) {
             float* s = sc.data() + x * block_n;
             const float* bp = nullptr;
@@ -836,7 +918,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               if (bn2 > bn) pb[x * block_n + bn] = T(0.f);
             }
             at::native::cpublas::brgemm(rb - ra, d, bn2, block_n, d, d, true, pb.data() + ra * block_n,
-                                        vbuf.data() + kb * block_n * d, acc.data() + ra * d, true);
+                                        vblocks + kb * block_n * d, acc.data() + ra * d, true);
           } else {
             at::native::cpublas::brgemm(rb - ra, d, bn, block_n, d, d, true, sc.data() + ra * block_n,
                                         vsrc + ((b * Hkv + hk) * Lk + j0) * d, acc.data() + ra * d, false);
@@ -884,7 +966,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 
 // ---------------------------------------------------------------------------------------------------------------
 // Backward (FA2: recompute P from lse). Per (batch, query head): dq, and dk, dv of that head (summed over the
-// query heads of a key head by the caller); with dist, dsum[b, h, x] = sum of dS over |i - j| = x.
+// query heads of a key head at the end); with dist, dsum[b, h, x] = sum of dS over |i - j| = x.
 
 inline void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst) {
   at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, static_cast<int>(rows), static_cast<int>(cols));
@@ -911,14 +993,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   const Bias bias = make_bias(kind, causal, pitch, shift, table, rtable, reach, Lk);
   TORCH_CHECK(bias.H == Hq, "the bias has one head per query head");
   const float scale = static_cast<float>(scale_d);
-  auto dq = at::zeros_like(q);
-  auto dkh = at::zeros({B, Hq, Lk, d}, q.options());
-  auto dvh = at::zeros({B, Hq, Lk, d}, q.options());
+  // Every output element is written by the loop below (no zero fill of fresh memory): dq per tile, dk and dv per
+  // (batch, query head), into per-query-head buffers summed over each key head's group at the end where group > 1.
+  auto dq = at::empty_like(q);
+  auto dk = at::empty_like(k);
+  auto dv = at::empty_like(v);
+  auto dkh = group > 1 ? at::empty({B, Hq, Lk, d}, q.options()) : dk;
+  auto dvh = group > 1 ? at::empty({B, Hq, Lk, d}, q.options()) : dv;
   auto dsum = at::zeros({B, Hq, dist ? Lk : 0}, q.options());
-  if (B * Hq * Lq == 0) return {dq, dkh, dvh, dsum};
-  auto delta = (dout * out).sum(-1).contiguous();
-  const at::Tensor kt = pack_blocks<float>(k, block_n, Layout::kTransposed);
-  const at::Tensor vt = pack_blocks<float>(v, block_n, Layout::kTransposed);
+  if (B * Hq * Lq == 0) {
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv, dsum};
+  }
   const int64_t nb = (Lk + block_n - 1) / block_n;
   const Spans sp = spans(bias, Hq, Lq, Lk, block_m);
   const int64_t tiles = sp.tiles, q0 = Lk - Lq;
@@ -928,28 +1015,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const int64_t h = idx % Hq;
     for (int64_t tl = 0; tl < tiles; ++tl) cost[idx] += static_cast<double>(span_hi[h * tiles + tl] - span_lo[h * tiles + tl]);
   }
-  const auto lists = balance(cost, at::get_num_threads());
+  auto lists = balance(cost, at::get_num_threads());
+  for (auto& list : lists) std::sort(list.begin(), list.end());  // a key head's query heads in a row: packed once
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
   const float* dop = dout.data_ptr<float>();
+  const float* outp = out.data_ptr<float>();
   const float* lp = lse.data_ptr<float>();
-  const float* dlp = delta.data_ptr<float>();
-  const float* ktp = kt.data_ptr<float>();
-  const float* vtp = vt.data_ptr<float>();
   float* dqp = dq.data_ptr<float>();
   float* dkp = dkh.data_ptr<float>();
   float* dvp = dvh.data_ptr<float>();
   float* dsp = dist ? dsum.data_ptr<float>() : nullptr;
   at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t tb, int64_t te) {
     std::vector<float> sc(block_m * block_n), dp(block_m * block_n), br(block_n), tp(block_n * block_m);
-    std::vector<float> left, right;
+    std::vector<float> left, right, dl(block_m);
     std::vector<char> live(block_m);
+    thread_local std::vector<float> kbuf, vbuf;  // one key head's K^T, V^T blocks, kept across calls
+    PackedHead<float> kpack(kbuf, Layout::kTransposed), vpack(vbuf, Layout::kTransposed);
+    int64_t packed = -1;
     TileRows tr;
     for (int64_t tid = tb; tid < te; ++tid) {
       for (int64_t bh : lists[tid]) {
         const int64_t b = bh / Hq, h = bh % Hq, hk = h / group;
+        if (packed != b * Hkv + hk) {
+          packed = b * Hkv + hk;
+          kpack.reset(kp + packed * Lk * d, Lk, d, block_n);
+          vpack.reset(vp + packed * Lk * d, Lk, d, block_n);
+        }
         float* dkt = dkp + bh * Lk * d;
         float* dvt = dvp + bh * Lk * d;
+        std::fill(dkt, dkt + Lk * d, 0.f);
+        std::fill(dvt, dvt + Lk * d, 0.f);
         if (dist) {
           left.assign(Lk, 0.f);  // left[Lk - 1 - x]: dS summed over keys x to the left (i - j = x)
           right.assign(Lk, 0.f);  // right[x]: over keys x to the right (j - i = x)
@@ -961,20 +1058,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
           const float* qt = qp + (bh * Lq + r0) * d;
           const float* dot = dop + (bh * Lq + r0) * d;
           const float* lt = lp + bh * Lq + r0;
-          const float* dlt = dlp + bh * Lq + r0;
           float* dqt = dqp + (bh * Lq + r0) * d;
-          const int64_t kb0 = span_lo[ht] / block_n, kb1 = (span_hi[ht] + block_n - 1) / block_n;
-          for (int64_t kb = kb0; kb < std::min(kb1, nb); ++kb) {
+          std::fill(dqt, dqt + rows * d, 0.f);
+          for (int64_t x = 0; x < rows; ++x) {  // delta = rowsum(dO * O)
+            const float* a = dot + x * d;
+            const float* o = outp + (bh * Lq + r0 + x) * d;
+            Vec acc(0.f);
+            int64_t c = 0;
+            for (; c + Vec::size() <= d; c += Vec::size()) acc = acc + Vec::loadu(a + c) * Vec::loadu(o + c);
+            float sum = hsum(acc);
+            for (; c < d; ++c) sum += a[c] * o[c];
+            dl[x] = sum;
+          }
+          const int64_t kb0 = span_lo[ht] / block_n, kb1 = std::min(nb, (span_hi[ht] + block_n - 1) / block_n);
+          const float* kblocks = kb0 < kb1 ? kpack.ensure(kb0, kb1) : nullptr;
+          const float* vblocks = kb0 < kb1 ? vpack.ensure(kb0, kb1) : nullptr;
+          for (int64_t kb = kb0; kb < kb1; ++kb) {
             const int64_t j0 = kb * block_n, bn = std::min(block_n, Lk - j0);
-            const int64_t kvo = ((b * Hkv + hk) * nb + kb) * d * block_n;
+            const int64_t kvo = kb * d * block_n;
             int64_t ra, rb;
             live_rows(tr, j0, bn, ra, rb);
             if (ra >= rb) continue;
             const int64_t mr = rb - ra;
             float* sr = sc.data() + ra * block_n;
             float* dr = dp.data() + ra * block_n;
-            at::native::cpublas::brgemm(mr, bn, d, d, block_n, block_n, false, qt + ra * d, ktp + kvo, sr, false);
-            at::native::cpublas::brgemm(mr, bn, d, d, block_n, block_n, false, dot + ra * d, vtp + kvo, dr, false);
+            at::native::cpublas::brgemm(mr, bn, d, d, block_n, block_n, false, qt + ra * d, kblocks + kvo, sr,
+                                        false);
+            at::native::cpublas::brgemm(mr, bn, d, d, block_n, block_n, false, dot + ra * d, vblocks + kvo, dr,
+                                        false);
             bool any = false;
             for (int64_t x = ra; x < rb; ++x) {
               float* s = sc.data() + x * block_n;
@@ -997,7 +1108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
               std::fill(g, g + ka, 0.f);
               std::fill(g + kb, g + bn, 0.f);
               scale_add(s + ka, (mul || !bp) ? nullptr : bp + ka, mul ? 0.f : cst, scale, kb - ka);
-              const Vec vl(lt[x]), vd(dlt[x]), vc(cst);
+              const Vec vl(lt[x]), vd(dl[x]), vc(cst);
               int64_t j = ka;
               for (; j + Vec::size() <= kb; j += Vec::size()) {
                 Vec p = (Vec::loadu(s + j) - vl).exp_u20();
@@ -1007,7 +1118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
               }
               for (; j < kb; ++j) {
                 s[j] = std::exp(s[j] - lt[x]) * (mul ? (bp ? bp[j] : cst) : 1.f);
-                g[j] = s[j] * (g[j] - dlt[x]);
+                g[j] = s[j] * (g[j] - dl[x]);
               }
               if (dist) {
                 const int64_t i = q0 + r0 + x;
@@ -1017,16 +1128,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
               }
             }
             if (!any) continue;
-            // dv += P^T dO; dk += scale dS^T Q; dq += scale dS K
+            // dv += P^T dO; dk += dS^T Q; dq += dS K (scaled once per tile and per head below)
             transpose(sr, mr, bn, block_n, tp.data(), block_m);
             at::native::cpublas::brgemm(bn, d, mr, block_m, d, d, true, tp.data(), dot + ra * d, dvt + j0 * d, false);
-            for (int64_t x = ra; x < rb; ++x) scale_row(dp.data() + x * block_n, scale, bn);
             transpose(dr, mr, bn, block_n, tp.data(), block_m);
             at::native::cpublas::brgemm(bn, d, mr, block_m, d, d, true, tp.data(), qt + ra * d, dkt + j0 * d, false);
-            at::native::cpublas::brgemm(mr, d, bn, block_n, d, d, true, dr, kp + ((b * Hkv + hk) * Lk + j0) * d,
-                                        dqt + ra * d, false);
+            at::native::cpublas::brgemm(mr, d, bn, block_n, d, d, true, dr, kp + (packed * Lk + j0) * d, dqt + ra * d,
+                                        false);
           }
+          scale_row(dqt, scale, rows * d);
         }
+        scale_row(dkt, scale, Lk * d);
         if (dist) {
           float* ds = dsp + bh * Lk;
           for (int64_t x = 0; x < Lk; ++x) ds[x] = left[Lk - 1 - x] + right[x];
@@ -1035,7 +1147,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     }
     at::native::cpublas::brgemm_release(false);
   });
-  return {dq, dkh, dvh, dsum};
+  if (group > 1) {  // dk, dv of a key head: the sum over its query heads
+    const float* dkhp = dkh.data_ptr<float>();
+    const float* dvhp = dvh.data_ptr<float>();
+    float* dko = dk.data_ptr<float>();
+    float* dvo = dv.data_ptr<float>();
+    const int64_t per = Lk * d;
+    at::parallel_for(0, B * Hkv * per, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end;) {
+        const int64_t bk = e / per, off = e % per, len = std::min(end - e, per - off);
+        const int64_t src = (bk / Hkv * Hq + bk % Hkv * group) * per + off;
+        std::copy(dkhp + src, dkhp + src + len, dko + e);
+        std::copy(dvhp + src, dvhp + src + len, dvo + e);
+        for (int64_t gi = 1; gi < group; ++gi) {
+          add_to(dko + e, dkhp + src + gi * per, len);
+          add_to(dvo + e, dvhp + src + gi * per, len);
+        }
+        e += len;
+      }
+    });
+  }
+  return {dq, dk, dv, dsum};
 }
 
 }  // namespace

@@ -143,13 +143,9 @@ def _backward(
     head) and ``dsum (B, Hq, Lk)`` float32, ``dS`` summed per distance ``|i - j|`` (empty unless ``dist``)."""
     q, k, v, out, lse = saved
     dof, qf, kf, vf, of = _inputs(dout, q, k, v, out)
-    dq, dkh, dvh, dsum = torch.ops.plsh_cpu.attention_backward(
+    dq, dk, dv, dsum = torch.ops.plsh_cpu.attention_backward(
         dof, qf, kf, vf, of, lse.to(torch.float32).contiguous(), *bias, causal, scale, dist, BLOCK_M, BLOCK_N
     )
-    b, hkv, lk, d = k.shape
-    group = q.shape[1] // hkv
-    dk = dkh.view(b, hkv, group, lk, d).sum(2)
-    dv = dvh.view(b, hkv, group, lk, d).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsum
 
 
