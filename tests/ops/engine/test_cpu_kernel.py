@@ -342,3 +342,23 @@ def test_the_kernel_runs_on_every_thread(kernel):
         assert torch.ops.plsh_cpu.parallel_threads() == 2
     finally:
         torch.set_num_threads(prev)
+
+
+def test_kept_bias_tables_follow_the_slopes_window_and_length(kernel):
+    # The kernel's ALiBi tables are kept between calls: calls that alternate slopes, windows and key lengths each
+    # equal their own oracle (a table kept for other values would fail this), and a decay family's does not collide.
+    # 300 and 200 keys: several of the exact forward's tiles and key blocks (TABLE_BLOCK_M/N), a partial last one.
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 300, 8, generator=g, dtype=F64) for _ in range(3))
+    cases = [([0.5, 0.01], None, 300), ([0.25, 0.005], None, 300), ([0.5, 0.01], 150.0, 300), ([0.5, 0.01], None, 200)]
+    for slopes, window, n in cases + cases[::-1]:
+        s = torch.tensor(slopes, dtype=F64)
+        win = None if window is None else torch.full((2,), window, dtype=F64)
+        qs, ks, vs = (x[:, :, :n] for x in (q, k, v))
+        got = alibi_attention(qs.float(), ks.float(), vs.float(), s.float(), window=window)
+        want = naive_alibi(qs, ks, vs, s, causal=True, window=win)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+    params = torch.tensor([[0.5, 1.0], [0.5, 1.0]], dtype=F64)
+    got = decay_attention(q.float(), k.float(), v.float(), "power", params.float(), causal=True)
+    torch.testing.assert_close(got.double(), decay_attention_reference(q, k, v, "power", params, causal=True),
+                               rtol=0, atol=2e-5)  # fmt: skip

@@ -11,6 +11,8 @@ are :func:`~positional_lsh.alibi_attention` and :func:`~positional_lsh.decay_att
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from functools import partial
 from typing import Any
 
@@ -62,7 +64,34 @@ def _toeplitz_forward(
 
 
 def _table(spec: Toeplitz, k_len: int) -> TableBias:
-    """The CPU kernel's bias of ``spec``: the bias at each distance ``0 .. k_len - 1`` and each head's reach."""
+    """The CPU kernel's bias of ``spec``: the bias at each distance ``0 .. k_len - 1`` and each head's reach. The
+    last few small ones are kept (a model's layers and steps share their slopes; building one costs a few percent of
+    a call at ``n = 1024``)."""
+    if spec.values.shape[0] * k_len > _TABLE_CACHE_ENTRIES:
+        return _build_table(spec, k_len)
+    window = None if spec.window is None else tuple(spec.window.tolist())
+    name = "alibi" if spec.family is None else spec.family.name
+    key = (name, tuple(spec.values.flatten().tolist()), tuple(spec.values.shape), window, k_len)
+    with _TABLE_LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    table = _build_table(spec, k_len)
+    with _TABLE_LOCK:
+        _TABLES[key] = table
+        while len(_TABLES) > _TABLE_CACHE_SIZE:
+            _TABLES.popitem(last=False)
+    return table
+
+
+_TABLE_CACHE_SIZE = 8  # tables kept, each at most _TABLE_CACHE_ENTRIES values per line (4 MiB of float32)
+_TABLE_CACHE_ENTRIES = 1 << 20
+_TABLES: OrderedDict[tuple[Any, ...], TableBias] = OrderedDict()
+_TABLE_LOCK = threading.Lock()
+
+
+def _build_table(spec: Toeplitz, k_len: int) -> TableBias:
     line = spec.line(0, k_len - 1, False, torch.float32, torch.device("cpu"))
     reaches = [spec.reach(h) for h in range(line.shape[0])]
     reach = [float("inf") if r is None else float(r) for r in reaches]
