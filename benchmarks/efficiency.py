@@ -1,7 +1,7 @@
 """How close each method runs to the machine: useful GFLOP/s as a percentage of the same run's GEMM peaks, on both
 paths (the CPU kernel of ``ops/_engine/cpu`` and the torch path, ``PLSH_CPU_KERNEL=0``) in one run.
 
-    nice -n -10 python benchmarks/efficiency.py --threads 1,2      # ~10 min on 2 cores; docs/benchmarks.md
+    nice -n -10 python benchmarks/efficiency.py --threads 1,2      # ~3 min on 2 cores; docs/benchmarks.md
 
 One process, CPU, causal, batch 1, H = 8 standard ALiBi slopes, d = 64, n = 32768 (``--n``). For each thread count:
 ``torch.matmul`` fp32 and bf16 GFLOP/s (1024^2, best of 5, measured between the repeats of the methods), then on each
@@ -13,7 +13,9 @@ path
 * a training step (forward + backward) at T = 8, n = ``--train-n`` (8192);
 * ``alibi_attention``'s forward against SDPA with a float ALiBi mask at n = 1024 and 4096,
 
-in turns (``--repeats`` rounds, every method once per round, medians; fixed partitions drawn once, seed 0). Useful
+in turns (``--repeats`` rounds, every method once per round, medians; a call shorter than 0.1 s is timed as the mean
+of as many back-to-back calls as last about 0.1 s, the same count in every round; fixed partitions drawn once, seed
+0). Useful
 GFLOP/s is ``4 d pairs / seconds`` (x 3.5 for a training step), ``pairs`` the score entries the method needs
 (``plsh bench``'s count: the union of each query's T blocks for the multiplicity form, the sum of the blocks' causal
 pairs for the per-sample path, the band for windowed ALiBi). bf16 rows also give the % of the bf16 peak. Prints a
@@ -23,6 +25,7 @@ markdown table per thread count and issue 32's targets with their measured value
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -34,6 +37,7 @@ from positional_lsh import alibi_attention, alibi_bias, alibi_slopes, plsh_atten
 from positional_lsh.cli.bench_peers import band_pairs, sample_pairs, union_pairs
 
 ENV = "PLSH_CPU_KERNEL"
+MIN_SECONDS = 0.1  # a shorter call is timed over back-to-back calls lasting about this long
 PATHS = (("kernel", ""), ("torch", "0"))  # the value of PLSH_CPU_KERNEL on each path ("": the default)
 
 
@@ -122,8 +126,12 @@ def methods(args: argparse.Namespace) -> list[Method]:
 def run(threads: int, args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(threads)
     ms = methods(args)
-    for _, fn, _, _ in ms:
+    calls: dict[str, int] = {}
+    for name, fn, _, _ in ms:
         fn()  # warm-up: plans, buffers, the kernel's build
+        t0 = time.perf_counter()
+        fn()
+        calls[name] = max(1, math.ceil(MIN_SECONDS / max(time.perf_counter() - t0, 1e-6)))
     times: dict[str, list[float]] = {name: [] for name, *_ in ms}
     peaks: dict[str, list[float]] = {"fp32": [], "bf16": []}
     for _ in range(args.repeats):
@@ -131,8 +139,9 @@ def run(threads: int, args: argparse.Namespace) -> dict[str, float]:
         peaks["bf16"].append(gemm_gflops(torch.bfloat16))
         for name, fn, _, _ in ms:
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(calls[name]):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls[name])
     peak = {k: statistics.median(v) for k, v in peaks.items()}
     print(f"\n### {threads} thread{'s' if threads > 1 else ''}: torch.matmul fp32 {peak['fp32']:.1f} GFLOP/s, "
           f"bf16 {peak['bf16']:.1f} GFLOP/s ({peak['bf16'] / peak['fp32']:.2f}x)\n")  # fmt: skip
