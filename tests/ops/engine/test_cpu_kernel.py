@@ -362,3 +362,29 @@ def test_kept_bias_tables_follow_the_slopes_window_and_length(kernel):
     got = decay_attention(q.float(), k.float(), v.float(), "power", params.float(), causal=True)
     torch.testing.assert_close(got.double(), decay_attention_reference(q, k, v, "power", params, causal=True),
                                rtol=0, atol=2e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["plsh", "alibi"])
+def test_a_nan_query_makes_its_row_nan_and_no_other(kernel, dtype, op):
+    # The softmax's running max does not propagate NaN itself: a NaN query row must still come out NaN, also where
+    # it keeps a single key (row 0; the block's other lanes padding) or few (steep slopes), and every other row must
+    # be exactly the clean call's.
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 200, 16, generator=g).to(dtype) for _ in range(3))
+    slopes = torch.tensor([1.5, 0.05])
+    parts = sample_partitions(200, slopes, 8, generator=1)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if op == "plsh":
+            return plsh_attention(x, k, v, partitions=parts)
+        return alibi_attention(x, k, v, slopes, window=torch.tensor([3.0, 1e9]))
+
+    bad = [0, 1, 63, 64, 130, 199]
+    qn = q.clone()
+    qn[0, :, bad] = float("nan")
+    clean, out = run(q), run(qn)
+    rows = torch.zeros(200, dtype=torch.bool)
+    rows[bad] = True
+    assert bool(out[0, :, rows].isnan().all())
+    assert torch.equal(out[0, :, ~rows], clean[0, :, ~rows])

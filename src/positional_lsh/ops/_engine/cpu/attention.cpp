@@ -466,8 +466,25 @@ inline int strips(const TileRows& tr, int64_t j0, int64_t bn, int64_t ra, int64_
 
 inline float max_nan(float a, float b) { return (a < b || std::isnan(b)) ? b : a; }  // NaN wins
 
-inline float hmax(const Vec& v) {  // at::vec::maximum: NaN wins
-  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
+// The softmax's running maximum, lane by lane, without at::vec::maximum's NaN propagation (three instructions where
+// the vector unit has one): a NaN score still makes its row NaN, through exp(NaN - m) in the row's sum and P V, or
+// (a block whose other scores are all masked) through row_softmax's check.
+inline Vec max_fast(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_max_ps(a, b));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_max_ps(a, b));
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
+inline float hmax_fast(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_max_ps(v);
+#else
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return max_fast(a, b); }, v);
+#endif
 }
 
 inline float hsum(const Vec& v) {
@@ -596,7 +613,7 @@ inline void row_softmax(float* s, int64_t n, float scale, const float* bp, float
     const Vec b = add ? Vec::loadu(add + j) : vc;
     const Vec y = at::vec::fmadd(Vec::loadu(s + j), vs, b);
     y.store(s + j);
-    vmax = at::vec::maximum(vmax, y);
+    vmax = max_fast(vmax, y);
   }
   if (j < n) {
     const int64_t r = n - j;
@@ -604,12 +621,15 @@ inline void row_softmax(float* s, int64_t n, float scale, const float* bp, float
     const Vec y = at::vec::fmadd(Vec::loadu(s + j, r), vs, b);
     y.store(s + j, r);
     const Vec pad(kNegInf);
-    vmax = at::vec::maximum(vmax, Vec::set(pad, y, r));
+    vmax = max_fast(vmax, Vec::set(pad, y, r));
   }
-  const float mn = max_nan(m, hmax(vmax));  // a NaN score makes the row NaN
-  if (mn == kNegInf) {
-    std::fill(s, s + n, 0.f);
-    return;
+  float mn = max_nan(m, hmax_fast(vmax));
+  if (mn == kNegInf) {  // no finite score in the block: zeros, unless one is NaN (a NaN row)
+    if (std::none_of(s, s + n, [](float x) { return std::isnan(x); })) {
+      std::fill(s, s + n, 0.f);
+      return;
+    }
+    mn = std::numeric_limits<float>::quiet_NaN();
   }
   const float sum = exp_sum(s, mn, n, mul, bp, cst);
   const float alpha = m == kNegInf ? 0.f : std::exp(m - mn);
