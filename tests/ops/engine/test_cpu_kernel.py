@@ -388,3 +388,21 @@ def test_a_nan_query_makes_its_row_nan_and_no_other(kernel, dtype, op):
     rows[bad] = True
     assert bool(out[0, :, rows].isnan().all())
     assert torch.equal(out[0, :, ~rows], clean[0, :, ~rows])
+
+
+def test_a_long_context_buffer_is_given_back_and_rebuilt(kernel):
+    # A key head over 64 MiB (the size a thread keeps its packing buffer across calls) is given back after the call:
+    # the next calls, long and short, rebuild theirs and still equal the oracle.
+    g = torch.Generator().manual_seed(8)
+    lk, lq = 270_000, 8
+    q = torch.randn(1, 1, lq, 64, generator=g)
+    k, v = (torch.randn(1, 1, lk, 64, generator=g) for _ in range(2))
+    slopes = torch.tensor([0.5])
+    for _ in range(2):
+        out = alibi_attention(q, k, v, slopes, window=torch.tensor([40.0]))
+        want = naive_alibi(q.double(), k[:, :, -200:].double(), v[:, :, -200:].double(), slopes.double(),
+                           causal=True, window=torch.tensor([40.0], dtype=F64))  # fmt: skip
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
+        short = alibi_attention(q, k[:, :, :100], v[:, :, :100], slopes)
+        ref = naive_alibi(q.double(), k[:, :, :100].double(), v[:, :, :100].double(), slopes.double(), causal=True)
+        torch.testing.assert_close(short.double(), ref, rtol=0, atol=2e-5)

@@ -687,9 +687,18 @@ void pack_range(const T* src, int64_t L, int64_t d, int64_t block_n, Layout layo
   }
 }
 
+// A thread's packing buffer is kept across calls up to this size (no page faults on the next call); a larger one,
+// a long context's key head, is given back after the call rather than held by every thread.
+constexpr size_t kKeptBufferBytes = size_t{64} << 20;
+
+template <typename T>
+void release_large(std::vector<T>& buf) {
+  if (buf.capacity() * sizeof(T) > kKeptBufferBytes) std::vector<T>().swap(buf);
+}
+
 // One head's key blocks laid out as brgemm B matrices (pack_range), packed as the tiles first need them: a block is
 // packed right before the tile that reads it (in cache when read, no pass over the whole head up front). A thread
-// keeps one head, blocks [lo, hi), in a buffer kept across calls (no page faults after the first).
+// keeps one head, blocks [lo, hi), in a buffer kept across calls up to kKeptBufferBytes.
 template <typename T>
 struct PackedHead {
   std::vector<T>& buf;
@@ -1002,6 +1011,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
     }
     at::native::cpublas::brgemm_release(kHalf);
+    release_large(kbuf);
+    release_large(vbuf);
   });
 }
 
@@ -1209,6 +1220,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
       }
     }
     at::native::cpublas::brgemm_release(false);
+    release_large(kbuf);
+    release_large(vbuf);
   });
   if (group > 1) {  // dk, dv of a key head: the sum over its query heads
     const float* dkhp = dkh.data_ptr<float>();
