@@ -36,8 +36,6 @@ The partition draw under ``torch.compile`` is the custom op ``positional_lsh::sa
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ import torch
 from positional_lsh.ops._engine.custom_op import attention_op, backward_impl, backward_schema, keep_layout
 from positional_lsh.ops._engine.engine import backward, forward
 from positional_lsh.ops._engine.kinds import Kernel, Method
+from positional_lsh.ops._engine.lru import LruCache
 from positional_lsh.ops._engine.routing import Plan, Route, plan
 from positional_lsh.ops._engine.torch_attention import Grad, acc_dtype, kernel_inputs
 from positional_lsh.ops.padding import forward_row_groups, group_backward_inputs, row_groups, scatter_group_grads
@@ -58,8 +57,7 @@ __all__ = [
 
 #: How many plans :func:`_plan_of` keeps (the most recently used): the backward of a call finds its forward's.
 PLAN_CACHE_SIZE = 8
-_PLANS: OrderedDict[tuple[object, ...], Plan] = OrderedDict()
-_PLANS_LOCK = threading.Lock()
+_PLANS: LruCache[Plan] = LruCache(PLAN_CACHE_SIZE)
 
 
 def _plan_of(
@@ -81,18 +79,12 @@ def _plan_of(
     pitch, shift, slopes = (x.detach().to("cpu", torch.float64) for x in tensors)
     values = tuple(x.numpy().tobytes() for x in (pitch, shift, slopes))
     key = (route, scheme, max_block, k_len, q_len, k.shape[1], str(k.device), tuple(pitch.shape), *values)
-    with _PLANS_LOCK:
-        hit = _PLANS.get(key)
-        if hit is not None:
-            _PLANS.move_to_end(key)
-            return hit
-    parts = Partitions(k_len, slopes, pitch, shift, scheme, max_block=max_block)
-    p = plan(route, parts, k.shape[1], q_len, k.device)
-    with _PLANS_LOCK:
-        _PLANS[key] = p
-        while len(_PLANS) > PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    return p
+
+    def build() -> Plan:
+        parts = Partitions(k_len, slopes, pitch, shift, scheme, max_block=max_block)
+        return plan(route, parts, k.shape[1], q_len, k.device)
+
+    return _PLANS.get(key, build)
 
 
 def _plsh_forward(

@@ -11,8 +11,6 @@ are :func:`~positional_lsh.alibi_attention` and :func:`~positional_lsh.decay_att
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from functools import partial
 from typing import Any
 
@@ -21,6 +19,7 @@ import torch
 from positional_lsh.ops._engine.cpu.backend import TableBias, table_backward, table_forward
 from positional_lsh.ops._engine.custom_op import attention_op, backward_impl, backward_schema, keep_layout
 from positional_lsh.ops._engine.kinds import Kernel
+from positional_lsh.ops._engine.lru import LruCache
 from positional_lsh.ops._engine.parallel import pool_size, run_all
 from positional_lsh.ops._engine.torch_attention import Grad, Layout, acc_dtype, kernel_inputs, poison_rows
 from positional_lsh.ops.checks import as_slopes, as_window
@@ -72,23 +71,11 @@ def _table(spec: Toeplitz, k_len: int) -> TableBias:
     window = None if spec.window is None else tuple(spec.window.tolist())
     name = "alibi" if spec.family is None else spec.family.name
     key = (name, tuple(spec.values.flatten().tolist()), tuple(spec.values.shape), window, k_len)
-    with _TABLE_LOCK:
-        table = _TABLES.get(key)
-        if table is not None:
-            _TABLES.move_to_end(key)
-            return table
-    table = _build_table(spec, k_len)
-    with _TABLE_LOCK:
-        _TABLES[key] = table
-        while len(_TABLES) > _TABLE_CACHE_SIZE:
-            _TABLES.popitem(last=False)
-    return table
+    return _TABLES.get(key, lambda: _build_table(spec, k_len))
 
 
-_TABLE_CACHE_SIZE = 8  # tables kept, each at most _TABLE_CACHE_ENTRIES values per line (4 MiB of float32)
-_TABLE_CACHE_ENTRIES = 1 << 20
-_TABLES: OrderedDict[tuple[Any, ...], TableBias] = OrderedDict()
-_TABLE_LOCK = threading.Lock()
+_TABLE_CACHE_ENTRIES = 1 << 20  # the largest line kept, all heads: 4 MiB of float32 (and its reverse)
+_TABLES: LruCache[TableBias] = LruCache(8)
 
 
 def _build_table(spec: Toeplitz, k_len: int) -> TableBias:
