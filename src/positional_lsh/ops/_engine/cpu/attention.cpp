@@ -1135,14 +1135,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
           float* dqt = dqp + (bh * Lq + r0) * d;
           std::fill(dqt, dqt + rows * d, 0.f);
           for (int64_t x = 0; x < rows; ++x) {  // delta = rowsum(dO * O)
-            const float* a = dot + x * d;
-            const float* o = outp + (bh * Lq + r0 + x) * d;
-            Vec acc(0.f);
-            int64_t c = 0;
-            for (; c + Vec::size() <= d; c += Vec::size()) acc = acc + Vec::loadu(a + c) * Vec::loadu(o + c);
-            float sum = hsum(acc);
-            for (; c < d; ++c) sum += a[c] * o[c];
-            dl[x] = sum;
+            dl[x] = at::vec::map2_reduce_all<float>([](const Vec& a, const Vec& o) { return a * o; },
+                                                    [](const Vec& a, const Vec& b) { return a + b; }, dot + x * d,
+                                                    outp + (bh * Lq + r0 + x) * d, d);
           }
           const int64_t kb0 = span_lo[ht] / block_n, kb1 = std::min(nb, (span_hi[ht] + block_n - 1) / block_n);
           const float* kblocks = kb0 < kb1 ? kpack.ensure(kb0, kb1) : nullptr;
